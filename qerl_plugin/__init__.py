@@ -1,0 +1,14 @@
+"""qerl-plugin core: the NVFP4 codec, the AQN noise schedule and the ``qerl`` CLI.
+
+Imports neither vLLM nor verl. The data path:
+
+* ``qerl_plugin.nvfp4``     E2M1/FP8 codec, bit-compatible with compressed-tensors ``nvfp4-pack-quantized``
+* ``qerl_plugin.format``    the NVFP4A16 ``quantization_config`` (built from compressed-tensors' own classes)
+* ``qerl_plugin.quantize``  streaming HF checkpoint -> NVFP4A16 checkpoint (``qerl quantize``)
+* ``qerl_plugin.doctor``    environment report (``qerl doctor``)
+* ``qerl_plugin.cli``       the ``qerl`` command
+
+``vllm_ext`` (rollout side) and ``verl_ext`` (trainer side) build on these.
+"""
+
+__version__ = "0.1.0"
