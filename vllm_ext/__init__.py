@@ -1,7 +1,11 @@
 """vLLM side of qerl-plugin, loaded through the ``vllm.general_plugins`` entry point.
 
-vLLM calls :func:`register` in every process it starts; it must stay cheap and idempotent, so this
-module imports neither torch nor vllm at the top.
+vLLM calls :func:`register` in every process it starts (front end, engine core, workers); it must stay
+cheap and idempotent, so this module imports neither torch nor vllm at the top. The data path:
+
+* ``vllm_ext.quant``             the ``nvfp4`` quantization method (NVFP4 weights, BF16 activations, Marlin)
+* ``vllm_ext.noisy_norm``        the out-of-tree RMSNorm that carries AQN noise
+* ``vllm_ext.worker_extension``  RPCs the trainer calls through ``collective_rpc``
 """
 
 from __future__ import annotations
@@ -17,5 +21,9 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    from vllm_ext import noisy_norm, quant
+
+    quant.register()
+    noisy_norm.register()
     _registered = True
-    logger.debug("qerl-plugin vLLM extension loaded")
+    logger.debug("qerl-plugin vLLM extension registered")
