@@ -131,6 +131,8 @@ def global_scale(*weights: torch.Tensor) -> torch.Tensor:
         raise NVFP4Error(f"fused weights must share one dtype, got {sorted(map(str, dtypes))}")
     amax = torch.stack([_abs_max(w).to(weights[0].device) for w in weights]).amax()
     amax = torch.clamp(amax, min=torch.finfo(amax.dtype).tiny)
+    # ``2688.0 / tensor`` is ``tensor.reciprocal() * 2688.0`` in torch (Tensor.__rtruediv__), each rounded
+    # to the weight dtype: the same expression as compressed-tensors' generate_gparam, on every device.
     gs = (FP8_E4M3_MAX * FP4_MAX) / amax
     gs = torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
     return gs.to(torch.float32).reshape(1)
@@ -140,7 +142,10 @@ def group_scales(weight: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
     """Per-16-group FP8 scales ``[out, in/16]`` (float32 values, exactly representable in float8_e4m3fn)."""
     rows, cols = weight.shape
     amax = weight.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE).abs().amax(dim=-1)  # weight dtype
-    scales = gscale.to(weight.device) * (amax / FP4_MAX)  # float32, as calculate_qparams
+    # amax / 6 in the weight dtype, as calculate_qparams. The divisor is a 0-dim tensor because CUDA
+    # divides by a Python scalar as a multiply by its reciprocal, which could differ from the CPU in fp32.
+    six = torch.tensor(FP4_MAX, dtype=amax.dtype, device=amax.device)
+    scales = gscale.to(weight.device) * (amax / six)  # float32
     scales = torch.clamp(scales, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
     return torch.where(scales == 0, torch.full_like(scales, ZERO_SCALE_REPLACEMENT), scales)
 
