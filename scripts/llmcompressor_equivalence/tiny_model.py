@@ -1,11 +1,11 @@
-"""Build a tiny random Qwen2 checkpoint (bf16, safetensors) whose weights hit NVFP4's edge cases.
+"""Build a tiny random Qwen2 checkpoint (bf16 by default, safetensors) whose weights hit NVFP4's edge cases.
 
 Runs with torch + transformers only (either venv). Usage::
 
-    python scripts/llmcompressor_equivalence/tiny_model.py DST [--seed 0]
+    python scripts/llmcompressor_equivalence/tiny_model.py DST [--seed 0] [--dtype float16] [--max-shard-size 100KB]
 
-Shapes: hidden 128, intermediate 256, 4 heads / 2 KV heads (head_dim 32), 2 layers, vocab 512,
-untied lm_head. All input dimensions are multiples of 16. Planted cases (``EDGE_CASES`` lists them):
+Shapes (defaults): hidden 128, intermediate 256, 4 heads / 2 KV heads (head_dim 32), 2 layers, vocab
+512, untied lm_head; ``--hidden-size/--intermediate-size/--num-layers`` make a larger one. All input dimensions are multiples of 16. Planted cases (``EDGE_CASES`` lists them):
 
 * ``layers.0.self_attn.k_proj``: one outlier (8.0), so the fused q/k/v global scale comes from k while
   q and v hold ordinary values;
@@ -41,16 +41,22 @@ EDGE_CASES = {
 }
 
 
-def tiny_config():
+def tiny_config(hidden_size: int = 128, intermediate_size: int = 256, num_layers: int = 2):
     from transformers import Qwen2Config
 
+    if hidden_size % 64 or intermediate_size % 16 or hidden_size < 128 or num_layers < 2:
+        raise ValueError(
+            f"hidden_size {hidden_size} must be a multiple of 64 and >= 128, intermediate_size "
+            f"{intermediate_size} a multiple of 16, num_layers {num_layers} >= 2 (the planted cases need them)"
+        )
+    heads = hidden_size // 32
     return Qwen2Config(
         vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=256,
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
@@ -86,8 +92,25 @@ def _plant_edge_cases(weights: dict[str, torch.Tensor], gen: torch.Generator) ->
     weights["model.layers.1.mlp.down_proj.weight"].zero_()
 
 
-def build_tiny_model(dst: str | Path, seed: int = 0) -> Path:
-    """Write the tiny checkpoint to ``dst`` (created; must not hold a checkpoint already)."""
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def build_tiny_model(
+    dst: str | Path,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    max_shard_size: str | None = None,
+    hidden_size: int = 128,
+    intermediate_size: int = 256,
+    num_layers: int = 2,
+) -> Path:
+    """Write the tiny checkpoint to ``dst`` (created; must not hold a checkpoint already).
+
+    ``dtype`` is bfloat16 (default), float16 or float32; ``max_shard_size`` (e.g. "100KB") splits the
+    safetensors into several files; the sizes make a larger model for a stress run.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     from transformers import Qwen2ForCausalLM
 
     dst = Path(dst)
@@ -95,7 +118,8 @@ def build_tiny_model(dst: str | Path, seed: int = 0) -> Path:
         raise FileExistsError(f"{dst} already holds a checkpoint; pass an empty or new directory")
     dst.mkdir(parents=True, exist_ok=True)
 
-    config = tiny_config()
+    config = tiny_config(hidden_size, intermediate_size, num_layers)
+    config.dtype = dtype
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     gen = torch.Generator().manual_seed(seed)
@@ -113,8 +137,9 @@ def build_tiny_model(dst: str | Path, seed: int = 0) -> Path:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(weights[name].to(p.dtype))
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(dst)
+    model = model.to(DTYPES[dtype])
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(dst, **kwargs)
     (dst / "edge_cases.json").write_text(json.dumps(EDGE_CASES, indent=2) + "\n")
     return dst
 
@@ -123,8 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dst", help="output directory (new or empty)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--max-shard-size", default=None, help='split the safetensors, e.g. "100KB"')
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--intermediate-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=2)
     args = parser.parse_args(argv)
-    out = build_tiny_model(args.dst, args.seed)
+    out = build_tiny_model(
+        args.dst, args.seed, args.dtype, args.max_shard_size, args.hidden_size, args.intermediate_size, args.num_layers
+    )
     print(f"wrote {out}")
     return 0
 
