@@ -10,13 +10,14 @@ Shapes (defaults): hidden 128, intermediate 256, 4 heads / 2 KV heads (head_dim 
 * ``layers.0.self_attn.k_proj``: one outlier (8.0), so the fused q/k/v global scale comes from k while
   q and v hold ordinary values;
 * ``layers.0.self_attn.q_proj``: an all-zero group (FP8 scale 0 -> replaced by 0.125), a group whose
-  FP8 scale is subnormal, a group whose scale underflows to 0 in FP8, and a group of tiny negatives
-  that round to E2M1 -0 (code 8);
+  FP8 scale is subnormal, a group whose scale underflows to 0 in FP8, a group of tiny negatives
+  that round to E2M1 -0 (code 8), and negative zeros (-0.0 stays code 0);
 * ``layers.0.self_attn.o_proj``: exact rounding ties. Its largest group is ``c * [6, +-0.25, +-0.75,
   ..., -6]`` with ``c = 2**-4``, so global scale ``448 / c``, FP8 scale 448 and step ``c`` are exact and
   every value lands on an E2M1 midpoint (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5); a second group does the
   same with step ``c / 2``;
-* ``layers.0.mlp.up_proj`` carries the gate/up group's larger amax (shared global scale);
+* ``layers.0.mlp.up_proj`` carries the gate/up group's larger amax (shared global scale), chosen so that
+  its FP8 scale computes to 451.5 in bf16 (clamped to 448) and the element saturates at E2M1 6;
 * ``layers.1.mlp.down_proj`` is all zeros (global scale falls back to 1.0).
 """
 
@@ -34,9 +35,11 @@ TIE_VALUES = (6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -0.25, -0.75, -1.25, -1.75
 EDGE_CASES = {
     "model.layers.0.self_attn.k_proj": "outlier 8.0 at [0, 5]: sets the shared q/k/v global scale",
     "model.layers.0.self_attn.q_proj": "zero group [1, 0:16]; subnormal FP8 scale [4, 16:32]; "
-    "FP8 scale underflow [5, 32:48]; tiny negatives -> E2M1 -0 [6, 0:16]",
+    "FP8 scale underflow [5, 32:48]; tiny negatives -> E2M1 -0 [6, 0:16]; -0.0 group [7, 0:16] and "
+    "-0.0 entries [7, 16:32:3]",
     "model.layers.0.self_attn.o_proj": "exact E2M1 ties with step c [2, 16:32] and c/2 [3, 0:16], c=2^-4",
-    "model.layers.0.mlp.up_proj": "amax 0.5 at [7, 7], larger than gate_proj's: shared gate/up scale",
+    "model.layers.0.mlp.up_proj": "amax 0.494140625 at [7, 7], larger than gate_proj's: shared gate/up "
+    "scale; its FP8 scale computes to 451.5 (clamped to 448), the element saturates at E2M1 6",
     "model.layers.1.mlp.down_proj": "all zeros: global scale falls back to 1.0",
 }
 
@@ -78,6 +81,9 @@ def _plant_edge_cases(weights: dict[str, torch.Tensor], gen: torch.Generator) ->
     # one ordinary value and 15 tiny negatives that quantize to -0
     q[6, 0:16] = -1e-4 * torch.rand(16, generator=gen)
     q[6, 0] = 0.05
+    # negative zeros: a whole group (amax 0) and a few in an ordinary group; E2M1 keeps them +0 (code 0)
+    q[7, 0:16] = -0.0
+    q[7, 16:32:3] = -0.0
 
     o = weights["model.layers.0.self_attn.o_proj.weight"]
     o.clamp_(-0.3, 0.3)  # keep every other group below 6c = 0.375
@@ -87,7 +93,9 @@ def _plant_edge_cases(weights: dict[str, torch.Tensor], gen: torch.Generator) ->
     up = weights["model.layers.0.mlp.up_proj.weight"]
     gate = weights["model.layers.0.mlp.gate_proj.weight"]
     gate.clamp_(-0.3, 0.3)
-    up[7, 7] = 0.5
+    # amax 0.494140625: 2688/amax rounds (bf16) to 5472 and amax/6 rounds up, so the FP8 scale computes
+    # to 451.5 and is clamped to 448, and the element itself divides to 6.04 and saturates at E2M1 6
+    up[7, 7] = 0.494140625
 
     weights["model.layers.1.mlp.down_proj.weight"].zero_()
 

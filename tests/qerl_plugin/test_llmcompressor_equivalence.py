@@ -190,15 +190,24 @@ def test_cli_matches_codec_reference(runs):
 
 
 def test_tiny_model_plants_the_edge_cases(runs):
-    """The source model really holds the outlier, zero group, ties and the all-zero layer."""
+    """The source model really holds the outlier, zero groups, -0.0, ties, saturation, the all-zero layer."""
     from qerl_plugin import nvfp4
 
     w = load_file(str(runs["bf16"]["src"] / "model.safetensors"))
+    out = load_file(str(runs["bf16"]["codec"] / "model.safetensors"))
     q = w["model.layers.0.self_attn.q_proj.weight"]
     k = w["model.layers.0.self_attn.k_proj.weight"]
     o = w["model.layers.0.self_attn.o_proj.weight"]
     assert k.abs().max().item() == 8.0 and q.abs().max() < 1
     assert q[1, :16].abs().max() == 0
+    assert torch.signbit(q[7, :16]).all() and (q[7, :16] == 0).all()
+    scale = out["model.layers.0.self_attn.q_proj.weight_scale"].float()
+    assert scale[1, 0] == scale[5, 2] == scale[7, 0] == 0.125  # zero / underflowing FP8 scales replaced
+    assert 0 < scale[4, 1] < 2**-6  # subnormal FP8 scale
+    up = "model.layers.0.mlp.up_proj"
+    assert out[f"{up}.weight_scale"][7, 0].float() == 448  # computed 451.5, clamped
+    assert (out[f"{up}.weight_packed"][7, 3] >> 4) == 7  # column 7 saturates at E2M1 6
+    assert torch.equal(out[f"{up}.weight_global_scale"], out["model.layers.0.mlp.gate_proj.weight_global_scale"])
     assert torch.all(w["model.layers.1.mlp.down_proj.weight"] == 0)
     gs = nvfp4.global_scale(o)
     assert gs.item() == 448 / tiny_model.TIE_C  # so that every planted tie lands exactly on a midpoint
