@@ -1,0 +1,226 @@
+"""NVFP4 dequantization for the trainer: a Triton kernel on CUDA, the torch codec elsewhere.
+
+:func:`dequantize_nvfp4_triton` decodes ``weight_packed`` / ``weight_scale`` / ``weight_global_scale``
+into a dense ``[out, in]`` tensor **bit for bit** equal to :func:`qerl_plugin.nvfp4.dequantize`:
+
+    W[r, c] = round_to_dtype( E2M1[code[r, c]] * (fp32(weight_scale[r, c // 16]) / weight_global_scale) )
+
+with the division IEEE round-to-nearest (``tl.math.div_rn``; Triton's ``/`` is the approximate
+``div.full.f32``), the product in fp32 and one final round-to-nearest-even. Every step is exact integer
+work or one correctly rounded fp32 operation, so the bits cannot depend on the GPU:
+
+* the E2M1 value is built from its code's bits (``sign << 31 | (e + 126) << 23 | m << 22``);
+* the FP8-E4M3 scale is decoded from its byte (normal ``(E + 120) << 23 | M << 20``, subnormal
+  ``M * 2**-9``, ``0x7f``/``0xff`` NaN), so no FP8 hardware support is needed (any CUDA GPU Triton runs on);
+* bf16 is rounded with integer arithmetic (``bits + 0x7fff + lsb >> 16``, NaN -> ``0x7fc0``), exactly as
+  torch's ``round_to_nearest_even``. That also keeps the kernel exact under ``TRITON_INTERPRET=1`` (the CPU
+  interpreter truncates float32 -> bf16 casts), which is how the CPU tests check the kernel's logic.
+
+:func:`dequantize` picks the backend: the Triton kernel for CUDA tensors when Triton imports, the torch
+codec otherwise (CPU; or ``QERL_DEQUANT_BACKEND=torch``). This module imports no verl or vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+from qerl_plugin import nvfp4
+from qerl_plugin.nvfp4 import GROUP_SIZE, NVFP4Error
+
+__all__ = ["dequantize", "dequantize_nvfp4_triton", "triton_available", "triton_interpreting"]
+
+Backend = Literal["auto", "triton", "torch"]
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+BLOCK_R = 16
+BLOCK_C = 256
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
+    import triton
+    import triton.language as tl
+
+    _TRITON_IMPORT_ERROR: Exception | None = None
+except Exception as exc:  # pragma: no cover - depends on the install
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    _TRITON_IMPORT_ERROR = exc
+
+
+def triton_interpreting() -> bool:
+    """True when ``TRITON_INTERPRET=1`` was set before this module was imported (kernels run on CPU)."""
+    return triton is not None and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_available() -> bool:
+    """Whether :func:`dequantize_nvfp4_triton` can run here (CUDA + Triton, or the Triton interpreter)."""
+    return triton is not None and (torch.cuda.is_available() or triton_interpreting())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _nvfp4_dequant_kernel(
+        packed_ptr,  # uint8 [rows, cols/2]
+        scale_ptr,  # uint8 [rows, cols/16]: the float8_e4m3fn bytes
+        gscale_ptr,  # float32 [1]
+        out_ptr,  # float32 / float16 [rows, cols], or int16 [rows, cols] holding bf16 bits
+        rows,
+        cols,
+        stride_packed,
+        stride_scale,
+        stride_out,
+        OUT_KIND: tl.constexpr,  # 0 float32, 1 bfloat16 (bits), 2 float16
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+        c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)[None, :]
+        mask = (r < rows) & (c < cols)
+
+        # E2M1 code: column 2j in the low nibble of byte j, column 2j+1 in the high nibble
+        byte = tl.load(packed_ptr + r * stride_packed + c // 2, mask=mask, other=0).to(tl.int32)
+        code = (byte >> ((c & 1) * 4).to(tl.int32)) & 15
+        mag = code & 7
+        e = mag >> 1
+        m = mag & 1
+        val_bits = tl.where(mag == 0, 0, tl.where(e == 0, 126 << 23, ((e + 126) << 23) | (m << 22)))
+        val_bits = val_bits | ((code >> 3) << 31)  # sign: -0.0 for code 8, as the codec's table
+        val = val_bits.to(tl.float32, bitcast=True)
+
+        # FP8-E4M3 (fn) group scale from its byte
+        sb = tl.load(scale_ptr + r * stride_scale + c // 16, mask=mask, other=0).to(tl.int32)
+        s_exp = (sb >> 3) & 15
+        s_man = sb & 7
+        s_normal = (((s_exp + 120) << 23) | (s_man << 20)).to(tl.float32, bitcast=True)
+        s_sub = s_man.to(tl.float32) * 0.001953125  # M * 2**-9, exact
+        s_abs = tl.where(s_exp == 0, s_sub, s_normal)
+        s_abs = tl.where((s_exp == 15) & (s_man == 7), float("nan"), s_abs)
+        # the sign as a bit (negation would be 0 - x, turning -0.0 into +0.0)
+        scale = (s_abs.to(tl.int32, bitcast=True) | ((sb >> 7) << 31)).to(tl.float32, bitcast=True)
+
+        gscale = tl.load(gscale_ptr)
+        step = tl.math.div_rn(scale, gscale)  # IEEE division, as torch
+        w = val * step
+
+        out_offs = r * stride_out + c
+        if OUT_KIND == 0:
+            tl.store(out_ptr + out_offs, w, mask=mask)
+        elif OUT_KIND == 1:
+            bits = w.to(tl.uint32, bitcast=True)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            rounded = tl.where(w != w, 0x7FC0, rounded)
+            tl.store(out_ptr + out_offs, rounded.to(tl.int16), mask=mask)
+        else:
+            tl.store(out_ptr + out_offs, w.to(tl.float16), mask=mask)
+
+
+def _check_inputs(packed: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -> tuple[int, int]:
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise NVFP4Error(
+            f"weight_packed must be a 2-D uint8 tensor [out, in/2], got "
+            f"{getattr(packed, 'dtype', type(packed).__name__)} {tuple(getattr(packed, 'shape', ()))}"
+        )
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    if cols % GROUP_SIZE:
+        raise NVFP4Error(f"weight_packed has {cols} columns once unpacked, not a multiple of {GROUP_SIZE}")
+    if scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise NVFP4Error(
+            f"weight_scale must be float8_e4m3fn (or its uint8 bytes), got {scale.dtype}; a scale cast to another "
+            "dtype (e.g. by a module.to(dtype)) can be restored with .to(torch.float8_e4m3fn)"
+        )
+    if tuple(scale.shape) != (rows, cols // GROUP_SIZE):
+        raise NVFP4Error(
+            f"weight_scale has shape {tuple(scale.shape)}, expected {(rows, cols // GROUP_SIZE)} for weight_packed "
+            f"{tuple(packed.shape)} (one scale per {GROUP_SIZE} inputs)"
+        )
+    if gscale.numel() != 1 or gscale.dtype != torch.float32:
+        raise NVFP4Error(f"weight_global_scale must be one float32 value, got {gscale.dtype} {tuple(gscale.shape)}")
+    if dtype not in _OUT_KIND:
+        raise NVFP4Error(f"dequantize to float32, bfloat16 or float16, not {dtype}")
+    return rows, cols
+
+
+def dequantize_nvfp4_triton(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    gscale: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton NVFP4 -> ``dtype`` decode, bit-identical to :func:`qerl_plugin.nvfp4.dequantize`.
+
+    Inputs on one CUDA device (or CPU under ``TRITON_INTERPRET=1``). ``out`` (contiguous ``[out, in]`` of
+    ``dtype``) is written in place when given, e.g. a reused scratch buffer.
+    """
+    if triton is None:
+        raise RuntimeError(f"Triton is not importable here ({_TRITON_IMPORT_ERROR}); use backend='torch'")
+    rows, cols = _check_inputs(packed, scale, gscale, dtype)
+    device = packed.device
+    if device.type != "cuda" and not triton_interpreting():
+        raise NVFP4Error(f"the Triton dequant kernel needs CUDA tensors, got {device}; use the torch codec on CPU")
+    if scale.device != device or gscale.device != device:
+        raise NVFP4Error(
+            f"weight_packed ({device}), weight_scale ({scale.device}) and weight_global_scale ({gscale.device}) "
+            "must be on one device"
+        )
+    if out is None:
+        out = torch.empty((rows, cols), dtype=dtype, device=device)
+    elif out.shape != (rows, cols) or out.dtype != dtype or not out.is_contiguous() or out.device != device:
+        raise NVFP4Error(f"out must be a contiguous {dtype} tensor of shape {(rows, cols)} on {device}")
+    if rows == 0 or cols == 0:
+        return out
+    packed = packed.contiguous()
+    scale_bytes = scale.contiguous().view(torch.uint8)
+    gscale = gscale.reshape(1).contiguous()
+    kind = _OUT_KIND[dtype]
+    target = out.view(torch.int16) if kind == 1 else out
+    grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(cols, BLOCK_C))
+    _nvfp4_dequant_kernel[grid](
+        packed,
+        scale_bytes,
+        gscale,
+        target,
+        rows,
+        cols,
+        packed.stride(0),
+        scale_bytes.stride(0),
+        out.stride(0),
+        OUT_KIND=kind,
+        BLOCK_R=BLOCK_R,
+        BLOCK_C=BLOCK_C,
+        num_warps=4,
+    )
+    return out
+
+
+def _backend_from_env() -> str:
+    value = os.environ.get("QERL_DEQUANT_BACKEND", "auto").strip().lower()
+    if value not in ("auto", "triton", "torch"):
+        raise ValueError(f"QERL_DEQUANT_BACKEND={value!r}: use auto, triton or torch")
+    return value
+
+
+def dequantize(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    gscale: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """Decode with the Triton kernel on CUDA (when Triton imports) and the torch codec otherwise.
+
+    Both give the same bits. ``backend`` (default: ``QERL_DEQUANT_BACKEND`` or ``auto``) forces one.
+    """
+    backend = backend or _backend_from_env()
+    if backend == "triton" or (backend == "auto" and packed.device.type == "cuda" and triton is not None):
+        return dequantize_nvfp4_triton(packed, scale, gscale, dtype)
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    _check_inputs(packed, scale, gscale, dtype)
+    if scale.dtype == torch.uint8:
+        scale = scale.view(torch.float8_e4m3fn)
+    return nvfp4.dequantize(packed, scale, gscale, dtype=dtype)
