@@ -1,0 +1,351 @@
+"""AQN inside vLLM: an out-of-tree RMSNorm whose weight carries a per-norm fp32 noise vector.
+
+QeRL's Adaptive Quantization Noise perturbs every RMSNorm that feeds a linear projection:
+``out = normalize(x) * (w + z)`` with ``z ~ N(0, sigma^2)`` per channel, one vector per norm, resampled per
+stage. This module swaps vLLM's ``RMSNorm`` for :class:`NoisyRMSNorm` through vLLM's own
+``CustomOp.register_oot`` lookup (no patching: ``RMSNorm(...)`` anywhere in vLLM returns our class).
+
+Switch (fixed per engine, before graph capture)
+    AQN is on for an engine when ``additional_config={"qerl_aqn": true}`` (``vllm serve
+    --additional-config '{"qerl_aqn": true}'``), or, when that key is absent, when the environment variable
+    ``QERL_AQN=1`` is set in the worker process. The flag is read when the norm is constructed (during model
+    build); with ``QERL_AQN`` set and the key absent, the key is written into the engine's
+    ``additional_config`` so that it enters vLLM's compile-cache hash: without this an engine with AQN could
+    load a torch.compile/AOT artifact traced without it (vLLM drops Dynamo guards), and noise would silently
+    do nothing.
+
+Trade-off chosen (bit-identity at sigma = 0 versus noise under torch.compile and CUDA graphs)
+    * AQN off (default): every method is vLLM's own (``super().forward_*``), nothing else is traced and no
+      buffer exists, so the engine is stock vLLM, bit for bit, with zero overhead.
+    * AQN on: the noisy expression is always traced; noise lives in a registered fp32 buffer ``qerl_noise``
+      (non-persistent, invisible to checkpoints and dummy init) and is rewritten in place with ``copy_`` by
+      :func:`set_noise`. The compiled graph and every CUDA-graph replay read that storage, so a resample
+      needs no recompilation, no recapture and no new Parameter. There is no Python branch on values.
+    * The noisy expression mirrors vLLM's native ``rms_norm`` cast for cast (``x.to(w.dtype)`` then the
+      weight multiply), only with the weight replaced by ``w.float() + z`` in fp32. The product of two
+      bf16 (or fp16) numbers is exact in fp32, so at ``z = 0`` the result equals vLLM's native RMSNorm bit
+      for bit (``torch.equal``; signed zeros aside), in eager and, up to Inductor's choice of reduction
+      schedule, in compiled graphs (vLLM lowers ``rms_norm`` to its native form whenever Inductor is on, the
+      default). What is *not* promised: an AQN engine at sigma = 0 is not bit-identical to the stock
+      ``vllm_c`` CUDA kernel that runs when compilation is off (``enforce_eager``); its reduction order
+      differs (results agree to about one bf16 ulp). For exact stock output run the engine with AQN off.
+      The price of AQN on is one extra fp32 vector read per norm inside the same fused kernel; vLLM's IR
+      fusions that match ``rms_norm`` (fp8 quant fusion, all-reduce fusion) do not fire on AQN norms.
+    * Because ``w + z`` is formed in fp32, sigma down to 1e-4 changes bf16 outputs: the rounding of
+      ``xn * (w + z)`` moves in the direction of ``xn * z`` for roughly ``sigma / ulp`` of the elements.
+
+Which norms get noise
+    Every ``RMSNorm`` in the model is replaced; AQN applies to those that feed linear projections (QeRL
+    perturbs the norms in front of Wq/Wk/Wv and Wgate/Wup; its reference code also perturbs the final norm
+    in front of ``lm_head``): ``input_layernorm``, ``post_attention_layernorm``, the final ``norm`` and
+    norms such as DeepSeek's ``q_a_layernorm``. Per-head ``q_norm``/``k_norm`` (Qwen3) are skipped: they
+    scale attention logits, not the input of a projection. See :func:`is_aqn_target`.
+
+Names and seeds
+    Each noisy norm is keyed by the Hugging Face module name of the same norm in the trainer's model
+    (``model.layers.3.input_layernorm``); vLLM names are mapped back through the model's
+    ``hf_to_vllm_mapper`` (identity for Qwen2/Qwen3/Llama). The vector is
+    ``qerl_plugin.aqn.noise_vector(hf_name, hidden_size, sigma, seed, stage)``: the same on every rank (norm
+    weights are replicated under tensor parallelism) and the same as the trainer's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.layernorm import RMSNorm
+
+logger = logging.getLogger("qerl.vllm.aqn")
+
+ENV_FLAG = "QERL_AQN"
+CONFIG_KEY = "qerl_aqn"
+# Last name component of RMSNorms that AQN leaves alone (they do not feed a linear projection).
+AQN_SKIPPED_NORMS = frozenset({"q_norm", "k_norm"})
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The switch
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _parse_flag(value: Any, source: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(
+        f"{source}={value!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off"
+    )
+
+
+def aqn_enabled(vllm_config: Any = None) -> bool:
+    """Whether norms built now carry AQN noise.
+
+    ``additional_config["qerl_aqn"]`` of ``vllm_config`` (default: vLLM's current config, if one is set)
+    wins; without it the environment variable ``QERL_AQN`` decides. When the environment turns AQN on, the
+    key is recorded in the config so that it enters vLLM's compile-cache hash.
+    """
+    if vllm_config is None:
+        try:
+            from vllm.config import get_current_vllm_config_or_none
+
+            vllm_config = get_current_vllm_config_or_none()
+        except ImportError:  # pragma: no cover - older vLLM
+            vllm_config = None
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and CONFIG_KEY in extra:
+        return _parse_flag(extra[CONFIG_KEY], f"additional_config[{CONFIG_KEY!r}]")
+    enabled = _parse_flag(os.environ.get(ENV_FLAG, ""), ENV_FLAG)
+    if enabled and isinstance(extra, dict):
+        extra[CONFIG_KEY] = True
+    return enabled
+
+
+def is_aqn_target(hf_name: str) -> bool:
+    """AQN applies to the norm called ``hf_name`` (HF module name) unless it is a per-head q/k norm."""
+    return hf_name.rsplit(".", 1)[-1] not in AQN_SKIPPED_NORMS
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The layer
+# ---------------------------------------------------------------------------------------------------------
+
+
+class NoisyRMSNorm(RMSNorm):
+    """vLLM ``RMSNorm`` with an optional fp32 noise vector added to its weight (see the module docstring).
+
+    Attributes beyond vLLM's: ``qerl_aqn`` (bool, fixed at construction), ``qerl_noise`` (fp32 buffer of
+    ``hidden_size``, only when ``qerl_aqn``), ``qerl_name`` (HF module name, set by :func:`noisy_norms`).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        var_hidden_size: int | None = None,
+        has_weight: bool = True,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(hidden_size, eps, var_hidden_size, has_weight, dtype)
+        self.qerl_name: str | None = None
+        self.qerl_aqn = bool(has_weight) and aqn_enabled()
+        if self.qerl_aqn:
+            noise = torch.zeros(hidden_size, dtype=torch.float32, device=self.weight.device)
+            self.register_buffer("qerl_noise", noise, persistent=False)
+
+    # vLLM dispatches to forward_cuda on CUDA/ROCm/XPU and to forward_native elsewhere (and when the op is
+    # disabled, the default under Inductor). Both go through the same noisy expression when AQN is on.
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not self.qerl_aqn:
+            return super().forward_native(x, residual)
+        return self._qerl_forward(x, residual)
+
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not self.qerl_aqn:
+            return super().forward_cuda(x, residual)
+        return self._qerl_forward(x, residual)
+
+    def _qerl_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # Same casts as vllm.ir.ops.rms_norm / fused_add_rms_norm (native), weight -> fp32 (w + z).
+        orig_dtype = x.dtype
+        h = x.to(torch.float32)
+        if residual is not None:
+            h = h + residual.to(torch.float32)
+            new_residual = h.to(orig_dtype)
+        h_var = h if self.variance_size_override is None else h[..., : self.variance_size_override]
+        variance = h_var.pow(2).mean(dim=-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.variance_epsilon)
+        weight = self.weight.data
+        noisy_weight = weight.to(torch.float32) + self.qerl_noise
+        out = (h.to(weight.dtype).to(torch.float32) * noisy_weight).to(orig_dtype)
+        if residual is None:
+            return out
+        return out, new_residual
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", qerl_aqn={self.qerl_aqn}"
+
+
+def register() -> None:
+    """Install :class:`NoisyRMSNorm` as vLLM's out-of-tree ``RMSNorm``; safe to call any number of times."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    existing = op_registry_oot.get("RMSNorm")
+    if existing is not None:
+        if getattr(existing, "__qualname__", "") == NoisyRMSNorm.__qualname__ and (
+            getattr(existing, "__module__", "") == __name__
+        ):
+            return
+        raise RuntimeError(
+            f"vLLM's RMSNorm is already replaced out of tree by {existing.__module__}."
+            f"{existing.__qualname__}; qerl-plugin's AQN norm cannot be installed next to it. "
+            "Load only one of the two plugins (VLLM_PLUGINS=<names>)."
+        )
+    RMSNorm.register_oot(NoisyRMSNorm)
+    # register_oot renames the class to the lookup key ("RMSNorm"); keep vLLM's op name so that
+    # custom_ops=["+rms_norm"/"-rms_norm"] enables/disables our class exactly as it does the stock one.
+    NoisyRMSNorm.name = RMSNorm.name
+    logger.debug("qerl: vLLM RMSNorm replaced by %s", NoisyRMSNorm.__qualname__)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Names: vLLM module name -> HF module name
+# ---------------------------------------------------------------------------------------------------------
+
+
+def hf_module_name(vllm_name: str, model: nn.Module | None = None) -> str:
+    """HF module name of the vLLM module ``vllm_name`` in ``model``.
+
+    Inverts the prefix and substring rules of ``model.hf_to_vllm_mapper`` (vLLM's ``WeightsMapper``) and
+    keeps the first candidate that the forward mapper sends back to ``vllm_name``; identity otherwise.
+    """
+    mapper = getattr(model, "hf_to_vllm_mapper", None) if model is not None else None
+    if mapper is None:
+        return vllm_name
+    key = vllm_name + ".weight"
+    candidates: list[str] = []
+    for hf_prefix, vllm_prefix in getattr(mapper, "orig_to_new_prefix", {}).items():
+        if vllm_prefix is not None and key.startswith(vllm_prefix):
+            candidates.append(hf_prefix + key[len(vllm_prefix) :])
+    for hf_sub, vllm_sub in getattr(mapper, "orig_to_new_substr", {}).items():
+        if vllm_sub and vllm_sub in key:
+            candidates.append(key.replace(vllm_sub, hf_sub, 1))
+    candidates.append(key)
+    for candidate in candidates:
+        if mapper._map_name(candidate) == key:
+            return candidate[: -len(".weight")]
+    return vllm_name
+
+
+def noisy_norms(model: nn.Module) -> list[tuple[str, NoisyRMSNorm]]:
+    """``(hf_name, norm)`` for every AQN-carrying norm of ``model``, sorted by name; sets ``qerl_name``."""
+    found: dict[str, NoisyRMSNorm] = {}
+    for vllm_name, module in model.named_modules():
+        if not isinstance(module, NoisyRMSNorm) or not module.qerl_aqn:
+            continue
+        name = hf_module_name(vllm_name, model)
+        if not is_aqn_target(name):
+            continue
+        if name in found and found[name] is not module:
+            raise RuntimeError(
+                f"two norms of {type(model).__name__} map to the HF name {name!r}; AQN cannot seed them apart"
+            )
+        module.qerl_name = name
+        found[name] = module
+    return sorted(found.items())
+
+
+def all_rms_norms(model: nn.Module) -> list[tuple[str, NoisyRMSNorm]]:
+    """Every :class:`NoisyRMSNorm` of ``model`` with its HF name, AQN target or not."""
+    return [
+        (hf_module_name(n, model), m) for n, m in model.named_modules() if isinstance(m, NoisyRMSNorm)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Setting the noise
+# ---------------------------------------------------------------------------------------------------------
+
+
+def validate_noise_args(sigma: Any, seed: Any, stage: Any) -> tuple[float, int, int]:
+    """Check the arguments of :func:`set_noise`; raise ValueError naming the bad value and the fix."""
+    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real):
+        raise ValueError(f"sigma={sigma!r} is not a number; pass a float >= 0 (e.g. 1e-2)")
+    sigma_f = float(sigma)
+    if not math.isfinite(sigma_f) or sigma_f < 0:
+        raise ValueError(f"sigma={sigma!r} must be finite and >= 0 (e.g. 1e-2; 0 clears the noise)")
+    for label, value in (("seed", seed), ("stage", stage)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{label}={value!r} is not an int; pass a non-negative integer")
+        if int(value) < 0:
+            raise ValueError(f"{label}={value!r} is negative; pass a non-negative integer")
+    return sigma_f, int(seed), int(stage)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def set_noise(model: nn.Module, sigma: Any, seed: Any, stage: Any) -> dict:
+    """Resample the noise of every AQN norm of ``model`` in place; all-or-nothing.
+
+    Arguments are validated and all vectors are drawn before any buffer is written, so a failure leaves the
+    previous noise in place. Returns ``{"norms", "sigma", "seed", "stage", "checksum", "enabled"}``, where
+    ``checksum`` is the fp64 sum of all noise entries (compare it with the trainer's to check the match).
+    """
+    sigma_f, seed_i, stage_i = validate_noise_args(sigma, seed, stage)
+    norms = noisy_norms(model)
+    if not norms:
+        if sigma_f == 0.0:
+            return {"norms": 0, "sigma": 0.0, "seed": seed_i, "stage": stage_i, "checksum": 0.0, "enabled": False}
+        raise RuntimeError(
+            f"no AQN norm in {type(model).__name__}: the engine was started without AQN. Start it with "
+            f"additional_config={{'{CONFIG_KEY}': True}} (or {ENV_FLAG}=1 in the worker environment)"
+        )
+    if sigma_f == 0.0:
+        vectors = [torch.zeros_like(norm.qerl_noise) for _, norm in norms]
+    else:
+        from qerl_plugin.aqn import noise_vector
+
+        vectors = []
+        for name, norm in norms:
+            buf = norm.qerl_noise
+            z = noise_vector(name, buf.numel(), sigma_f, seed_i, stage_i, device=buf.device)
+            if z.shape != buf.shape or z.dtype != torch.float32:
+                raise RuntimeError(
+                    f"noise_vector({name!r}) returned {tuple(z.shape)} {z.dtype}; expected "
+                    f"{tuple(buf.shape)} torch.float32"
+                )
+            vectors.append(z.to(buf.device))
+    _write(norms, vectors)
+    checksum = float(sum(v.double().sum().item() for v in vectors))
+    return {
+        "norms": len(norms),
+        "sigma": sigma_f,
+        "seed": seed_i,
+        "stage": stage_i,
+        "checksum": checksum,
+        "enabled": True,
+    }
+
+
+def clear_noise(model: nn.Module) -> dict:
+    """Zero the noise of every AQN norm of ``model`` (the engine then computes vLLM's native RMSNorm)."""
+    norms = noisy_norms(model)
+    _write(norms, [torch.zeros_like(norm.qerl_noise) for _, norm in norms])
+    return {"norms": len(norms), "sigma": 0.0, "enabled": bool(norms)}
+
+
+def _write(norms: Iterable[tuple[str, NoisyRMSNorm]], vectors: list[torch.Tensor]) -> None:
+    norms = list(norms)
+    devices = {norm.qerl_noise.device for _, norm in norms}
+    # A forward already queued on another stream must not read a half-written set of vectors.
+    for device in devices:
+        _synchronize(device)
+    with torch.no_grad():
+        for (_, norm), z in zip(norms, vectors, strict=True):
+            norm.qerl_noise.copy_(z)
+    for device in devices:
+        _synchronize(device)
