@@ -6,6 +6,7 @@
 # llmcompressor 0.14.0.1 pins compressed-tensors 0.19.0, transformers 5.15-5.17 and torch 2.10-2.14,
 # which clash with qerl's stack (compressed-tensors 0.17.0, transformers 5.9.0, torch 2.11.0), so it
 # lives in its own venv. Idempotent: a venv that already holds the pinned versions is left alone.
+# Every other dependency is pinned by constraints.txt next to this script.
 #
 # torch is the CPU build of 2.13.0. pip finds it through its configuration (find-links /opt/wheels on
 # the qerl machines); elsewhere set LLMC_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu so plain
@@ -57,10 +58,8 @@ fi
 pip=("$venv/bin/python" -m pip)
 "${pip[@]}" install -q --upgrade pip
 
-constraints="$(mktemp)"
-trap 'rm -f "$constraints"' EXIT
-printf '%s\n' "torch==$TORCH_VERSION" "compressed-tensors==$CT_VERSION" "transformers==$TRANSFORMERS_VERSION" \
-    > "$constraints"
+# every package pinned to the versions the equivalence was shown with (pip freeze of a working venv)
+constraints="$(cd "$(dirname "$0")" && pwd)/constraints.txt"
 
 torch_args=()
 if [[ -n "${LLMC_TORCH_INDEX_URL:-}" ]]; then
