@@ -53,10 +53,6 @@ tiny_model = _load_script("tiny_model")
 codec_reference = _load_script("codec_reference")
 
 
-def _have_cli() -> bool:
-    return importlib.util.find_spec("qerl_plugin.quantize_cli") is not None
-
-
 def _qerl_quantize(src: Path, dst: Path) -> None:
     """``qerl quantize SRC DST`` through the CLI's entry point (the function the ``qerl`` script calls)."""
     from qerl_plugin.cli import main
@@ -100,11 +96,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
                 procs[case] = _start_llmcompressor(llmc_python, src, root / case / "llmc")
     for case in CASES:
         src = out[case]["src"]
-        if _have_cli():
-            _qerl_quantize(src, root / case / "qerl")
-            out[case]["qerl"] = root / case / "qerl"
-        else:
-            out[case]["qerl"] = None
+        _qerl_quantize(src, root / case / "qerl")
+        out[case]["qerl"] = root / case / "qerl"
         assert codec_reference.main([str(src), str(root / case / "codec")]) == 0
         out[case]["codec"] = root / case / "codec"
     for case, proc in procs.items():
@@ -122,12 +115,6 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     return out
 
 
-def _qerl_or_skip(run: dict) -> Path:
-    if run["qerl"] is None:
-        pytest.skip("qerl quantize is not in this tree (qerl_plugin.quantize_cli missing)")
-    return run["qerl"]
-
-
 # ---------------------------------------------------------------------------------------------------------
 # the comparison itself
 
@@ -140,8 +127,7 @@ def test_qerl_quantize_matches_llmcompressor(runs, case):
     run = runs[case]
     if run["llmc_error"]:
         pytest.fail(run["llmc_error"])
-    qerl = _qerl_or_skip(run)
-    report = compare.compare_checkpoints(qerl, run["llmc"])
+    report = compare.compare_checkpoints(run["qerl"], run["llmc"])
     print(report.table())
     assert len(report.modules) == NUM_LINEAR, report.table()
     assert report.others, "no unquantized tensors were compared"
@@ -183,8 +169,7 @@ def test_llmcompressor_config_loads_with_our_compressed_tensors(runs, case):
 def test_cli_matches_codec_reference(runs):
     """The CLI writes exactly what the codec computes layer by layer (q/k/v and gate/up fused)."""
     for case, run in runs.items():
-        qerl = _qerl_or_skip(run)
-        report = compare.compare_checkpoints(qerl, run["codec"])
+        report = compare.compare_checkpoints(run["qerl"], run["codec"])
         assert not report.tensor_failures, f"{case}:\n" + report.table()
         assert len(report.modules) == NUM_LINEAR
 
