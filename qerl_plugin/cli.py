@@ -65,7 +65,6 @@ class _Unavailable:
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.description = self.message()
-        parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
     def run(self, args: argparse.Namespace) -> int:
         if getattr(args, "debug", False):
@@ -114,7 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     chosen = _chosen(argv)
     parser, module = build_parser(chosen)
-    args = parser.parse_args(argv)
+    if isinstance(module, _Unavailable):
+        args, _ = parser.parse_known_args(argv)  # its real options are unknown: say why it is unavailable
+    else:
+        args = parser.parse_args(argv)
     if args.command is None or module is None:
         parser.print_help()
         return 2
