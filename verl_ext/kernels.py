@@ -16,12 +16,14 @@ work or one correctly rounded fp32 operation, so the bits cannot depend on the G
   torch's ``round_to_nearest_even``. That also keeps the kernel exact under ``TRITON_INTERPRET=1`` (the CPU
   interpreter truncates float32 -> bf16 casts), which is how the CPU tests check the kernel's logic.
 
-:func:`dequantize` picks the backend: the Triton kernel for CUDA tensors when Triton imports, the torch
-codec otherwise (CPU; or ``QERL_DEQUANT_BACKEND=torch``). This module imports no verl or vLLM.
+:func:`dequantize` picks the backend: the Triton kernel for CUDA tensors when Triton imports (falling back
+to the torch codec, with one warning, if the kernel fails to build or run on this GPU), the torch codec
+otherwise (CPU; or ``QERL_DEQUANT_BACKEND=torch``). This module imports no verl or vLLM.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Literal
 
@@ -32,6 +34,7 @@ from qerl_plugin.nvfp4 import GROUP_SIZE, NVFP4Error
 
 __all__ = ["dequantize", "dequantize_nvfp4_triton", "triton_available", "triton_interpreting"]
 
+logger = logging.getLogger("qerl.verl.kernels")
 Backend = Literal["auto", "triton", "torch"]
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BLOCK_R = 16
@@ -197,6 +200,9 @@ def dequantize_nvfp4_triton(
     return out
 
 
+_triton_failure: Exception | None = None  # set once if the kernel cannot compile/run here (auto mode then uses torch)
+
+
 def _backend_from_env() -> str:
     value = os.environ.get("QERL_DEQUANT_BACKEND", "auto").strip().lower()
     if value not in ("auto", "triton", "torch"):
@@ -215,9 +221,19 @@ def dequantize(
 
     Both give the same bits. ``backend`` (default: ``QERL_DEQUANT_BACKEND`` or ``auto``) forces one.
     """
+    global _triton_failure
     backend = backend or _backend_from_env()
-    if backend == "triton" or (backend == "auto" and packed.device.type == "cuda" and triton is not None):
+    if backend == "triton":
         return dequantize_nvfp4_triton(packed, scale, gscale, dtype)
+    if backend == "auto" and packed.device.type == "cuda" and triton is not None and _triton_failure is None:
+        try:
+            return dequantize_nvfp4_triton(packed, scale, gscale, dtype)
+        except NVFP4Error:
+            raise  # bad input: the torch codec would reject it too
+        except Exception as exc:  # the kernel does not build or run on this GPU: same bits from torch
+            _triton_failure = exc
+            logger.warning("NVFP4 Triton dequant kernel unavailable (%s: %s); using the torch codec",
+                           type(exc).__name__, exc)
     if backend not in ("auto", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     _check_inputs(packed, scale, gscale, dtype)

@@ -1,8 +1,9 @@
 """The actor's frozen NVFP4 base linear, trained through LoRA: :class:`NVFP4Linear`.
 
 The base weight lives on the device only as NVFP4 (compressed-tensors' three tensors, as buffers of the
-same names: ``weight_packed`` uint8 ``[out, in/2]``, ``weight_scale`` float8_e4m3fn ``[out, in/16]``,
-``weight_global_scale`` float32 ``[1]``; plus an optional frozen ``bias``), about 0.56 bytes per weight
+same names: ``weight_packed`` uint8 ``[out, in/2]``, ``weight_scale`` float8_e4m3fn ``[out, in/16]`` (kept as
+its bytes, see :attr:`NVFP4Linear.weight_scale`), ``weight_global_scale`` float32 ``[1]``; plus an optional
+frozen ``bias``), about 0.56 bytes per weight
 instead of 2 (bf16) or 4 (fp32). Each forward decodes it into a transient dense weight of the input's dtype
 (:func:`verl_ext.kernels.dequantize`: a Triton kernel on CUDA, bit-identical to the torch codec) and runs
 one dense matmul; the backward decodes it again rather than keeping it, and returns a gradient only for the
@@ -21,9 +22,11 @@ verl's ``get_peft_model(module, LoraConfig(...))`` works unchanged. ``qweight`` 
 merging an adapter into the base (``merge_adapter``/``merge_and_unload``: the base is 4-bit; sync or save
 the adapter unmerged), DoRA, and PiSSA/OLoRA-style inits that read the base weight.
 
-Under FSDP the NVFP4 tensors are buffers: they are not sharded (every rank holds the whole 4-bit base) and
-must stay in their dtypes, so keep ``mixed_precision.buffer_dtype`` at fp32 (verl's default); ``.to(dtype)``
-on the module leaves them alone (see :meth:`NVFP4Linear._apply`).
+Under FSDP the NVFP4 tensors are buffers: they are not sharded (every rank holds the whole 4-bit base).
+FSDP1's ``MixedPrecision`` casts floating buffers to ``buffer_dtype``: the packed codes and the FP8 scale
+bytes are uint8 and stay as they are; the global scale must stay fp32, so keep ``buffer_dtype`` at fp32
+(verl's default; anything else is an error at the first forward). ``.to(dtype)`` on the module leaves all
+three alone (see :meth:`NVFP4Linear._apply`).
 
     model = AutoModelForCausalLM.from_config(cfg)          # or from_pretrained(bf16 checkpoint)
     replace_linears_with_nvfp4(model)                      # or load_nvfp4_checkpoint_into(model, nvfp4_dir)
@@ -110,7 +113,6 @@ class NVFP4Linear(nn.Linear):
     """
 
     weight_packed: torch.Tensor
-    weight_scale: torch.Tensor
     weight_global_scale: torch.Tensor
 
     def __init__(
@@ -133,9 +135,8 @@ class NVFP4Linear(nn.Linear):
         self.out_features = out_features
         self.register_parameter("weight", None)  # PEFT / HF see an nn.Linear without a dense weight
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
-        self.register_buffer(
-            "weight_scale", torch.zeros(out_features, in_features // GROUP_SIZE, dtype=torch.float8_e4m3fn, device=device)
-        )
+        # the FP8 scales are stored as their bytes (uint8): see the ``weight_scale`` property
+        self._buffers["weight_scale"] = torch.zeros(out_features, in_features // GROUP_SIZE, dtype=torch.uint8, device=device)
         self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device), requires_grad=False)
@@ -177,7 +178,7 @@ class NVFP4Linear(nn.Linear):
             raise NVFP4Error(f"{name}: weight_packed, weight_scale and weight_global_scale must be on one device")
         layer = cls(in_f, out_f, bias=False, device="meta")  # sizes checked there; meta: nothing allocated
         layer._buffers["weight_packed"] = weight_packed.contiguous()
-        layer._buffers["weight_scale"] = weight_scale.contiguous()
+        layer._buffers["weight_scale"] = weight_scale.contiguous().view(torch.uint8)
         layer._buffers["weight_global_scale"] = weight_global_scale.reshape(1).contiguous()
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().to(device), requires_grad=False)
@@ -233,28 +234,65 @@ class NVFP4Linear(nn.Linear):
     # -- views -------------------------------------------------------------------------------------------
 
     @property
+    def weight_scale(self) -> torch.Tensor:
+        """float8_e4m3fn ``[out, in/16]``: a view of the stored bytes.
+
+        The buffer named ``weight_scale`` holds the FP8 bytes as uint8, because FSDP1's ``MixedPrecision``
+        casts every floating buffer to ``buffer_dtype`` (fp32 in verl) in place and would quadruple the scales'
+        memory; integer buffers are only moved. ``state_dict()`` still gives (and loading takes) float8_e4m3fn,
+        as compressed-tensors writes it.
+        """
+        return self._scale_fp8()
+
+    @property
     def qweight(self) -> torch.Tensor:
         """``weight_packed`` under GPTQ's name: PEFT reads the base layer's device from it."""
         return self.weight_packed
 
     def dequantize_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The dense ``[out, in]`` weight the forward uses (a new tensor)."""
-        return kernels.dequantize(self.weight_packed, self._scale_fp8(), self.weight_global_scale, dtype=dtype)
+        return kernels.dequantize(self.weight_packed, self._buffers["weight_scale"], self.weight_global_scale, dtype=dtype)
 
     def nbytes(self) -> int:
         """Bytes of the stored base (packed + scales + global scale + bias)."""
-        tensors = [self.weight_packed, self.weight_scale, self.weight_global_scale]
+        tensors = [self.weight_packed, self._buffers["weight_scale"], self.weight_global_scale]
         if self.bias is not None:
             tensors.append(self.bias)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _scale_fp8(self) -> torch.Tensor:
-        s = self.weight_scale
+        s = self._buffers["weight_scale"]
+        if s.dtype == torch.uint8:
+            return s.view(torch.float8_e4m3fn)
         if s.dtype == torch.float8_e4m3fn:
             return s
-        # A wrapper that casts buffers (e.g. FSDP MixedPrecision buffer_dtype) turns FP8 scales into wider floats;
-        # FP8 values are exact in fp32/bf16/fp16, so converting back restores the bytes.
+        # Someone assigned wider floats (FP8 values are exact in fp32/bf16/fp16): converting back restores the bytes.
         return s.to(torch.float8_e4m3fn)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[override]
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "weight_scale"
+        if key in destination:
+            destination[key] = self._scale_fp8() if keep_vars else self._scale_fp8().detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
+        key = prefix + "weight_scale"
+        original = state_dict.get(key)
+        if isinstance(original, torch.Tensor) and original.dtype != torch.uint8:
+            if original.dtype != torch.float8_e4m3fn:
+                original_fp8 = original.to(torch.float8_e4m3fn)
+                if not torch.equal(original_fp8.float(), original.float()):
+                    error_msgs.append(f"{key}: {original.dtype} values that are not FP8-E4M3; expected the checkpoint's float8_e4m3fn scales")
+                    return
+            else:
+                original_fp8 = original
+            state_dict[key] = original_fp8.view(torch.uint8)
+            try:
+                super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+            finally:
+                state_dict[key] = original
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     # -- forward -----------------------------------------------------------------------------------------
 
@@ -274,8 +312,12 @@ class NVFP4Linear(nn.Linear):
         if torch.is_autocast_enabled(device_type):
             x = x.to(torch.get_autocast_dtype(device_type))
             with torch.autocast(device_type=device_type, enabled=False):
-                return _NVFP4MatmulFn.apply(x, self.weight_packed, self._scale_fp8(), self.weight_global_scale, self.bias)
-        return _NVFP4MatmulFn.apply(x, self.weight_packed, self._scale_fp8(), self.weight_global_scale, self.bias)
+                return _NVFP4MatmulFn.apply(x, self.weight_packed, self._scale_bytes(), self.weight_global_scale, self.bias)
+        return _NVFP4MatmulFn.apply(x, self.weight_packed, self._scale_bytes(), self.weight_global_scale, self.bias)
+
+    def _scale_bytes(self) -> torch.Tensor:
+        s = self._buffers["weight_scale"]
+        return s if s.dtype == torch.uint8 else self._scale_fp8()
 
     # -- keep the bytes --------------------------------------------------------------------------------
 

@@ -223,8 +223,40 @@ def test_bad_inputs_raise_clear_errors():
         layer(torch.randn(2, 64))
 
 
+def test_fsdp_buffer_cast_leaves_the_nvfp4_bytes_alone():
+    """FSDP1 MixedPrecision(buffer_dtype=fp32) casts every floating buffer in place, with this very function."""
+    from torch.distributed.fsdp._runtime_utils import _cast_buffers_to_dtype_and_device
+
+    layer, _, _ = make_layer()
+    x = torch.randn(3, 64)
+    y = layer(x)
+    before = {n: (b.dtype, b.numel() * b.element_size()) for n, b in layer.named_buffers()}
+    buffers = list(layer.buffers())
+    _cast_buffers_to_dtype_and_device(buffers, [torch.float32] * len(buffers), torch.device("cpu"))
+    after = {n: (b.dtype, b.numel() * b.element_size()) for n, b in layer.named_buffers()}
+    assert after == before  # uint8 codes, uint8 FP8 bytes, fp32 global scale: nothing grows
+    assert layer.weight_scale.dtype == torch.float8_e4m3fn
+    assert torch.equal(layer(x), y)
+    _cast_buffers_to_dtype_and_device(buffers, [torch.bfloat16] * len(buffers), torch.device("cpu"))
+    with pytest.raises(NVFP4Error, match="buffer_dtype: fp32"):
+        layer(x)
+
+
+def test_state_dict_takes_fp8_or_bytes_and_rejects_non_fp8_values():
+    layer, _, _ = make_layer()
+    sd = layer.state_dict()
+    for variant in (sd["weight_scale"], sd["weight_scale"].view(torch.uint8), sd["weight_scale"].float()):
+        fresh = NVFP4Linear(64, 48, bias=True)
+        fresh.load_state_dict(dict(sd, weight_scale=variant))
+        assert torch.equal(fresh.weight_scale.view(torch.uint8), layer.weight_scale.view(torch.uint8))
+    bad = dict(sd, weight_scale=sd["weight_scale"].float() + 0.01)
+    with pytest.raises(RuntimeError, match="not FP8-E4M3"):
+        NVFP4Linear(64, 48, bias=True).load_state_dict(bad)
+    assert sd["weight_scale"].dtype == torch.float8_e4m3fn  # the caller's dict is left as it was
+
+
 def test_scale_cast_by_a_wrapper_decodes_the_same():
-    """FSDP MixedPrecision(buffer_dtype=fp32) would hand the forward fp32 scales: same bits after all."""
+    """Scales assigned as wider floats (FP8 values are exact there) decode to the same bits."""
     layer, _, _ = make_layer()
     x = torch.randn(3, 64)
     y = layer(x)
@@ -294,8 +326,7 @@ def test_no_dense_copy_of_the_base_remains():
     assert before - after == report.dense_bytes - report.nvfp4_bytes
     assert report.nvfp4_bytes < report.dense_bytes / 4 * 0.6  # fp32 dense -> ~0.56 byte/weight (+ biases)
     for n, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if "layers" in n and t.is_floating_point() and t.dim() == 2:
-            assert t.dtype == torch.float8_e4m3fn, (n, t.dtype, tuple(t.shape))
+        assert not ("layers" in n and t.is_floating_point() and t.dim() == 2), (n, t.dtype, tuple(t.shape))
 
 
 def test_ignore_takes_the_whole_fused_group():

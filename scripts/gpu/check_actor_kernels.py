@@ -1,0 +1,416 @@
+#!/usr/bin/env python3
+"""GPU check of the actor's NVFP4 base: Triton dequant exactness and speed, NVFP4Linear+LoRA vs bf16+LoRA,
+and the memory of a 7B-shaped model (random weights made on the GPU, nothing downloaded).
+
+Run from the repository root on the GPU machine (needs torch, triton, transformers; peft for step 4):
+
+    python3 scripts/gpu/check_actor_kernels.py                 # everything, ~3-6 min on an H100
+    python3 scripts/gpu/check_actor_kernels.py --quick         # small shapes, ~1 min
+    python3 scripts/gpu/check_actor_kernels.py --steps exact,dequant
+
+Steps (each survives the failure of another; results go to $OUT, default ./.out):
+  exact    Triton dequant == torch codec dequant, bit for bit, on Qwen2.5-7B projection shapes, bf16/fp16/fp32
+           outputs, plus every FP8 scale byte and every E2M1 code
+  dequant  time and bandwidth of the Triton kernel vs the torch codec (bf16 output)
+  layer    forward+backward of NVFP4Linear + LoRA vs bf16 nn.Linear + LoRA, 7B layer shapes, tokens 4096 / 16384:
+           time, the share spent decoding, peak memory
+  model    a 7B-shaped Qwen2 (28 layers) built on the GPU in bf16: weight memory and the peak of one LoRA
+           forward+backward step (gradient checkpointing, sdpa), bf16 base vs NVFP4 base
+
+Writes $OUT/check_actor_kernels.jsonl (one JSON object per measurement), $OUT/check_actor_kernels.log, and
+prints a summary table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# Qwen2.5-7B: hidden 3584, intermediate 18944, 28 query heads / 4 kv heads of 128
+SHAPES_7B = {
+    "q_proj": (3584, 3584),
+    "k_proj": (512, 3584),
+    "o_proj": (3584, 3584),
+    "gate_proj": (18944, 3584),
+    "down_proj": (3584, 18944),
+}
+SHAPES_QUICK = {"q_proj": (1024, 1024), "k_proj": (256, 1024), "gate_proj": (2816, 1024), "down_proj": (1024, 2816)}
+SHAPES_SMOKE = {"q_proj": (64, 128), "gate_proj": (96, 128)}
+STEPS = ("exact", "dequant", "layer", "model")
+DEVICE = "cuda"  # --smoke-cpu: "cpu", with the Triton interpreter (checks this script's plumbing, times nothing)
+
+
+class Recorder:
+    def __init__(self, out: Path):
+        out.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(out / "check_actor_kernels.jsonl", "a")
+        self.logf = open(out / "check_actor_kernels.log", "a")
+        self.rows: list[dict] = []
+
+    def log(self, msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        self.logf.write(line + "\n")
+        self.logf.flush()
+
+    def record(self, **row) -> None:
+        self.rows.append(row)
+        self.jsonl.write(json.dumps(row, default=str) + "\n")
+        self.jsonl.flush()
+        self.log(json.dumps(row, default=str))
+
+
+def _sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reset_peak() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _allocated() -> int:
+    import torch
+
+    return torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+
+
+def _peak() -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+
+
+def _empty_cache() -> None:
+    import torch
+
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+    import torch
+
+    if DEVICE != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def random_nvfp4(shape, seed=0):
+    import torch
+
+    from qerl_plugin import nvfp4
+
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    w = (torch.randn(shape, generator=g, device=DEVICE, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+    return nvfp4.quantize(w)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def step_exact(rec: Recorder, shapes: dict) -> None:
+    import torch
+
+    from qerl_plugin import nvfp4
+    from verl_ext import kernels
+
+    for i, (name, shape) in enumerate(shapes.items()):
+        q = random_nvfp4(shape, seed=i)
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            a = kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, dt)
+            b = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dt)
+            iv = torch.int32 if dt == torch.float32 else torch.int16
+            diff = int((a.view(iv) != b.view(iv)).sum())
+            rec.record(step="exact", case=name, shape=list(shape), dtype=str(dt), mismatches=diff, ok=diff == 0)
+            del a, b
+    # every byte of packed (all code pairs) and of the FP8 scales, several global scales
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    rows = 1024 if DEVICE == "cuda" else 32
+    packed = torch.randint(0, 256, (rows, 512), dtype=torch.uint8, device=DEVICE, generator=g)
+    sbytes = (torch.arange(rows * 64, device=DEVICE) % 256).to(torch.uint8).reshape(rows, 64)
+    for gs in (1.0, 2688.0, 1e-3, 3e7):
+        gsc = torch.tensor([gs], device=DEVICE)
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            a = kernels.dequantize_nvfp4_triton(packed, sbytes.view(torch.float8_e4m3fn), gsc, dt)
+            b = nvfp4.dequantize(packed, sbytes.view(torch.float8_e4m3fn), gsc, dt)
+            iv = torch.int32 if dt == torch.float32 else torch.int16
+            nan = torch.isnan(b)
+            ok = torch.equal(torch.isnan(a), nan) and torch.equal(a.view(iv)[~nan], b.view(iv)[~nan])
+            rec.record(step="exact", case=f"all-bytes gs={gs:g}", dtype=str(dt), ok=bool(ok))
+
+
+def step_dequant(rec: Recorder, shapes: dict) -> None:
+    import torch
+
+    from qerl_plugin import nvfp4
+    from verl_ext import kernels
+
+    for name, shape in shapes.items():
+        q = random_nvfp4(shape)
+        n = shape[0] * shape[1]
+        out = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
+        t_tri = cuda_time_ms(lambda: kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, torch.bfloat16, out=out))
+        t_torch = cuda_time_ms(lambda: nvfp4.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16))
+        moved = n // 2 + n // 16 + 2 * n  # read packed + scales, write bf16
+        rec.record(
+            step="dequant", case=name, shape=list(shape), triton_ms=round(t_tri, 4), torch_ms=round(t_torch, 4),
+            triton_GBps=round(moved / t_tri / 1e6, 1), torch_GBps=round(moved / t_torch / 1e6, 1),
+            speedup=round(t_torch / t_tri, 2),
+        )
+
+
+def step_layer(rec: Recorder, shapes: dict, tokens_list: list[int], rank: int) -> None:
+    import torch
+
+    from qerl_plugin import nvfp4
+    from verl_ext import kernels
+    from verl_ext.nvfp4_linear import NVFP4Linear
+
+    for name, (out_f, in_f) in shapes.items():
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        w = (torch.randn(out_f, in_f, generator=g, device=DEVICE) * 0.02).to(torch.bfloat16)
+        dense = torch.nn.Linear(in_f, out_f, bias=False, device=DEVICE, dtype=torch.bfloat16)
+        dense.weight.data.copy_(w)
+        dense.weight.requires_grad_(False)
+        quant = NVFP4Linear.from_weight(w, quant_dtype=None)
+        del w
+        a = torch.nn.Parameter(torch.randn(rank, in_f, device=DEVICE, dtype=torch.bfloat16) * 0.01)
+        b = torch.nn.Parameter(torch.randn(out_f, rank, device=DEVICE, dtype=torch.bfloat16) * 0.01)
+        for tokens in tokens_list:
+            x = torch.randn(tokens, in_f, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+            gy = torch.randn(tokens, out_f, device=DEVICE, dtype=torch.bfloat16)
+            row = {"step": "layer", "case": name, "shape": [out_f, in_f], "tokens": tokens, "rank": rank}
+            for label, base in (("bf16", dense), ("nvfp4", quant)):
+                def fwd_bwd():
+                    y = base(x) + (x @ a.T) @ b.T * 2.0
+                    y.backward(gy)
+                    x.grad = a.grad = b.grad = None
+
+                def fwd_only():
+                    with torch.no_grad():
+                        base(x) + (x @ a.T) @ b.T * 2.0
+
+                try:
+                    _reset_peak()
+                    base_mem = _allocated()
+                    row[f"{label}_fwd_bwd_ms"] = round(cuda_time_ms(fwd_bwd), 3)
+                    row[f"{label}_peak_extra_MiB"] = round((_peak() - base_mem) / 2**20, 1)
+                    row[f"{label}_fwd_ms"] = round(cuda_time_ms(fwd_only), 3)
+                except torch.OutOfMemoryError as exc:
+                    row[f"{label}_error"] = f"OOM: {exc}"[:200]
+                    _empty_cache()
+            out = torch.empty(out_f, in_f, dtype=torch.bfloat16, device=DEVICE)
+            t_deq = cuda_time_ms(lambda: kernels.dequantize_nvfp4_triton(quant.weight_packed, quant.weight_scale,
+                                                                         quant.weight_global_scale, torch.bfloat16, out=out))
+            row["dequant_ms"] = round(t_deq, 4)
+            if "nvfp4_fwd_bwd_ms" in row and "bf16_fwd_bwd_ms" in row:
+                row["nvfp4_over_bf16"] = round(row["nvfp4_fwd_bwd_ms"] / row["bf16_fwd_bwd_ms"], 3)
+                row["dequant_share_fwd_bwd"] = round(2 * t_deq / row["nvfp4_fwd_bwd_ms"], 3)
+            rec.record(**row)
+            del x, gy, out
+        del dense, quant, a, b
+        _empty_cache()
+
+
+def _qwen2_7b_config(layers: int):
+    from transformers import Qwen2Config
+
+    if DEVICE != "cuda":  # smoke: the same code path on a toy model
+        return Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return Qwen2Config(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=layers,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6,
+        tie_word_embeddings=False,
+    )
+
+
+def step_model(rec: Recorder, layers: int, tokens: int, rank: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        rec.record(step="model", error=f"peft not importable: {exc}")
+        return
+    from verl_ext.nvfp4_linear import replace_linears_with_nvfp4
+
+    cfg = _qwen2_7b_config(layers)
+    for variant in ("bf16", "nvfp4"):
+        _empty_cache()
+        _reset_peak()
+        row = {"step": "model", "case": variant, "layers": layers, "tokens": tokens, "rank": rank}
+        t0 = time.time()
+        try:
+            with torch.device(DEVICE):
+                model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+            row["build_s"] = round(time.time() - t0, 1)
+            if variant == "nvfp4":
+                t1 = time.time()
+                report = replace_linears_with_nvfp4(model, quant_dtype=None)
+                row["quantize_s"] = round(time.time() - t1, 1)
+                row["replaced"] = len(report.replaced)
+            _empty_cache()
+            row["weights_GiB"] = round(_allocated() / 2**30, 3)
+            model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+            model.train()
+            ids = torch.randint(0, cfg.vocab_size, (1, tokens), device=DEVICE)
+            _reset_peak()
+            start = _allocated()
+
+            def train_step():
+                with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+
+            row["step_ms"] = round(cuda_time_ms(train_step, warmup=1, iters=3), 1)
+            row["step_peak_GiB"] = round(_peak() / 2**30, 3)
+            row["step_extra_GiB"] = round((_peak() - start) / 2**30, 3)
+        except Exception as exc:  # OOM or anything else: record, go on
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rec.log(traceback.format_exc())
+        rec.record(**row)
+        model = None
+        _empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def summary(rows: list[dict]) -> str:
+    lines = ["", "=== check_actor_kernels summary ==="]
+    exact = [r for r in rows if r.get("step") == "exact"]
+    if exact:
+        bad = [r for r in exact if not r.get("ok")]
+        lines.append(f"exact:   {len(exact) - len(bad)}/{len(exact)} cases bit-identical" + (f"  FAILED: {bad}" if bad else ""))
+    deq = [r for r in rows if r.get("step") == "dequant"]
+    if deq:
+        lines.append(f"{'dequant':10} {'shape':>14} {'triton ms':>10} {'GB/s':>8} {'torch ms':>10} {'speedup':>8}")
+        for r in deq:
+            lines.append(f"{r['case']:10} {str(tuple(r['shape'])):>14} {r['triton_ms']:>10} {r['triton_GBps']:>8} {r['torch_ms']:>10} {r['speedup']:>8}")
+    lay = [r for r in rows if r.get("step") == "layer"]
+    if lay:
+        lines.append(f"{'layer':10} {'tokens':>7} {'bf16 f+b ms':>12} {'nvfp4 f+b ms':>13} {'ratio':>6} {'deq share':>9} {'bf16 MiB':>9} {'nvfp4 MiB':>10}")
+        for r in lay:
+            lines.append(
+                f"{r['case']:10} {r['tokens']:>7} {r.get('bf16_fwd_bwd_ms', '-'):>12} {r.get('nvfp4_fwd_bwd_ms', '-'):>13} "
+                f"{r.get('nvfp4_over_bf16', '-'):>6} {r.get('dequant_share_fwd_bwd', '-'):>9} "
+                f"{r.get('bf16_peak_extra_MiB', '-'):>9} {r.get('nvfp4_peak_extra_MiB', '-'):>10}"
+            )
+    mod = [r for r in rows if r.get("step") == "model"]
+    if mod:
+        lines.append(f"{'model':8} {'layers':>6} {'tokens':>7} {'weights GiB':>12} {'step peak GiB':>14} {'step ms':>9}  error")
+        for r in mod:
+            lines.append(
+                f"{r['case']:8} {r.get('layers', '-'):>6} {r.get('tokens', '-'):>7} {r.get('weights_GiB', '-'):>12} "
+                f"{r.get('step_peak_GiB', '-'):>14} {r.get('step_ms', '-'):>9}  {r.get('error', '')}"
+            )
+    errs = [r for r in rows if r.get("step") == "error"]
+    for r in errs:
+        lines.append(f"step {r['failed']} FAILED: {r['error']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {', '.join(STEPS)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="small shapes, 2 model layers, 1024 tokens")
+    p.add_argument("--tokens", default="4096,16384", help="token counts for the layer step (default 4096,16384)")
+    p.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32)")
+    p.add_argument("--layers", type=int, default=28, help="decoder layers of the model step (default 28 = 7B)")
+    p.add_argument("--model-tokens", type=int, default=4096, help="sequence length of the model step (default 4096)")
+    p.add_argument("--out", default=os.environ.get("OUT", "./.out"), help="output folder (default $OUT or ./.out)")
+    p.add_argument("--smoke-cpu", action="store_true",
+                   help="run every step on CPU with the Triton interpreter and toy shapes (checks the script, times nothing)")
+    args = p.parse_args(argv)
+    global DEVICE
+    if args.smoke_cpu:
+        DEVICE = "cpu"
+        os.environ["TRITON_INTERPRET"] = "1"  # before verl_ext.kernels is imported
+
+    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        p.error(f"unknown step(s) {unknown}; choose from {', '.join(STEPS)}")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    shapes = SHAPES_SMOKE if args.smoke_cpu else SHAPES_QUICK if args.quick else SHAPES_7B
+    layers = 2 if (args.quick or args.smoke_cpu) else args.layers
+    model_tokens = 32 if args.smoke_cpu else 1024 if args.quick else args.model_tokens
+    if args.quick:
+        tokens = [min(t, 2048) for t in tokens]
+    if args.smoke_cpu:
+        tokens = [16]
+
+    rec = Recorder(Path(args.out))
+    import torch
+
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        rec.record(step="error", failed="setup", error="no CUDA GPU visible (use --smoke-cpu to check the script on CPU)")
+        print(summary(rec.rows))
+        return 2
+    import triton
+
+    rec.record(step="env", torch=torch.__version__, triton=triton.__version__, device=DEVICE,
+               gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else None, args=vars(args))
+    for step in steps:
+        rec.log(f"--- {step}")
+        t0 = time.time()
+        try:
+            if step == "exact":
+                step_exact(rec, shapes)
+            elif step == "dequant":
+                step_dequant(rec, shapes)
+            elif step == "layer":
+                step_layer(rec, shapes, tokens, args.rank)
+            elif step == "model":
+                step_model(rec, layers, model_tokens, args.rank)
+        except Exception as exc:
+            rec.log(traceback.format_exc())
+            rec.record(step="error", failed=step, error=f"{type(exc).__name__}: {exc}"[:500])
+        rec.log(f"--- {step} done in {time.time() - t0:.1f}s")
+        _empty_cache()
+    text = summary(rec.rows)
+    print(text)
+    rec.logf.write(text + "\n")
+    failed = any(r.get("step") == "error" for r in rec.rows) or any(r.get("step") == "exact" and not r.get("ok") for r in rec.rows)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
