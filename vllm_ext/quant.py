@@ -1,0 +1,255 @@
+"""vLLM quantization method ``nvfp4``: NVFP4 weights, BF16 activations on Marlin FP4, LoRA on top.
+
+One method, two checkpoint sources, the same bits:
+
+* a compressed-tensors **NVFP4A16** checkpoint (``qerl quantize``, llmcompressor's ``NVFP4A16`` preset):
+  ``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` are loaded as stored;
+* a plain **BF16/FP16** checkpoint: each dense linear layer is quantized while it loads with
+  :mod:`qerl_plugin.nvfp4` (vLLM's own FP4 quantize kernel exists only for sm100/sm120). Shards of a fused
+  layer (q/k/v, gate/up) are collected first and share one global scale, exactly as
+  :func:`qerl_plugin.nvfp4.quantize_fused`; so a BF16 model started with ``--quantization nvfp4`` holds the
+  same bytes as its ``qerl quantize`` checkpoint, and the same bytes the trainer uses.
+
+Both are then repacked for vLLM's Marlin FP4 kernel (``NVFP4 x BF16``, compute capability >= 7.5, aimed at
+Hopper) by :mod:`vllm_ext.nvfp4_linear`, which also makes the load re-runnable for RL weight reloads.
+
+Selection (``vllm/config/model.py::_verify_quantization``): a BF16 checkpoint has no ``quantization_config``,
+so ``--quantization nvfp4`` simply selects this config (built with no arguments). A checkpoint whose
+``config.json`` carries a compressed-tensors config would normally select ``compressed-tensors``; vLLM asks
+every registered method's :meth:`NVFP4Config.override_quantization_method` first, and ours claims the
+checkpoint when the user asked for ``nvfp4`` and the config is NVFP4A16 (weight-only), or refuses with a clear
+error when it is anything else. Without ``--quantization nvfp4`` such checkpoints keep vLLM's stock path.
+
+This module only defines the config (cheap to import, done by :func:`register` in every vLLM process); the
+layer code lives in :mod:`vllm_ext.nvfp4_linear` and is imported when the first layer is built.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.model_executor.layers.quantization import (
+    QUANTIZATION_METHODS,
+    register_quantization_config,
+)
+from vllm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+
+__all__ = ["METHOD_NAME", "MIN_CAPABILITY", "NVFP4Config", "NVFP4ConfigError", "register"]
+
+logger = logging.getLogger("qerl.vllm.quant")
+
+METHOD_NAME = "nvfp4"
+# Marlin FP4 (W4A16) needs Turing or newer (vllm is_fp4_marlin_supported); it is tuned for Ampere/Hopper.
+MIN_CAPABILITY = 75
+NVFP4_FORMAT = "nvfp4-pack-quantized"
+# Keys accepted in a ``quantization_config`` that names ``quant_method: nvfp4`` (BF16 checkpoint, online).
+_ONLINE_KEYS = {"quant_method", "ignore"}
+
+
+class NVFP4ConfigError(ValueError):
+    """A checkpoint/config that ``--quantization nvfp4`` cannot serve; the message says what to do."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoint config inspection (pure dict code: runs in vLLM's front end before any layer exists)
+
+
+def nvfp4a16_problem(quant_cfg: dict[str, Any]) -> str | None:
+    """``None`` if ``quant_cfg`` is a compressed-tensors NVFP4A16 (weight-only) config, else what is wrong."""
+    method = quant_cfg.get("quant_method")
+    if method != "compressed-tensors":
+        return f"has quant_method {method!r}, not a compressed-tensors NVFP4A16 config"
+    groups = quant_cfg.get("config_groups") or {}
+    if not groups:
+        return "has no config_groups (nothing is quantized)"
+    global_format = quant_cfg.get("format")
+    checked = 0
+    for name, group in groups.items():
+        targets = group.get("targets") or []
+        # vLLM drops attention-only groups (KV-cache quantization); so do we.
+        if len(targets) == 1 and str(targets[0]).endswith("Attention"):
+            continue
+        weights = group.get("weights") or {}
+        wanted = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+        got = {k: weights.get(k) for k in wanted}
+        if got != wanted or weights.get("symmetric", True) is not True:
+            return (
+                f"config group {name!r} quantizes weights as {got} (symmetric={weights.get('symmetric')}); "
+                f"NVFP4 is {wanted}, symmetric"
+            )
+        if group.get("input_activations"):
+            return (
+                f"config group {name!r} also quantizes input activations (NVFP4 W4A4); "
+                "nvfp4 runs weight-only NVFP4 with BF16 activations (NVFP4A16)"
+            )
+        fmt = group.get("format") or global_format
+        if fmt not in (None, NVFP4_FORMAT):
+            return f"config group {name!r} is stored as {fmt!r}, expected {NVFP4_FORMAT!r}"
+        checked += 1
+    if checked == 0:
+        return "only quantizes attention (KV cache); no linear weights are NVFP4"
+    return None
+
+
+def _online_config_problem(quant_cfg: dict[str, Any]) -> str | None:
+    unknown = set(quant_cfg) - _ONLINE_KEYS
+    if unknown:
+        return f"has unknown keys {sorted(unknown)} (allowed: {sorted(_ONLINE_KEYS)})"
+    ignore = quant_cfg.get("ignore", [])
+    if not isinstance(ignore, (list, tuple)) or not all(isinstance(x, str) for x in ignore):
+        return f"has ignore={ignore!r}; expected a list of module names or 're:<regex>' patterns"
+    return None
+
+
+def _fix_hint(method: Any) -> str:
+    return (
+        "nvfp4 serves compressed-tensors NVFP4A16 checkpoints (`qerl quantize`, llmcompressor's NVFP4A16 "
+        "preset) and plain BF16/FP16 checkpoints (quantized while loading). Fix: drop `--quantization nvfp4` "
+        f"to serve this checkpoint with vLLM's own {method!r} method, or point vLLM at the BF16 checkpoint "
+        "(or a `qerl quantize` output) instead."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the config
+
+
+class NVFP4Config(QuantizationConfig):
+    """``--quantization nvfp4``.
+
+    ``ct_config`` is vLLM's own :class:`CompressedTensorsConfig` for an NVFP4A16 checkpoint (its target
+    matching, ignore list, KV-cache scheme and MoE methods are reused as is); ``None`` means a BF16/FP16
+    checkpoint quantized while loading, skipping the modules in ``ignore`` (names or ``re:`` patterns).
+    """
+
+    def __init__(self, ct_config: CompressedTensorsConfig | None = None, ignore: list[str] | None = None):
+        self._ct = ct_config
+        self._packed_modules_mapping: dict[str, list[str]] = {}
+        super().__init__()  # sets packed_modules_mapping through the property below
+        self.ignore: list[str] = list(ignore or [])
+        if ct_config is not None and ignore:
+            raise NVFP4ConfigError("ignore is read from the checkpoint's quantization_config; pass none here")
+
+    # vLLM assigns the model's fused-module map here (configure_quant_config); the CT config needs it too.
+    @property
+    def packed_modules_mapping(self) -> dict[str, list[str]]:
+        return self._packed_modules_mapping
+
+    @packed_modules_mapping.setter
+    def packed_modules_mapping(self, value: dict[str, list[str]]) -> None:
+        self._packed_modules_mapping = value
+        if self._ct is not None:
+            self._ct.packed_modules_mapping = value
+
+    @property
+    def source(self) -> str:
+        """``"checkpoint"`` (compressed-tensors NVFP4A16) or ``"bf16"`` (quantized while loading)."""
+        return "bf16" if self._ct is None else "checkpoint"
+
+    @property
+    def ct_config(self) -> CompressedTensorsConfig | None:
+        return self._ct
+
+    def __repr__(self) -> str:
+        return f"NVFP4Config(source={self.source!r}, ignore={self.ignore if self._ct is None else self._ct.ignore})"
+
+    # -- QuantizationConfig interface ---------------------------------------------------------------
+
+    def get_name(self) -> str:
+        return METHOD_NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return MIN_CAPABILITY
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        # Empty: a checkpoint without quantization_config (BF16) gets NVFP4Config() (vLLM get_quant_config).
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> NVFP4Config:
+        method = config.get("quant_method")
+        if method == "compressed-tensors":
+            problem = nvfp4a16_problem(config)
+            if problem is not None:
+                raise NVFP4ConfigError(f"The checkpoint's quantization_config {problem}. " + _fix_hint(method))
+            from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+                CompressedTensorsConfig,
+            )
+
+            # CompressedTensorsConfig.from_config edits config_groups in place: give it a copy.
+            return cls(ct_config=CompressedTensorsConfig.from_config(dict(config)))
+        if method in (None, METHOD_NAME):
+            problem = _online_config_problem(config)
+            if problem is not None:
+                raise NVFP4ConfigError(
+                    f"quantization_config {config!r} {problem}. For a BF16 checkpoint quantized while loading "
+                    "use no quantization_config, or {'quant_method': 'nvfp4', 'ignore': [...]} "
+                    "(e.g. through hf_overrides) to keep some modules in BF16."
+                )
+            return cls(ignore=list(config.get("ignore", [])))
+        raise NVFP4ConfigError(f"The checkpoint's quantization_config has quant_method {method!r}. " + _fix_hint(method))
+
+    @classmethod
+    def override_quantization_method(
+        cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
+    ) -> str | None:
+        """Claim a compressed-tensors NVFP4A16 checkpoint when the user asked for ``--quantization nvfp4``."""
+        if user_quant != METHOD_NAME:
+            return None
+        method = hf_quant_cfg.get("quant_method")
+        if method == METHOD_NAME:
+            problem = _online_config_problem(hf_quant_cfg)
+        else:
+            problem = nvfp4a16_problem(hf_quant_cfg)
+        if problem is None:
+            return METHOD_NAME
+        raise NVFP4ConfigError(
+            f"`--quantization nvfp4` cannot load this checkpoint: its config.json quantization_config {problem}. "
+            + _fix_hint(method)
+        )
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:  # noqa: ANN001 (vllm WeightsMapper)
+        if self._ct is not None:
+            self._ct.apply_vllm_mapper(hf_to_vllm_mapper)
+        else:
+            self.ignore = [
+                t if (t.startswith("re:") or "." not in t) else (hf_to_vllm_mapper._map_name(t) or t)
+                for t in self.ignore
+            ]
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from vllm_ext import nvfp4_linear  # the layer code and its heavy vLLM imports, on first use
+
+        return nvfp4_linear.get_quant_method(self, layer, prefix)
+
+
+# ---------------------------------------------------------------------------------------------------
+# registration
+
+
+def register() -> None:
+    """Register ``nvfp4`` with vLLM (idempotent; the vLLM-AQN hook lives in ``vllm_ext.noisy_norm``)."""
+    from vllm.model_executor.layers import quantization as vq
+
+    registered = getattr(vq, "_CUSTOMIZED_METHOD_TO_QUANT_CONFIG", {}).get(METHOD_NAME)
+    if METHOD_NAME in QUANTIZATION_METHODS and registered is NVFP4Config:
+        return
+    if registered is not None:
+        logger.warning("quantization method %r was registered by %r; qerl-plugin replaces it", METHOD_NAME, registered)
+    register_quantization_config(METHOD_NAME)(NVFP4Config)
+    logger.debug("registered vLLM quantization method %r", METHOD_NAME)
