@@ -18,8 +18,9 @@ What the released code does (NVlabs/QeRL, commit e8c6e79, read for this module; 
   ``floor(min(step, total_steps) / (total_steps / K))`` clamped to K-1, with ``step`` the 1-based
   optimizer update counter (the last step, ``total_steps``, falls in the last stage).
 * application: ``torch.normal(0, sigma, norm.weight.shape)`` drawn in float32, cast to the weight dtype
-  (bf16) and added in place to every ``Qwen2RMSNorm``/``LlamaRMSNorm`` weight of the **vLLM** model, after
-  each weight sync (each step); the trainer's own forward stays noise-free. With trained norms
+  (bf16) and added in place to every ``Qwen2RMSNorm``/``LlamaRMSNorm`` weight of the **vLLM** model (both
+  norms of every layer and the final ``model.norm``; a fresh draw per norm), after each weight sync (each
+  step); the trainer's own forward stays noise-free. With trained norms
   (``--ln True``: norms in ``modules_to_save``) the sync reloads clean norm weights first, so noise is
   redrawn every step; without it the in-place adds accumulate. In bf16 a 1e-4 perturbation of a weight
   near 1 is rounded away (bf16 spacing there is 2**-7).
