@@ -108,8 +108,9 @@ class _NVFP4MatmulFn(torch.autograd.Function):
 class NVFP4Linear(nn.Linear):
     """A frozen linear layer stored as NVFP4 and decoded per call (see the module docstring).
 
-    Build it with :meth:`from_linear` (quantize a dense layer) or :meth:`from_packed` (a checkpoint's
-    tensors); the constructor makes an empty (zero) layer of the given shape for loading a state dict into.
+    Build it with :meth:`from_linear` / :meth:`from_weight` (quantize a dense layer or weight) or
+    :meth:`from_packed` (a checkpoint's tensors); the constructor makes an empty (zero) layer of the given
+    shape for loading a state dict into.
     """
 
     weight_packed: torch.Tensor
@@ -155,7 +156,8 @@ class NVFP4Linear(nn.Linear):
         name: str = "linear",
     ) -> "NVFP4Linear":
         """Wrap a compressed-tensors checkpoint's three tensors (kept as given, no copy when already right)."""
-        for key, t in (("weight_packed", weight_packed), ("weight_scale", weight_scale), ("weight_global_scale", weight_global_scale)):
+        given = {"weight_packed": weight_packed, "weight_scale": weight_scale, "weight_global_scale": weight_global_scale}
+        for key, t in given.items():
             if not isinstance(t, torch.Tensor) or t.dtype != _BUFFER_DTYPES[key]:
                 raise NVFP4Error(
                     f"{name}.{key}: expected {_BUFFER_DTYPES[key]}, got {getattr(t, 'dtype', type(t).__name__)}; is this "
@@ -275,24 +277,29 @@ class NVFP4Linear(nn.Linear):
         if key in destination:
             destination[key] = self._scale_fp8() if keep_vars else self._scale_fp8().detach()
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # type: ignore[override]
+        """Take ``weight_scale`` as float8_e4m3fn (the checkpoint's dtype), its uint8 bytes, or FP8 values in a wider
+        float; store the bytes. ``args``: nn.Module's (local_metadata, strict, missing, unexpected, error_msgs)."""
+        error_msgs = args[-1]
         key = prefix + "weight_scale"
         original = state_dict.get(key)
         if isinstance(original, torch.Tensor) and original.dtype != torch.uint8:
             if original.dtype != torch.float8_e4m3fn:
                 original_fp8 = original.to(torch.float8_e4m3fn)
                 if not torch.equal(original_fp8.float(), original.float()):
-                    error_msgs.append(f"{key}: {original.dtype} values that are not FP8-E4M3; expected the checkpoint's float8_e4m3fn scales")
+                    error_msgs.append(
+                        f"{key}: {original.dtype} values that are not FP8-E4M3; expected the checkpoint's float8_e4m3fn scales"
+                    )
                     return
             else:
                 original_fp8 = original
             state_dict[key] = original_fp8.view(torch.uint8)
             try:
-                super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+                super()._load_from_state_dict(state_dict, prefix, *args)
             finally:
-                state_dict[key] = original
+                state_dict[key] = original  # the caller's dict is left as it was
             return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     # -- forward -----------------------------------------------------------------------------------------
 
@@ -617,7 +624,9 @@ def load_nvfp4_checkpoint_into(
         target = torch.device(device) if device is not None else (torch.device("cpu") if current.is_meta else current.device)
         value = read(key)
         if tuple(value.shape) != tuple(current.shape):
-            raise NVFP4Error(f"{path}: {key} has shape {tuple(value.shape)} in the checkpoint, {tuple(current.shape)} in the model")
+            raise NVFP4Error(
+                f"{path}: {key} has shape {tuple(value.shape)} in the checkpoint, {tuple(current.shape)} in the model"
+            )
         value = value.to(device=target, dtype=current.dtype)
         if is_param:
             value = nn.Parameter(value, requires_grad=current.requires_grad)
@@ -635,11 +644,18 @@ def load_nvfp4_checkpoint_into(
             continue  # e.g. rotary inv_freq: computed, not stored
         persistent_missing.append(full)
     if strict and (unexpected or persistent_missing):
+
+        def few(names: list[str]) -> str:
+            return f"{names[:8]}{' ...' if len(names) > 8 else ''}"
+
+        parts = []
+        if unexpected:
+            parts.append(f"checkpoint tensors the model lacks: {few(unexpected)}")
+        if persistent_missing:
+            parts.append(f"model tensors the checkpoint lacks: {few(persistent_missing)}")
         raise NVFP4Error(
-            f"{path} does not match the model: "
-            + (f"checkpoint tensors the model lacks: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}; " if unexpected else "")
-            + (f"model tensors the checkpoint lacks: {persistent_missing[:8]}{' ...' if len(persistent_missing) > 8 else ''}" if persistent_missing else "")
-            + " (build the model from this checkpoint's config.json, or pass strict=False)"
+            f"{path} does not match the model: {'; '.join(parts)} "
+            "(build the model from this checkpoint's config.json, or pass strict=False)"
         )
     report.meta_left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if report.meta_left:

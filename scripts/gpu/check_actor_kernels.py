@@ -181,7 +181,9 @@ def step_dequant(rec: Recorder, shapes: dict) -> None:
         q = random_nvfp4(shape)
         n = shape[0] * shape[1]
         out = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
-        t_tri = cuda_time_ms(lambda: kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, torch.bfloat16, out=out))
+        t_tri = cuda_time_ms(
+            lambda: kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, torch.bfloat16, out=out)
+        )
         t_torch = cuda_time_ms(lambda: nvfp4.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16))
         moved = n // 2 + n // 16 + 2 * n  # read packed + scales, write bf16
         rec.record(
@@ -318,15 +320,22 @@ def summary(rows: list[dict]) -> str:
     exact = [r for r in rows if r.get("step") == "exact"]
     if exact:
         bad = [r for r in exact if not r.get("ok")]
-        lines.append(f"exact:   {len(exact) - len(bad)}/{len(exact)} cases bit-identical" + (f"  FAILED: {bad}" if bad else ""))
+        failed = f"  FAILED: {bad}" if bad else ""
+        lines.append(f"exact:   {len(exact) - len(bad)}/{len(exact)} cases bit-identical{failed}")
     deq = [r for r in rows if r.get("step") == "dequant"]
     if deq:
         lines.append(f"{'dequant':10} {'shape':>14} {'triton ms':>10} {'GB/s':>8} {'torch ms':>10} {'speedup':>8}")
         for r in deq:
-            lines.append(f"{r['case']:10} {str(tuple(r['shape'])):>14} {r['triton_ms']:>10} {r['triton_GBps']:>8} {r['torch_ms']:>10} {r['speedup']:>8}")
+            lines.append(
+                f"{r['case']:10} {str(tuple(r['shape'])):>14} {r['triton_ms']:>10} {r['triton_GBps']:>8} "
+                f"{r['torch_ms']:>10} {r['speedup']:>8}"
+            )
     lay = [r for r in rows if r.get("step") == "layer"]
     if lay:
-        lines.append(f"{'layer':10} {'tokens':>7} {'bf16 f+b ms':>12} {'nvfp4 f+b ms':>13} {'ratio':>6} {'deq share':>9} {'bf16 MiB':>9} {'nvfp4 MiB':>10}")
+        lines.append(
+            f"{'layer':10} {'tokens':>7} {'bf16 f+b ms':>12} {'nvfp4 f+b ms':>13} {'ratio':>6} {'deq share':>9} "
+            f"{'bf16 MiB':>9} {'nvfp4 MiB':>10}"
+        )
         for r in lay:
             lines.append(
                 f"{r['case']:10} {r['tokens']:>7} {r.get('bf16_fwd_bwd_ms', '-'):>12} {r.get('nvfp4_fwd_bwd_ms', '-'):>13} "
@@ -357,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-tokens", type=int, default=4096, help="sequence length of the model step (default 4096)")
     p.add_argument("--out", default=os.environ.get("OUT", "./.out"), help="output folder (default $OUT or ./.out)")
     p.add_argument("--smoke-cpu", action="store_true",
-                   help="run every step on CPU with the Triton interpreter and toy shapes (checks the script, times nothing)")
+                   help="every step on CPU with the Triton interpreter and toy shapes (checks the script, times nothing)")
     args = p.parse_args(argv)
     global DEVICE
     if args.smoke_cpu:
@@ -408,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     text = summary(rec.rows)
     print(text)
     rec.logf.write(text + "\n")
-    failed = any(r.get("step") == "error" for r in rec.rows) or any(r.get("step") == "exact" and not r.get("ok") for r in rec.rows)
+    failed = any(r.get("step") == "error" or (r.get("step") == "exact" and not r.get("ok")) for r in rec.rows)
     return 1 if failed else 0
 
 

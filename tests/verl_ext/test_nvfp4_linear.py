@@ -605,3 +605,19 @@ def test_gpu_forward_backward_and_peft():
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert all((p.grad is not None) == p.requires_grad for p in model.parameters())
+
+
+def test_gpu_check_script_runs_on_cpu(tmp_path):
+    """scripts/gpu/check_actor_kernels.py --smoke-cpu: the lead's GPU script, its plumbing checked here."""
+    pytest.importorskip("triton", reason="the script's kernel steps need Triton (interpreted on CPU)")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "gpu", "check_actor_kernels.py")
+    out = subprocess.run(
+        [sys.executable, script, "--smoke-cpu", "--steps", "exact,dequant,layer", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "check_actor_kernels.jsonl").read_text().splitlines()]
+    steps = {r["step"] for r in rows}
+    assert {"env", "exact", "dequant", "layer"} <= steps and "error" not in steps
+    assert all(r["ok"] for r in rows if r["step"] == "exact")
+    assert "=== check_actor_kernels summary ===" in out.stdout
