@@ -28,8 +28,13 @@ Backends: ``marlin`` (CUDA, capability >= 7.5: vLLM's ``prepare_fp4_layer_for_ma
 CPU tests, or forced with ``QERL_NVFP4_BACKEND=emulation`` to debug). Its kernel ``weight`` is the
 compressed-tensors packed uint8 tensor, so tests can read the bytes back.
 
-Environment switches (read when the layer is built): ``QERL_NVFP4_BACKEND`` = auto | marlin | emulation;
-``QERL_NVFP4_FP32_REDUCE`` = 1 (default, vLLM's choice) | 0 (Marlin reduces split-K partials in BF16).
+Options, read when the layer is built, from vLLM's ``additional_config={"qerl_nvfp4": {...}}`` (part of
+vLLM's compile-cache key, so prefer it) or else the environment:
+
+* ``backend`` / ``QERL_NVFP4_BACKEND``: auto | marlin | emulation;
+* ``fp32_reduce`` / ``QERL_NVFP4_FP32_REDUCE``: true (default, vLLM's choice) | false (Marlin reduces split-K
+  partials in BF16). The value is baked into compiled graphs: when changing the environment variable,
+  also set ``VLLM_DISABLE_COMPILE_CACHE=1`` (the ``additional_config`` key needs no such care).
 """
 
 from __future__ import annotations
@@ -136,10 +141,27 @@ def _ignored(config: NVFP4Config, prefix: str) -> bool:
     return should_ignore_layer(prefix, ignore=config.ignore, fused_mapping=config.packed_modules_mapping)
 
 
+CONFIG_KEY = "qerl_nvfp4"
+
+
+def _option(name: str, env: str, default: str) -> str:
+    """``additional_config["qerl_nvfp4"][name]`` of the current vLLM config, else ``$env``, else default."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        extra = get_current_vllm_config().additional_config
+    except Exception:  # no current config (layers built directly, e.g. in tests)
+        extra = None
+    opts = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+    if isinstance(opts, dict) and name in opts:
+        return str(opts[name]).strip().lower()
+    return os.environ.get(env, default).strip().lower()
+
+
 def _select_backend() -> Backend:
-    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower()
+    choice = _option("backend", BACKEND_ENV, "auto")
     if choice not in ("auto", "marlin", "emulation"):
-        raise NVFP4Error(f"{BACKEND_ENV}={choice!r}: expected auto, marlin or emulation")
+        raise NVFP4Error(f"nvfp4 option backend={choice!r} ({BACKEND_ENV} or additional_config): expected auto, marlin or emulation")
     if choice == "emulation":
         return EmulationBackend()
     if choice == "auto" and not current_platform.is_cuda():
@@ -628,7 +650,10 @@ class MarlinBackend(Backend):
                 "without --quantization on this GPU"
             )
         if fp32_reduce is None:
-            fp32_reduce = os.environ.get(FP32_REDUCE_ENV, "1").strip() not in ("0", "false", "False", "")
+            value = _option("fp32_reduce", FP32_REDUCE_ENV, "1")
+            if value not in ("1", "0", "true", "false"):
+                raise NVFP4Error(f"nvfp4 option fp32_reduce={value!r}: expected true/false (or 1/0)")
+            fp32_reduce = value in ("1", "true")
         self.fp32_reduce = fp32_reduce
 
     @staticmethod

@@ -474,3 +474,14 @@ def test_reload_paths_keep_buffers_and_requantize(tmp_path, cpu_config, cpu_atte
     for name, layer in _linears(model).items():
         _assert_bytes(layer, _expected(sd_new, name))
     assert torch.equal(model.model.norm.weight, sd_new["model.norm.weight"])
+
+
+def test_backend_options_from_additional_config(cpu_config, monkeypatch):
+    ok = VllmConfig(device_config=DeviceConfig(device="cpu"), additional_config={"qerl_nvfp4": {"backend": "emulation"}})
+    assert _qkv(ok, _qconfig(ct=False)).quant_method.backend.name == "emulation"
+    bad = VllmConfig(device_config=DeviceConfig(device="cpu"), additional_config={"qerl_nvfp4": {"backend": "bogus"}})
+    with pytest.raises(NVFP4Error, match="backend='bogus'.*expected auto, marlin or emulation"):
+        _qkv(bad, _qconfig(ct=False))
+    monkeypatch.setenv("QERL_NVFP4_BACKEND", "marlin")  # no CUDA here: a clear error, not a crash later
+    with pytest.raises(NVFP4Error, match="needs an NVIDIA GPU"):
+        _qkv(cpu_config, _qconfig(ct=False))
