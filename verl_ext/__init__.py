@@ -1,14 +1,39 @@
-"""verl side of qerl-plugin, loaded through the ``verl.plugins`` entry point.
+"""verl side of qerl-plugin, loaded through the ``verl.plugins`` entry point (``qerl = "verl_ext"``).
 
-verl's loader imports this module and never calls anything in it, and it logs import errors only at
-DEBUG: so importing this module is the registration, it must not fail, and it must stay cheap (it runs
-on every ``import verl``, in every Ray worker).
+verl's loader (``verl/__init__.py``) imports this module on every ``import verl`` (driver, Ray workers, vLLM
+server actors) and never calls anything in it; it hides import errors at DEBUG. So importing this module is
+the registration: it must not fail and must stay cheap. It imports nothing from verl, vLLM or torch; it only
+installs :mod:`verl_ext.patches`' import hook, which patches verl's modules as they get imported.
+
+The data path, one concern per module:
+
+* :mod:`verl_ext.config`           ``rollout.quantization: nvfp4`` and ``rollout.custom.qerl.aqn``: parse,
+                                    validate (errors name the key and the fix), normalise; ``qerl train --check``
+* :mod:`verl_ext.patches`          the table of every verl callable qerl wraps, applied on import, idempotent
+* :mod:`verl_ext.rollout`          vLLM server: route ``nvfp4`` to vLLM, AQN switch, qerl's worker extension
+* :mod:`verl_ext.worker_extension` inside vLLM: verl's extension + qerl's RPCs, adapter-only sync checks
+* :mod:`verl_ext.adapter_sync`     actor -> vLLM adapter: extraction by name (the FSDP1 fix), key checks
+* :mod:`verl_ext.actor`            actor build: NVFP4 base (:mod:`verl_ext.nvfp4_linear`) under PEFT LoRA
+* :mod:`verl_ext.aqn_hook`         per-step AQN noise RPC next to the weight sync; sigma/stage metrics
+* :mod:`verl_ext.train`            ``qerl train <yaml> [overrides]``
 """
 
 from __future__ import annotations
 
 import logging
 
+from verl_ext import patches as _patches
+
 logger = logging.getLogger("qerl.verl")
+
+#: True once this module ran (the registration marker tests check after ``import verl``).
+REGISTERED = False
+#: Whether the patch hook is installed (False when ``QERL_VERL_PATCHES=0``).
+PATCHES_INSTALLED = False
+
+try:
+    PATCHES_INSTALLED = _patches.install()
+except Exception as _e:  # pragma: no cover - install() guards itself; never break ``import verl``
+    logger.warning("qerl-plugin: could not install its verl patches: %s: %s", type(_e).__name__, _e)
 REGISTERED = True
-logger.debug("qerl-plugin verl extension loaded")
+logger.debug("qerl-plugin verl extension loaded (patches installed: %s)", PATCHES_INSTALLED)

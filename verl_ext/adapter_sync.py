@@ -1,0 +1,244 @@
+"""Adapter-only sync, actor -> vLLM: take the LoRA tensors by name, check vLLM will recognise every one.
+
+Why stock verl 0.9.1 fails at the first adapter sync (found by running its code on CPU, see
+``tests/verl_ext/test_adapter_sync.py``)
+    verl's FSDP engine collects the adapter with ``verl.utils.fsdp_utils.collect_lora_params``, which
+    calls PEFT's ``get_peft_model_state_dict(peft_model)``. PEFT 0.21 no longer filters the state dict by
+    the substring ``lora_``: it derives the adapter's key prefixes from ``model.named_modules()``. Under
+    FSDP1 (verl's default ``strategy: fsdp``, with its LoRA auto-wrap policy) every wrapped decoder layer
+    appears in ``named_modules()`` as ``...layers.0._fsdp_wrapped_module.self_attn.q_proj.lora_A``, while
+    the state dict's keys are clean (``...layers.0.self_attn.q_proj.lora_A.default.weight``): no key
+    matches any prefix, the adapter comes back **empty**, verl ships zero tensors, vLLM's
+    ``LoRAModel.from_lora_tensors`` builds a LoRA model with no modules, and
+    ``LoRAModelManager._create_merged_loras_inplace`` dies on ``next(iter(lora_model.loras.values()))``:
+    the ``StopIteration`` seen on the H100. (FSDP2 does not rename modules and works.)
+
+The fix (:func:`wrap_collect_lora_params`, applied through :mod:`verl_ext.patches`)
+    For the adapter (``base_sync_done=True``) read the module's state dict inside the same full-parameter
+    context verl uses and keep the entries that sit under a LoRA sub-module of the ``default`` adapter
+    (``.lora_A.default.``, ``.lora_B.default.``, ``.lora_embedding_A.default``, ...), with FSDP /
+    checkpoint / compile wrapper fragments removed and the adapter name dropped: the keys PEFT itself
+    writes to ``adapter_model.safetensors``
+    (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), which vLLM parses. Without FSDP
+    the result equals ``get_peft_model_state_dict`` exactly (tested). The base-weight path
+    (``base_sync_done=False``) is verl's, unchanged.
+
+The check (:func:`check_adapter_for_vllm`, run inside vLLM by :mod:`verl_ext.worker_extension`)
+    Every tensor name must parse with vLLM's own ``parse_fine_tuned_lora_name`` and land on a module vLLM
+    wrapped with LoRA (directly, or as a slice of a packed ``qkv_proj`` / ``gate_up_proj``); every module
+    needs both ``lora_A`` and ``lora_B``. An empty or unrecognised adapter raises an error that lists the
+    offending names, instead of vLLM's bare ``StopIteration``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+from typing import Any, Iterable, Mapping
+
+logger = logging.getLogger("qerl.verl.adapter_sync")
+
+ADAPTER_NAME = "default"
+_LORA_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+_WRAPPER_FRAGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "_offload_wrapped_module.")
+_PEFT_PREFIX = "base_model.model."
+
+
+class AdapterSyncError(RuntimeError):
+    """The LoRA adapter sent to vLLM is empty or has tensors vLLM would not apply."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# naming
+
+
+def strip_wrappers(name: str) -> str:
+    for frag in _WRAPPER_FRAGMENTS:
+        name = name.replace(frag, "")
+    return name
+
+
+_LORA_KEY = re.compile(
+    r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
+    r"(?:\.(?P<adapter>[^.]+))?(?P<tail>\.weight)?$"
+)
+
+
+def adapter_key(name: str, adapter: str = ADAPTER_NAME) -> str | None:
+    """The PEFT checkpoint key of a LoRA state-dict entry of ``adapter``, or None for any other entry.
+
+    ``base_model.model._fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.self_attn.q_proj.lora_A.default.weight``
+    -> ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``. Embedding LoRA
+    (``...embed_tokens.lora_embedding_A.default``) -> ``...embed_tokens.lora_embedding_A``.
+    """
+    clean = strip_wrappers(name)
+    m = _LORA_KEY.match(clean)
+    if m is None:
+        return None
+    part, adapter_seg, tail = m.group("part"), m.group("adapter"), m.group("tail")
+    if part.startswith("lora_embedding"):
+        # ParameterDict entries: "<module>.lora_embedding_A.<adapter>"
+        if adapter_seg != adapter or tail:
+            return None
+        return f"{m.group('module')}.{part}"
+    if adapter_seg != adapter or tail != ".weight":
+        return None
+    return f"{m.group('module')}.{part}.weight"
+
+
+def normalize_adapter_keys(tensors: Mapping[str, Any]) -> "OrderedDict[str, Any]":
+    """Map received names to PEFT checkpoint keys (idempotent on already-clean keys)."""
+    out: OrderedDict[str, Any] = OrderedDict()
+    for name, t in tensors.items():
+        key = strip_wrappers(name)
+        cleaned = adapter_key(key)
+        if cleaned is not None:
+            key = cleaned
+        if not key.startswith(_PEFT_PREFIX) and not key.startswith("base_model."):
+            key = _PEFT_PREFIX + key
+        if key in out:
+            raise AdapterSyncError(f"two adapter tensors map to the same name {key!r} (one of them is {name!r})")
+        out[key] = t
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the actor side: extraction
+
+
+def _full(t):
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.detach().cpu()
+
+
+def lora_state_dict(module, adapter: str = ADAPTER_NAME) -> "OrderedDict[str, Any]":
+    """The LoRA tensors of ``adapter`` in a (possibly FSDP1/FSDP2-wrapped) PEFT model, on CPU, keyed as PEFT
+    saves them. For FSDP1, call inside ``FSDP.summon_full_params`` (as :func:`collect_adapter` does)."""
+    peft_model = getattr(module, "_fsdp_wrapped_module", module)
+    out: OrderedDict[str, Any] = OrderedDict()
+    for name, tensor in peft_model.state_dict().items():
+        key = adapter_key(name, adapter)
+        if key is None:
+            continue
+        if key in out:
+            raise AdapterSyncError(f"LoRA tensor {key!r} appears twice in the state dict (second as {name!r})")
+        out[key] = _full(tensor)
+    return out
+
+
+def collect_adapter(module) -> "OrderedDict[str, Any]":
+    """:func:`lora_state_dict` with FSDP1's full parameters summoned (no write-back)."""
+    from verl.utils.fsdp_utils import fsdp_version
+
+    if fsdp_version(module) == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(module, writeback=False):
+            params = lora_state_dict(module)
+    else:
+        params = lora_state_dict(module)
+    try:
+        from verl.utils.device import get_torch_device
+
+        get_torch_device().empty_cache()
+    except Exception:  # pragma: no cover - CPU-only
+        pass
+    return params
+
+
+def wrap_collect_lora_params(original, target: str):
+    """verl's ``collect_lora_params`` with the adapter path (``base_sync_done=True``) extracted by name."""
+
+    def collect_lora_params(module, layered_summon, base_sync_done):
+        if not base_sync_done:
+            return original(module, layered_summon, base_sync_done)
+        peft_model = getattr(module, "_fsdp_wrapped_module", module)
+        if not hasattr(peft_model, "peft_config"):
+            return original(module, layered_summon, base_sync_done)
+        params = collect_adapter(module)
+        if not params:
+            raise AdapterSyncError(
+                "the actor has a PEFT model but no LoRA tensors of adapter 'default' were found in its state dict; "
+                "check actor_rollout_ref.model.target_modules matches the model's linear layers"
+            )
+        logger.debug("qerl: collected %d LoRA tensors for the adapter sync", len(params))
+        return params
+
+    return collect_lora_params
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the vLLM side: would vLLM apply every tensor?
+
+
+def expected_lora_modules(lora_manager) -> tuple[set[str], dict[str, str]]:
+    """(module names vLLM accepts LoRA for, sub-module -> packed module) from a ``LoRAModelManager``.
+
+    Packed layers (``...qkv_proj``) accept their parts (``...q_proj``, ``...k_proj``, ``...v_proj``).
+    """
+    accepted: set[str] = set()
+    part_of: dict[str, str] = {}
+    packed = getattr(lora_manager, "packed_modules", {}) or {}
+    for name in getattr(lora_manager, "modules", {}):
+        if name in packed:
+            for sub in packed[name]:
+                accepted.add(sub)
+                part_of[sub] = name
+        else:
+            accepted.add(name)
+    return accepted, part_of
+
+
+def check_adapter_for_vllm(
+    tensors: Mapping[str, Any],
+    accepted_modules: Iterable[str],
+    weights_mapper: Any = None,
+    skip_prefixes: Iterable[str] | None = None,
+) -> dict[str, list[str]]:
+    """Parse every name with vLLM's ``parse_fine_tuned_lora_name``; raise :class:`AdapterSyncError` unless every
+    tensor lands on an accepted module and every module has both A and B. Returns ``{module: [names]}``."""
+    from vllm.lora.utils import is_base_embedding_weights, parse_fine_tuned_lora_name
+
+    if not tensors:
+        raise AdapterSyncError(
+            "the LoRA adapter arrived with 0 tensors: the actor sent an empty adapter (verl 0.9.1 does this under "
+            "FSDP1 without qerl's collect_lora_params fix; is qerl-plugin installed in the actor's environment?)"
+        )
+    accepted = set(accepted_modules)
+    skip = tuple(skip_prefixes or ())
+    by_module: dict[str, list[str]] = {}
+    halves: dict[str, set[bool]] = {}
+    unparsed, unknown = [], []
+    for name in tensors:
+        if is_base_embedding_weights(name):
+            continue
+        if skip and any(f".{p}" in name or name.startswith(p) for p in skip):
+            continue
+        try:
+            module, is_a = parse_fine_tuned_lora_name(name, weights_mapper)
+        except ValueError:
+            unparsed.append(name)
+            continue
+        if module not in accepted:
+            unknown.append(f"{name} -> {module}")
+            continue
+        by_module.setdefault(module, []).append(name)
+        halves.setdefault(module, set()).add(is_a)
+    problems = []
+    if unparsed:
+        problems.append(f"{len(unparsed)} name(s) vLLM cannot parse as LoRA weights: {unparsed[:6]}")
+    if unknown:
+        sample = sorted(accepted)[:4]
+        problems.append(
+            f"{len(unknown)} tensor(s) for modules vLLM did not wrap with LoRA: {unknown[:6]} "
+            f"(vLLM's LoRA modules look like {sample})"
+        )
+    one_sided = [m for m, h in halves.items() if h != {True, False}]
+    if one_sided:
+        problems.append(f"{len(one_sided)} module(s) with only lora_A or only lora_B: {sorted(one_sided)[:6]}")
+    if not by_module and not problems:
+        problems.append("no tensor maps to a LoRA module")
+    if problems:
+        raise AdapterSyncError("the LoRA adapter does not match vLLM's LoRA modules: " + "; ".join(problems))
+    return by_module

@@ -1,0 +1,496 @@
+"""qerl's keys in a verl 0.9.1 config: what they are, where they live, and the checks run before any GPU work.
+
+Where the keys live (both accepted by verl's own config classes, so nothing in verl has to change):
+
+* ``actor_rollout_ref.rollout.quantization: nvfp4`` -- verl's own field (``RolloutConfig.quantization``, a
+  free string). verl 0.9.1's vLLM server raises on ``nvfp4``; :mod:`verl_ext.rollout` routes it instead.
+* ``actor_rollout_ref.rollout.custom.qerl`` -- ``RolloutConfig.custom`` is verl's "extension point for
+  custom configurations" (``Optional[dict]``), so ``omega_conf_to_dataclass`` keeps our block as is and it
+  reaches every process that sees the rollout config: the driver, the actor/rollout workers and the vLLM
+  servers. A top-level ``qerl:`` block would reach only the driver.
+
+::
+
+    actor_rollout_ref:
+      rollout:
+        quantization: nvfp4            # NVFP4 base (BF16 checkpoint quantized at load, or an NVFP4 checkpoint)
+        custom:
+          qerl:
+            aqn:
+              enable: true
+              sigma_start: 1.0e-2      # defaults: NVlabs/QeRL's released training scripts
+              sigma_end: 1.0e-4
+              num_stages: 10
+              schedule: exponential    # linear | cosine | log
+              seed: 0
+              total_steps: null        # null: the run's total training steps
+              noise_free_first_stage: true
+              resample: stage          # stage | step
+              apply_to_actor: false    # also perturb the actor's norms (log-probs under the rollout's noise)
+
+On the command line, keys that the YAML does not have yet need verl/Hydra's ``+``:
+``+actor_rollout_ref.rollout.custom.qerl.aqn.enable=true``; the example YAMLs spell every key out, so
+there a plain ``actor_rollout_ref.rollout.custom.qerl.aqn.sigma_start=5e-3`` works.
+
+:func:`validate` runs in the driver inside verl's ``validate_config`` (wrapped by :mod:`verl_ext.patches`)
+and raises :class:`QerlConfigError` naming the key and the fix for: unknown keys in the ``qerl`` block, bad
+AQN values (``sigma_end > sigma_start``, ``num_stages < 1``, unknown schedule, ...), ``nvfp4`` without LoRA
+(``lora_rank: 0``) or with merged LoRA, ``nvfp4`` together with verl's own NVFP4 QAT
+(``fsdp_config.qat.enable``), a rollout engine other than vLLM, a checkpoint engine other than ``naive``,
+a non-FSDP actor, and a ``model.path`` whose checkpoint quantization does not match ``quantization``. It
+also normalises one key: ``rollout.load_format: dummy`` becomes ``auto`` under ``nvfp4`` (the NVFP4 base is
+loaded by vLLM from ``model.path`` and never sent through the weight sync), with a printed notice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+logger = logging.getLogger("qerl.verl.config")
+
+ROLLOUT = "actor_rollout_ref.rollout"
+MODEL = "actor_rollout_ref.model"
+ACTOR = "actor_rollout_ref.actor"
+QERL_KEY = f"{ROLLOUT}.custom.qerl"
+AQN_KEY = f"{QERL_KEY}.aqn"
+NVFP4 = "nvfp4"
+
+QERL_BLOCK_KEYS = ("aqn",)
+# keys of the aqn block that are ours, not qerl_plugin.aqn.AQNConfig's
+AQN_EXTRA_KEYS = ("enable", "apply_to_actor")
+_NEAR_MISSES = {"fp4", "nvfp4a16", "nvfp4_a16", "w4a16_fp4", "nvfp4-a16", "qerl", "qerl_nvfp4", "nv_fp4"}
+
+
+class QerlConfigError(ValueError):
+    """A qerl setting in a verl config is wrong; the message names the key and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reading config trees (omegaconf DictConfig, plain dicts, verl's BaseConfig dataclasses)
+
+
+def _to_plain(value: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
+
+
+def get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    """``cfg.a.b.c`` for DictConfig / dict / dataclass trees; ``default`` if any part is missing or None."""
+    node = cfg
+    for part in dotted.split(".") if dotted else []:
+        if node is None:
+            return default
+        if isinstance(node, Mapping) or hasattr(node, "keys") and hasattr(node, "__getitem__"):
+            try:
+                node = node[part] if part in node else None
+            except Exception:
+                node = None
+        else:
+            node = getattr(node, part, None)
+    return default if node is None else node
+
+
+# ---------------------------------------------------------------------------------------------------------
+# settings
+
+
+@dataclass(frozen=True)
+class QerlSettings:
+    """What one run asked of qerl, read from its verl config.
+
+    ``aqn`` is a :class:`qerl_plugin.aqn.AQNConfig` (without ``total_steps`` until the run knows it) or
+    None when AQN is off.
+    """
+
+    quantization: str | None = None
+    aqn: Any = None
+    aqn_apply_to_actor: bool = False
+    model_path: str | None = None
+    model_quant: str = "unknown"  # "bf16" | "nvfp4" | "other:<method>" | "unknown" (remote / unreadable path)
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.quantization == NVFP4
+
+    @property
+    def aqn_enabled(self) -> bool:
+        return self.aqn is not None
+
+    @property
+    def active(self) -> bool:
+        """Whether any qerl behaviour is on (otherwise every wrapper passes straight through to verl)."""
+        return self.nvfp4 or self.aqn_enabled
+
+    @property
+    def nvfp4_checkpoint(self) -> bool:
+        return self.model_quant == "nvfp4"
+
+
+def _near(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _parse_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        return value.strip().lower() in ("true", "1", "yes", "on")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise QerlConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def parse_qerl_block(block: Any) -> tuple[Any, bool]:
+    """(AQNConfig or None, apply_to_actor) from the ``custom.qerl`` block; raises QerlConfigError."""
+    block = _to_plain(block)
+    if block is None:
+        return None, False
+    if not isinstance(block, Mapping):
+        raise QerlConfigError(f"{QERL_KEY}: expected a mapping with the key 'aqn', got {type(block).__name__} {block!r}")
+    unknown = [k for k in block if k not in QERL_BLOCK_KEYS]
+    if unknown:
+        hints = ", ".join(f"{k!r}{_near(str(k), QERL_BLOCK_KEYS)}" for k in unknown)
+        raise QerlConfigError(
+            f"{QERL_KEY}: unknown key(s) {hints}; the qerl block takes only {', '.join(QERL_BLOCK_KEYS)} "
+            "(the quantization itself is actor_rollout_ref.rollout.quantization)"
+        )
+    aqn = block.get("aqn")
+    if aqn is None:
+        return None, False
+    if not isinstance(aqn, Mapping):
+        raise QerlConfigError(f"{AQN_KEY}: expected a mapping of AQN settings, got {type(aqn).__name__} {aqn!r}")
+    enable = _parse_bool(f"{AQN_KEY}.enable", aqn.get("enable", False))
+    apply_to_actor = _parse_bool(f"{AQN_KEY}.apply_to_actor", aqn.get("apply_to_actor", False))
+    fields = {k: v for k, v in aqn.items() if k not in AQN_EXTRA_KEYS}
+    from qerl_plugin.aqn import AQNConfig
+
+    try:
+        cfg = AQNConfig.from_dict(fields)
+    except ValueError as e:
+        msg = str(e).replace("AQNConfig.from_dict: ", "").replace("AQNConfig: ", "").replace("AQNConfig.", "")
+        if "unknown key" in msg:
+            msg += f", plus {', '.join(AQN_EXTRA_KEYS)}"
+        raise QerlConfigError(f"{AQN_KEY}: {msg}") from None
+    if not enable:
+        return None, False
+    return cfg, apply_to_actor
+
+
+def checkpoint_quantization(model_path: str | None) -> str:
+    """What ``model_path``'s ``config.json`` says: ``bf16`` (no quantization_config), ``nvfp4``
+    (compressed-tensors NVFP4A16), ``other:<description>``, or ``unknown`` (not a local directory)."""
+    if not model_path:
+        return "unknown"
+    path = Path(os.path.expanduser(str(model_path)))
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        return "unknown"
+    try:
+        data = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return "unknown"
+    qc = data.get("quantization_config")
+    if not qc:
+        return "bf16"
+    method = qc.get("quant_method", "?") if isinstance(qc, Mapping) else "?"
+    if method == "compressed-tensors":
+        try:
+            from qerl_plugin.format import is_nvfp4a16_config, parse_quantization_config
+
+            if is_nvfp4a16_config(parse_quantization_config(dict(qc))):
+                return "nvfp4"
+        except Exception:
+            pass
+        formats = {qc.get("format")} | {
+            g.get("format") for g in (qc.get("config_groups") or {}).values() if isinstance(g, Mapping)
+        }
+        formats.discard(None)
+        return f"other:compressed-tensors {'/'.join(sorted(formats)) or '(no format)'}"
+    return f"other:{method}"
+
+
+def settings_from(rollout: Any, model: Any = None) -> QerlSettings:
+    """Settings from a rollout config (DictConfig, dict or verl's RolloutConfig) and a model config.
+
+    Parses without the cross-key checks of :func:`validate` (workers and vLLM servers call this; the driver
+    already validated).
+    """
+    quant = get(rollout, "quantization")
+    quant = str(quant).strip().lower() if quant is not None else None
+    quant = NVFP4 if quant == NVFP4 else quant
+    aqn, apply_to_actor = parse_qerl_block(get(rollout, "custom.qerl"))
+    path = (get(model, "local_path") or get(model, "path")) if model is not None else None
+    return QerlSettings(
+        quantization=quant,
+        aqn=aqn,
+        aqn_apply_to_actor=apply_to_actor,
+        model_path=str(path) if path is not None else None,
+        model_quant=checkpoint_quantization(path) if quant == NVFP4 else "unknown",
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the driver-side check
+
+
+def _lora_rank(cfg: Any) -> int:
+    rank = get(cfg, f"{MODEL}.lora.rank", 0) or 0
+    if rank <= 0:
+        rank = get(cfg, f"{MODEL}.lora_rank", 0) or 0
+    return int(rank)
+
+
+def _set(cfg: Any, dotted: str, value: Any) -> None:
+    from omegaconf import DictConfig, OmegaConf, open_dict
+
+    if isinstance(cfg, DictConfig):
+        with open_dict(cfg):
+            OmegaConf.update(cfg, dotted, value, merge=False)
+        return
+    node = cfg
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        node = node[p]
+    node[parts[-1]] = value
+
+
+def validate(cfg: Any, normalize: bool = True) -> tuple[QerlSettings, list[str]]:
+    """Check a whole verl config (the driver's); returns (settings, notices of what was normalised).
+
+    Raises :class:`QerlConfigError` with the key and the fix. With ``normalize`` the config is updated in
+    place (``load_format: dummy`` -> ``auto`` under nvfp4). Does nothing (and returns inactive settings)
+    when the config asks for no qerl feature.
+    """
+    notes: list[str] = []
+    rollout = get(cfg, ROLLOUT)
+    raw_quant = get(cfg, f"{ROLLOUT}.quantization")
+    quant = str(raw_quant).strip() if raw_quant is not None else None
+    if quant is not None and quant.lower() == NVFP4 and quant != NVFP4:
+        raise QerlConfigError(f"{ROLLOUT}.quantization: write it in lower case: quantization: nvfp4 (got {quant!r})")
+    if quant is not None and quant.lower() in _NEAR_MISSES:
+        raise QerlConfigError(
+            f"{ROLLOUT}.quantization={quant!r} is not a quantization method; for QeRL's NVFP4 base + LoRA use "
+            "quantization: nvfp4"
+        )
+    settings = settings_from(rollout, get(cfg, MODEL))
+
+    if settings.nvfp4:
+        _check_nvfp4(cfg, settings)
+        load_format = str(get(cfg, f"{ROLLOUT}.load_format", "dummy"))
+        if "dummy" in load_format:
+            if normalize:
+                _set(cfg, f"{ROLLOUT}.load_format", "auto")
+            notes.append(
+                f"{ROLLOUT}.load_format: {load_format} -> auto (under nvfp4 vLLM loads the base from model.path "
+                "and quantizes it itself; only the LoRA adapter is synced, so a dummy base would stay random)"
+            )
+    else:
+        mq = checkpoint_quantization(get(cfg, f"{MODEL}.path"))
+        if mq == "nvfp4":
+            raise QerlConfigError(
+                f"{MODEL}.path={get(cfg, f'{MODEL}.path')!r} is an NVFP4 (compressed-tensors nvfp4-pack-quantized) "
+                f"checkpoint, but {ROLLOUT}.quantization is {raw_quant!r}: set {ROLLOUT}.quantization=nvfp4 to "
+                "train LoRA on it with qerl, or point model.path at the BF16 checkpoint"
+            )
+
+    if settings.aqn_enabled:
+        _check_aqn(cfg, settings)
+
+    if settings.active:
+        from verl_ext import patches
+
+        try:
+            patches.require("qerl (" + ", ".join(
+                x for x in ("quantization=nvfp4" if settings.nvfp4 else "", "AQN" if settings.aqn_enabled else "") if x
+            ) + ")")
+        except RuntimeError as e:
+            raise QerlConfigError(str(e)) from None
+    return settings, notes
+
+
+def _check_nvfp4(cfg: Any, s: QerlSettings) -> None:
+    name = get(cfg, f"{ROLLOUT}.name")
+    if name != "vllm":
+        raise QerlConfigError(
+            f"{ROLLOUT}.name={name!r}: quantization=nvfp4 runs on vLLM (qerl's 'nvfp4' method); set "
+            f"{ROLLOUT}.name=vllm"
+        )
+    if _lora_rank(cfg) <= 0:
+        raise QerlConfigError(
+            f"{MODEL}.lora_rank=0: quantization=nvfp4 trains a LoRA adapter on a frozen NVFP4 base and cannot "
+            f"update the 4-bit weights themselves; set {MODEL}.lora_rank (QeRL uses 32; e.g. lora_rank: 32, "
+            "lora_alpha: 64)"
+        )
+    if get(cfg, f"{MODEL}.lora.merge", False):
+        raise QerlConfigError(
+            f"{MODEL}.lora.merge=true: merging LoRA into an NVFP4 base is not possible (it would need the BF16 "
+            f"weights) and would sync the whole model; set {MODEL}.lora.merge=false (adapter-only sync)"
+        )
+    lora_type = get(cfg, f"{MODEL}.lora.type", "lora")
+    if lora_type not in ("lora", None):
+        raise QerlConfigError(f"{MODEL}.lora.type={lora_type!r}: quantization=nvfp4 supports plain LoRA; set lora.type=lora")
+    for key in (f"{ACTOR}.fsdp_config.qat.enable", f"{ACTOR}.megatron.qat.enable", f"{ROLLOUT}.qat.enable"):
+        if get(cfg, key, False):
+            raise QerlConfigError(
+                f"{key}=true together with {ROLLOUT}.quantization=nvfp4: these are two different NVFP4 paths "
+                "(verl's QAT fake-quantizes a trained BF16 model and re-sends it every step; qerl keeps a frozen "
+                f"NVFP4 base and syncs only LoRA). Remove {key} (or set it to false)"
+            )
+    strategy = get(cfg, f"{ACTOR}.strategy", "fsdp")
+    if strategy not in ("fsdp", "fsdp2"):
+        raise QerlConfigError(
+            f"{ACTOR}.strategy={strategy!r}: quantization=nvfp4 is implemented for verl's FSDP engine; set "
+            f"{ACTOR}.strategy=fsdp2 (or fsdp)"
+        )
+    backend = get(cfg, f"{ROLLOUT}.checkpoint_engine.backend", "naive")
+    if backend != "naive":
+        raise QerlConfigError(
+            f"{ROLLOUT}.checkpoint_engine.backend={backend!r}: quantization=nvfp4 syncs only the LoRA adapter "
+            "through verl's colocated ('naive') path; verl 0.9.1's other backends send base weights. Set "
+            f"{ROLLOUT}.checkpoint_engine.backend=naive"
+        )
+    if get(cfg, "actor_rollout_ref.hybrid_engine", True) is False:
+        raise QerlConfigError(
+            "actor_rollout_ref.hybrid_engine=false: quantization=nvfp4 needs the colocated actor + rollout "
+            "(hybrid engine); set actor_rollout_ref.hybrid_engine=true"
+        )
+    if get(cfg, f"{ROLLOUT}.quantization_config_file") is not None:
+        raise QerlConfigError(
+            f"{ROLLOUT}.quantization_config_file is set, but quantization=nvfp4 defines the format itself "
+            "(NVFP4A16, lm_head kept in BF16); remove quantization_config_file"
+        )
+    mq = s.model_quant
+    if mq.startswith("other:"):
+        raise QerlConfigError(
+            f"{MODEL}.path={s.model_path!r} is already quantized ({mq[6:]}), which quantization=nvfp4 cannot use: "
+            "point model.path at the BF16/FP16 checkpoint (quantized when loaded) or at an NVFP4A16 checkpoint "
+            "written by `qerl quantize`"
+        )
+    if mq == "nvfp4" and get(cfg, f"{MODEL}.lora_adapter_path") is None and get(cfg, f"{MODEL}.use_shm", False):
+        raise QerlConfigError(f"{MODEL}.use_shm=true is not supported with an NVFP4 checkpoint; set use_shm=false")
+
+
+def _check_aqn(cfg: Any, s: QerlSettings) -> None:
+    name = get(cfg, f"{ROLLOUT}.name")
+    if name != "vllm":
+        raise QerlConfigError(
+            f"{AQN_KEY}.enable=true: AQN perturbs the norms of the vLLM rollout engine; set {ROLLOUT}.name=vllm "
+            f"(got {name!r}) or disable AQN"
+        )
+    if get(cfg, "trainer.use_v1", True):
+        mode = get(cfg, "trainer.v1.trainer_mode", "sync")
+        if mode != "sync":
+            raise QerlConfigError(
+                f"{AQN_KEY}.enable=true with trainer.v1.trainer_mode={mode!r}: AQN follows the per-step weight sync "
+                "of the synchronous trainer; set trainer.v1.trainer_mode=sync or disable AQN"
+            )
+        pss = get(cfg, "trainer.v1.sync.parameter_sync_step", 1)
+        if pss not in (None, 1):
+            raise QerlConfigError(
+                f"{AQN_KEY}.enable=true with trainer.v1.sync.parameter_sync_step={pss}: AQN counts one step per "
+                "weight sync; set parameter_sync_step=1 or disable AQN"
+            )
+    total = s.aqn.total_steps or get(cfg, "trainer.total_training_steps")
+    if total is not None:
+        try:
+            s.aqn.with_total_steps(int(total))
+        except ValueError as e:
+            where = f"{AQN_KEY}.total_steps" if s.aqn.total_steps else "trainer.total_training_steps"
+            raise QerlConfigError(f"{AQN_KEY} with {where}={total}: {str(e).replace('AQNConfig.', '')}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the patch: qerl's check runs first inside verl's validate_config
+
+
+def wrap_validate_config(original, target: str):
+    def validate_config(config, use_reference_policy, use_critic, *args, **kwargs):
+        settings, notes = validate(config)
+        if settings.active:
+            what = []
+            if settings.nvfp4:
+                what.append(f"NVFP4 base ({settings.model_quant} checkpoint) + LoRA, adapter-only sync")
+            if settings.aqn_enabled:
+                a = settings.aqn
+                what.append(
+                    f"AQN {a.schedule} {a.sigma_start:g}->{a.sigma_end:g} over {a.num_stages} stages"
+                    + (" (also on the actor)" if settings.aqn_apply_to_actor else "")
+                )
+            print("[qerl] " + "; ".join(what))
+            for n in notes:
+                print(f"[qerl] normalised {n}")
+        return original(config, use_reference_policy, use_critic, *args, **kwargs)
+
+    return validate_config
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the settings of this process (set by the actor/rollout worker before it builds the model)
+
+_current: QerlSettings | None = None
+
+
+def activate(settings: QerlSettings | None) -> None:
+    global _current
+    _current = settings
+
+
+def current() -> QerlSettings:
+    return _current if _current is not None else QerlSettings()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# composing a YAML the way `python -m verl.trainer.main_ppo --config-path ... --config-name ...` does
+
+
+def compose(yaml_path: str | os.PathLike, overrides: Iterable[str] = ()) -> Any:
+    """The DictConfig verl's ``main_ppo`` would see for ``yaml_path`` plus Hydra ``overrides`` (no Ray, no GPU)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    path = Path(yaml_path).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"{yaml_path}: no such config file")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(path.parent), version_base=None):
+        return hydra_compose(config_name=path.stem, overrides=list(overrides))
+
+
+def check(yaml_path: str | os.PathLike, overrides: Iterable[str] = (), verl_checks: bool = True) -> tuple[Any, QerlSettings, list[str]]:
+    """Compose, run qerl's checks, then verl's own ``validate_config`` and dataclass conversions.
+
+    Returns (config, settings, notices). Raises QerlConfigError / verl's errors.
+    """
+    cfg = compose(yaml_path, overrides)
+    settings, notes = validate(cfg)
+    if verl_checks:
+        from verl.trainer.ppo.utils import need_critic, need_reference_policy
+        from verl.utils.config import omega_conf_to_dataclass
+
+        validate_config = getattr(__import__("verl.utils.config", fromlist=["validate_config"]), "validate_config")
+        original = getattr(validate_config, "__wrapped__", validate_config)
+        original(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+        from verl.workers.config import HFModelConfig
+
+        model_path = Path(os.path.expanduser(str(cfg.actor_rollout_ref.model.path)))
+        if model_path.is_dir():
+            omega_conf_to_dataclass(cfg.actor_rollout_ref.model, dataclass_type=HFModelConfig)
+    return cfg, settings, notes

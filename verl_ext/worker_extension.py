@@ -1,0 +1,136 @@
+"""The vLLM worker extension verl's rollout uses when qerl is on: verl's own plus qerl's RPCs and checks.
+
+``vLLMHttpServer`` passes ``worker_extension_cls`` to ``vllm serve``; vLLM appends that class to its GPU
+worker's bases, so the methods below run inside each vLLM worker process and are reachable with
+``collective_rpc``. :mod:`verl_ext.rollout` swaps verl's ``vLLMColocateWorkerExtension`` for
+:class:`QerlVerlWorkerExtension` when the run asks for ``quantization: nvfp4`` or AQN; it inherits:
+
+* from :class:`vllm_ext.worker_extension.QerlWorkerExtension`: ``qerl_set_noise(sigma, seed, stage)``,
+  ``qerl_clear_noise()``, ``qerl_add_lora_from_tensors(...)``, ``qerl_memory_report()``;
+* from verl's ``vLLMColocateWorkerExtension``: the colocated IPC weight receiver
+  (``update_weights_from_ipc``), the logits patch, LoRA-from-tensors loading.
+
+What it changes for an adapter sync (``peft_config`` given, base already loaded): the received names are
+normalised to PEFT checkpoint keys, checked against the LoRA modules vLLM actually built
+(:func:`verl_ext.adapter_sync.check_adapter_for_vllm`: an empty or unrecognised adapter is an error that
+lists the names, not vLLM's bare ``StopIteration``), then loaded under verl's adapter id
+(``VLLM_LORA_INT_ID``) so that verl's ``generate`` finds it. Under ``quantization: nvfp4`` a base-weight
+sync is refused with a clear error (the NVFP4 base is loaded once, from ``model.path``).
+
+verl's QAT detection (``quant_format == "nvfp4-pack-quantized"`` on the engine's quant config) would send
+adapter syncs down verl's QAT reload path and apply verl's QAT vLLM patches (two of whose three targets no
+longer exist in vLLM 0.24); for qerl's ``nvfp4`` method both are switched off here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID, VLLM_LORA_NAME, vLLMColocateWorkerExtension
+
+from verl_ext.adapter_sync import AdapterSyncError, check_adapter_for_vllm, expected_lora_modules, normalize_adapter_keys
+
+logger = logging.getLogger("qerl.verl.worker_extension")
+
+QUANT_METHOD = "nvfp4"
+
+try:
+    from vllm_ext.worker_extension import QerlWorkerExtension as _QerlBase
+
+    _QERL_BASE_ERROR = None
+except Exception as _e:  # the vLLM-side helper's module is missing or broken: say so when its RPCs are used
+    _QERL_BASE_ERROR = f"{type(_e).__name__}: {_e}"
+
+    class _QerlBase:  # type: ignore[no-redef]
+        def _qerl_missing(self, what):
+            raise RuntimeError(f"{what} needs vllm_ext.worker_extension.QerlWorkerExtension, which failed to import ({_QERL_BASE_ERROR})")
+
+        def qerl_set_noise(self, sigma, seed, stage):
+            self._qerl_missing("qerl_set_noise")
+
+        def qerl_clear_noise(self):
+            self._qerl_missing("qerl_clear_noise")
+
+        def qerl_memory_report(self):
+            self._qerl_missing("qerl_memory_report")
+
+
+def _is_qerl_quant(vllm_config) -> bool:
+    model_config = getattr(vllm_config, "model_config", None)
+    return getattr(model_config, "quantization", None) == QUANT_METHOD
+
+
+@contextlib.contextmanager
+def _without_verl_qat_patches():
+    """While verl's extension initialises, make its NVFP4 QAT / ModelOpt patch appliers no-ops (scoped; restored)."""
+    import verl.utils.qat as qat
+
+    saved = qat.apply_qat_patches
+    qat.apply_qat_patches = lambda *a, **k: []
+    try:
+        yield
+    finally:
+        qat.apply_qat_patches = saved
+
+
+class QerlVerlWorkerExtension(_QerlBase, vLLMColocateWorkerExtension):
+    def __new__(cls, **kwargs):
+        vllm_config = kwargs.get("vllm_config")
+        ours = _is_qerl_quant(vllm_config)
+        ctx = _without_verl_qat_patches() if ours else contextlib.nullcontext()
+        with ctx:
+            instance = vLLMColocateWorkerExtension.__new__(cls, **kwargs)
+        if ours:
+            instance._is_qat_model = False
+            instance._is_modelopt_qat = False
+        instance._qerl_nvfp4 = ours
+        instance._qerl_last_sync = None
+        return instance
+
+    # -- weight sync ---------------------------------------------------------------------------------------
+
+    def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
+        if getattr(self, "_qerl_nvfp4", False) and not (peft_config and base_sync_done):
+            raise RuntimeError(
+                "qerl quantization=nvfp4: the trainer is sending base weights to vLLM, but the NVFP4 base is loaded "
+                "once from model.path and only the LoRA adapter is synced. Use rollout.load_format=auto (not dummy), "
+                "LoRA (model.lora_rank > 0) without lora.merge, and checkpoint_engine.backend=naive"
+            )
+        return super().update_weights_from_ipc(peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+
+    def _update_weights(self, weights, peft_config, base_sync_done):
+        if not (peft_config and base_sync_done):
+            return super()._update_weights(weights, peft_config, base_sync_done)
+        t0 = time.perf_counter()
+        items = weights.items() if hasattr(weights, "items") else weights
+        tensors = normalize_adapter_keys({name: t.clone() for name, t in items})
+        manager = self.model_runner.lora_manager._adapter_manager
+        accepted, _ = expected_lora_modules(manager)
+        model = getattr(manager, "model", None)
+        by_module = check_adapter_for_vllm(
+            tensors,
+            accepted,
+            weights_mapper=getattr(model, "hf_to_vllm_mapper", None),
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
+        if hasattr(super(), "qerl_add_lora_from_tensors") and _QERL_BASE_ERROR is None:
+            ok = self.qerl_add_lora_from_tensors(VLLM_LORA_NAME, VLLM_LORA_INT_ID, dict(tensors), dict(peft_config))
+            if ok is False:
+                raise AdapterSyncError("qerl_add_lora_from_tensors returned False: vLLM did not register the adapter")
+        else:
+            super()._update_weights(list(tensors.items()), peft_config, base_sync_done)
+        if VLLM_LORA_INT_ID not in self.list_loras():
+            raise AdapterSyncError(f"the LoRA adapter (id {VLLM_LORA_INT_ID}) is not registered in vLLM after the sync")
+        self._qerl_last_sync = {
+            "tensors": len(tensors),
+            "modules": len(by_module),
+            "bytes": int(sum(t.numel() * t.element_size() for t in tensors.values())),
+            "seconds": time.perf_counter() - t0,
+        }
+        logger.info("qerl adapter sync: %s", self._qerl_last_sync)
+
+    def qerl_last_adapter_sync(self) -> dict | None:
+        """What the last adapter sync loaded (tensors, LoRA modules, bytes, seconds), for scripts and tests."""
+        return self._qerl_last_sync
