@@ -111,7 +111,8 @@ def validate_rows(rows: Sequence[dict[str, Any]], *, where: str = "rows") -> Non
             if msg["role"] not in ("system", "user", "assistant") or not isinstance(msg["content"], str):
                 raise DataError(f"{at}: bad prompt message {msg!r}")
         reward = row["reward_model"]
-        if not isinstance(reward, dict) or reward.get("style") != "rule" or not isinstance(reward.get("ground_truth"), str):
+        is_rule = isinstance(reward, dict) and reward.get("style") == "rule"
+        if not (is_rule and isinstance(reward.get("ground_truth"), str)):
             raise DataError(f"{at}: reward_model must be {{'style': 'rule', 'ground_truth': str}}, got {reward!r}")
         if not reward["ground_truth"].strip():
             raise DataError(f"{at}: empty ground_truth")
@@ -197,12 +198,7 @@ def gsm8k_rows(
         raise DataError(f"split must be one of {SPLITS}, got {split!r}")
     rows = []
     for index, record in enumerate(records):
-        missing = [c for c in ("question", "answer") if c not in record]
-        if missing:
-            raise DataError(
-                f"{source}: row {index} lacks column(s) {missing} (has {sorted(record)}); GSM8K files "
-                "(HF openai/gsm8k) have 'question' and 'answer'"
-            )
+        _check_columns(record, index, source)
         question, answer = record["question"], record["answer"]
         if not isinstance(question, str) or not question.strip():
             raise DataError(f"{source}: row {index} has an empty or non-string question")
@@ -221,6 +217,15 @@ def gsm8k_rows(
     return rows
 
 
+def _check_columns(record: dict[str, Any], index: int, source: str) -> None:
+    missing = [c for c in ("question", "answer") if c not in record]
+    if missing:
+        raise DataError(
+            f"{source}: row {index} lacks column(s) {missing} (has {sorted(record)}); GSM8K files "
+            "(HF openai/gsm8k) have 'question' and 'answer'"
+        )
+
+
 def _split_of(path: Path) -> str | None:
     stem = path.name.lower()
     for split in SPLITS:
@@ -235,7 +240,8 @@ def find_gsm8k_files(folder: str | Path) -> dict[str, list[Path]]:
     folder = Path(folder)
     found: dict[str, list[Path]] = {s: [] for s in SPLITS}
     for path in sorted(folder.rglob("*")):
-        if path.is_file() and path.suffix.lower() in _SUFFIXES and not any(p.startswith(".") for p in path.parts[len(folder.parts):]):
+        hidden = any(p.startswith(".") for p in path.parts[len(folder.parts) :])
+        if path.is_file() and path.suffix.lower() in _SUFFIXES and not hidden:
             split = _split_of(path)
             if split is not None:
                 found[split].append(path)
@@ -274,7 +280,9 @@ def prepare_gsm8k(
     src = Path(src)
     out_dir = Path(out_dir)
     if not src.exists():
-        raise FileNotFoundError(f"{src}: no such file or folder; give the local GSM8K file (parquet or jsonl) or its folder")
+        raise FileNotFoundError(
+            f"{src}: no such file or folder; give the local GSM8K file (parquet or jsonl) or its folder"
+        )
     records: dict[str, list[dict[str, Any]]] = {}
     sources: dict[str, str] = {}
     if src.is_dir():
@@ -289,12 +297,18 @@ def prepare_gsm8k(
     else:
         records["train"] = read_records(src)
         sources["train"] = str(src)
+        for index, record in enumerate(records["train"]):
+            _check_columns(record, index, str(src))
         if test_src is not None:
             records["test"] = read_records(test_src)
             sources["test"] = str(test_src)
         else:
             if not 0.0 < test_fraction < 1.0:
-                raise DataError(f"test_fraction must be in (0, 1) when SRC is one file without --test-src, got {test_fraction}")
+                raise DataError(
+                    f"test_fraction must be in (0, 1) when SRC is one file without --test-src, got {test_fraction}"
+                )
+            if len(records["train"]) < 2:
+                raise DataError(f"{src}: {len(records['train'])} row(s); a train/test hold-out needs at least 2")
             order = list(range(len(records["train"])))
             random.Random(seed).shuffle(order)
             n_test = max(1, round(len(order) * test_fraction))
@@ -368,8 +382,12 @@ _LEVEL_NAMES = {"easy": 1, "medium": 2, "hard": 3}
 MAX_ANSWER = 1_000_000
 
 
+def _noun(n: int, items: str) -> str:
+    return items if n != 1 else items[:-1]  # all _ITEMS are plurals in -s
+
+
 def _count(n: int, items: str) -> str:
-    return f"{n} {items}" if n != 1 else f"1 {items[:-1]}"
+    return f"{n} {_noun(n, items)}"
 
 
 def _difficulty(difficulty: int | str) -> int:
@@ -411,9 +429,9 @@ def synthetic_problem(rng: random.Random, difficulty: int | str = 2) -> Problem:
             sentences.append(
                 rng.choice(
                     (
-                        f"{then}{subject} buys {b} more {items}." if b != 1 else f"{then}{subject} buys 1 more {items[:-1]}.",
+                        f"{then}{subject} buys {b} more {_noun(b, items)}.",
                         f"{then}{friend} gives {him} {_count(b, items)}.",
-                        f"{then}{subject} finds {b} more {items}." if b != 1 else f"{then}{subject} finds 1 more {items[:-1]}.",
+                        f"{then}{subject} finds {b} more {_noun(b, items)}.",
                     )
                 )
             )

@@ -84,9 +84,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "Extraction",
@@ -127,10 +126,12 @@ _VERIFY_MODES = ("auto", "process", "inline")
 # Extraction
 
 
-@dataclass(frozen=True)
-class Extraction:
+class Extraction(NamedTuple):
     """The answer found in a response: ``answer`` is None when nothing was found; ``method`` names the
-    rule that found it ("boxed", "####", "answer_is", "last_number" or "none")."""
+    rule that found it ("boxed", "####", "answer_is", "last_number" or "none").
+
+    (A NamedTuple, not a dataclass: verl loads a ``path:`` file without registering it in ``sys.modules``,
+    which dataclasses need.)"""
 
     answer: str | None
     method: str
@@ -149,7 +150,9 @@ _ANSWER_IS_RE = re.compile(
 _MATH_SPAN_RE = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 # End of the answer inside a sentence: a period before whitespace/end, a semicolon, or a comma before a word.
 _SENTENCE_END_RE = re.compile(r"\.(?=\s|$)|;|,\s+(?=[A-Za-z]{2,})")
-_WORDS_AFTER_NUMBER_RE = re.compile(r"^(?:\s+[A-Za-z][A-Za-z\s.,!?'-]*|\s*[.,;:!?)]\s*(?:[A-Za-z].*)?)$", re.DOTALL)
+# After a leading number: a word ("18 dollars", "3 then 6") or punctuation before a word or the end ("72.",
+# "5, which"). Not "2x", "3/4", "1, 2", "3 + 4" or "3 \\text{cm}": those stay whole.
+_WORDS_AFTER_NUMBER_RE = re.compile(r"^(?:\s+[A-Za-z]|\s*[.,;:!?)]+\s*(?:[A-Za-z]|$))")
 _HASH_START_RE = re.compile(r"^\s*(?:\\?\$|-|\u2212|\d|\\|\(|\[|\{)")
 _PROSE_RE = re.compile(r"[A-Za-z][A-Za-z']+[ \t]+[A-Za-z][A-Za-z']+")
 _INTEGER_RE = re.compile(r"^-?\d{1,300}$")
@@ -194,7 +197,6 @@ def _tidy(raw: str, *, boxed: bool = False) -> str:
     lead = _LEADING_NUMBER_RE.match(text)
     if lead is not None:
         rest = text[lead.end() :]
-        # "18 dollars", "72 clips.", "5, which ..." -> the number; "2x", "3/4", "1, 2" or "3 + 4" stay whole.
         if not rest or _WORDS_AFTER_NUMBER_RE.match(rest):
             return lead.group(1)
     if span is not None and not boxed:
@@ -677,7 +679,8 @@ def compute_score(
     correct = _as_float("correct_reward", correct_reward)
     incorrect = _as_float("incorrect_reward", incorrect_reward)
     no_answer = incorrect if no_answer_reward is None else _as_float("no_answer_reward", no_answer_reward)
-    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0):
+    bad_timeout = isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0
+    if timeout_s is not None and bad_timeout:
         raise ValueError(f"reward_kwargs.timeout_s must be a positive number of seconds or null, got {timeout_s!r}")
     if verify_mode not in _VERIFY_MODES:
         raise ValueError(f"reward_kwargs.verify_mode must be one of {_VERIFY_MODES}, got {verify_mode!r}")
@@ -704,7 +707,8 @@ def compute_score(
             )
         from verl.utils.reward_score import default_compute_score
 
-        verl_kwargs = {k: v for k, v in kwargs.items() if k in ("sandbox_fusion_url", "concurrent_semaphore", "memory_limit_mb")}
+        sandbox = ("sandbox_fusion_url", "concurrent_semaphore", "memory_limit_mb")
+        verl_kwargs = {k: v for k, v in kwargs.items() if k in sandbox}
         return _from_verl(default_compute_score(data_source, solution_str, ground_truth, extra_info, **verl_kwargs))
 
     golds = extract_ground_truth(ground_truth)

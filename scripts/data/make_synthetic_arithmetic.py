@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="where train.parquet and test.parquet go")
     parser.add_argument("--n-train", type=int, default=2000, help="train problems (default 2000)")
-    parser.add_argument("--n-test", type=int, default=200, help="test problems, none repeating a train one (default 200)")
+    parser.add_argument("--n-test", type=int, default=200,
+                        help="test problems, none repeating a train one (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--difficulty", default="2", help="1, 2, 3 or easy, medium, hard (default 2)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing train/test parquet files")
