@@ -303,7 +303,7 @@ def extract_ground_truth(ground_truth: Any) -> list[str]:
         raise TypeError(f"ground_truth must be a string, a number or a list of them, got {type(ground_truth).__name__}")
     text = ground_truth.strip()
     if "####" in text:
-        text = text[text.rfind("####") + 4 :].strip()
+        text = _tidy(text[text.rfind("####") + 4 :])
     else:
         boxed = _last_braced(text, ("\\boxed", "\\fbox"))
         if boxed is not None:

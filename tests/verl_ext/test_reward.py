@@ -434,12 +434,12 @@ def _tiny_tokenizer():
     )
 
 
-def _one_item(tokenizer, response: str, ground_truth, data_source: str, prompt_len: int = 8):
+def _one_item(tokenizer, response: str, ground_truth, data_source: str, prompt_len: int = 8, resp_len: int = 96):
     import torch
     from verl import DataProto
 
     ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
-    resp_len = len(ids) + 5  # right padding, as in a real batch
+    assert len(ids) < resp_len  # right padding, as in a real batch
     responses = torch.full((1, resp_len), tokenizer.pad_token_id)
     responses[0, : len(ids)] = torch.tensor(ids)
     attention = torch.zeros((1, prompt_len + resp_len), dtype=torch.long)
@@ -510,3 +510,39 @@ def test_importing_the_reward_module_is_cheap():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout) == []
+
+
+@pytest.mark.slow
+def test_inside_a_real_ray_reward_loop_worker(tmp_path):
+    """End to end as in training: verl's RewardLoopWorker as a Ray actor loads the tokenizer and our function
+    from the config and scores a batch in its executor threads; the runaway comparison is cut at timeout_s."""
+    ray = pytest.importorskip("ray")
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
+
+    tokenizer = _tiny_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "tok")
+    config = _verl_config("pkg://verl_ext.reward", timeout_s=1.0)
+    config.actor_rollout_ref = {"model": {"path": str(tmp_path / "tok"), "tokenizer_path": None}}
+    config.reward.reward_model = {"enable": False}
+    cases = [
+        ("Altogether 48 + 24 = 72.\n#### 72", "72", "openai/gsm8k", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", "math", 1.0),
+        ("\\boxed{5}", SLOW_GOLD, "math", 0.0),
+        ("\\boxed{0.7}", "0.5", "math", 0.0),
+        ("#### 8", "8", "qerl/synthetic_arithmetic", 1.0),
+    ]
+    batch = DataProto.concat([_one_item(tokenizer, r, g, s) for r, g, s, _ in cases])
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        worker = ray.remote(RewardLoopWorker).remote(config)
+        outs = ray.get(worker.compute_score_batch.remote(batch), timeout=180)
+        ray.kill(worker)
+    finally:
+        if started:
+            ray.shutdown()
+    assert [o["reward_score"] for o in outs] == [c[3] for c in cases]
+    assert all(set(o["reward_extra_info"]) == {"score", "acc", "pred"} for o in outs)
