@@ -572,17 +572,24 @@ class QuantizeResult:
 
 
 class _Readers:
-    """Open safetensors handles by file, read one tensor at a time."""
+    """safetensors handles by file, read one tensor at a time.
 
-    def __init__(self, src: Path):
+    At most ``keep`` files stay open: a handle maps its whole file, and the pages it has read count as
+    this process's memory until it closes; reopening costs one header parse.
+    """
+
+    def __init__(self, src: Path, keep: int = 1):
         self.src = src
+        self.keep = keep
         self._handles: dict[str, object] = {}
 
     def get(self, entry: TensorEntry) -> torch.Tensor:
-        h = self._handles.get(entry.file)
+        h = self._handles.pop(entry.file, None)
         if h is None:
             h = _open_safetensors(self.src / entry.file)
-            self._handles[entry.file] = h
+            while len(self._handles) >= self.keep:
+                del self._handles[next(iter(self._handles))]  # least recently used
+        self._handles[entry.file] = h
         try:
             return h.get_tensor(entry.name)
         except Exception as exc:
