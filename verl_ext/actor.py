@@ -14,10 +14,11 @@ Three wrappers (:mod:`verl_ext.patches`) put the NVFP4 base in between:
     makes them the process's settings (:func:`verl_ext.config.activate`); the engine has no rollout config.
 ``FSDPEngine._build_module``
     BF16 checkpoint: verl's own build. NVFP4 checkpoint (compressed-tensors ``nvfp4-pack-quantized``):
-    verl's build with ``quantization_config`` hidden from transformers (so it builds plain ``nn.Linear``
-    layers instead of compressed-tensors' own modules; the packed tensors are skipped as unexpected
-    keys), then :func:`verl_ext.nvfp4_linear.load_nvfp4_checkpoint_into` swaps every quantized projection
-    for an :class:`~verl_ext.nvfp4_linear.NVFP4Linear` holding the checkpoint's bytes and reloads the rest.
+    :func:`build_from_nvfp4_checkpoint` builds the model with meta parameters (``quantization_config``
+    hidden from transformers, so no compressed-tensors modules), then
+    :func:`verl_ext.nvfp4_linear.load_nvfp4_checkpoint_into` puts every quantized projection in an
+    :class:`~verl_ext.nvfp4_linear.NVFP4Linear` holding the checkpoint's bytes and loads the rest; then
+    verl's post-build steps (monkey patches, dtype, gradient checkpointing).
 ``FSDPEngine._build_lora_module``
     BF16 checkpoint: :func:`~verl_ext.nvfp4_linear.replace_linears_with_nvfp4` quantizes the decoder's
     ``*_proj`` layers (on the GPU when there is one) exactly as vLLM's load-time quantization does, so the
@@ -67,27 +68,70 @@ def _quant_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
+def build_from_nvfp4_checkpoint(engine):
+    """verl's ``FSDPEngine._build_module`` for an NVFP4 checkpoint, without ever materialising dense weights.
+
+    The HF model is built from its config with parameters on the meta device (buffers such as rotary
+    ``inv_freq`` are real), :func:`~verl_ext.nvfp4_linear.load_nvfp4_checkpoint_into` swaps each quantized
+    projection for an NVFP4Linear with the checkpoint's bytes and loads every other tensor; then the steps
+    verl's build applies after ``from_pretrained``: its model monkey patches, the cast to the training dtype
+    (NVFP4 buffers keep their dtypes), gradient checkpointing. (Calling verl's build instead would allocate a
+    random dense fp32 copy of every projection first: 128 GB of host memory for a 32B model.)
+    """
+    import torch
+    from accelerate import init_empty_weights
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+    from verl.utils.model import get_hf_auto_model_class
+    from verl.utils.torch_dtypes import PrecisionType
+
+    from verl_ext.nvfp4_linear import load_nvfp4_checkpoint_into
+
+    mc, ec = engine.model_config, engine.engine_config
+    if mc.model_type != "language_model":
+        raise NotImplementedError(f"quantization=nvfp4 supports language models, got model_type={mc.model_type!r}")
+    torch_dtype = ec.model_dtype
+    if torch_dtype is None:
+        torch_dtype = torch.float32 if not ec.forward_only else torch.bfloat16
+    torch_dtype = PrecisionType.to_dtype(torch_dtype)
+    hf_config = mc.hf_config
+    had = hasattr(hf_config, "quantization_config")
+    saved = getattr(hf_config, "quantization_config", None)
+    if had:  # transformers must build plain nn.Linear layers, not compressed-tensors' modules
+        delattr(hf_config, "quantization_config")
+    try:
+        auto_class = get_hf_auto_model_class(hf_config=hf_config)
+        with init_empty_weights(include_buffers=False):
+            module = auto_class.from_config(hf_config, torch_dtype=torch_dtype, trust_remote_code=mc.trust_remote_code)
+    finally:
+        if had:
+            hf_config.quantization_config = saved
+    path = getattr(mc, "local_path", None) or mc.path
+    report = load_nvfp4_checkpoint_into(module, path, device="cpu")
+    if report.meta_left:
+        raise RuntimeError(f"NVFP4 checkpoint {path} left tensors on the meta device: {report.meta_left[:5]}")
+    fko = mc.fused_kernel_options
+    apply_monkey_patch(
+        model=module,
+        use_remove_padding=engine.use_remove_padding,
+        ulysses_sp_size=engine.ulysses_sequence_parallel_size,
+        use_fused_kernels=mc.use_fused_kernels,
+        fused_kernels_backend=fko.get("impl_backend", None) if fko is not None else None,
+    )
+    module.to(torch_dtype)
+    if mc.enable_gradient_checkpointing:
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    logger.info("qerl: actor base loaded from the NVFP4 checkpoint %s: %s", path, report.summary())
+    return module
+
+
 def wrap_build_module(original, target: str):
     def _build_module(self):
         s = current()
         if not (s.nvfp4 and s.nvfp4_checkpoint):
             return original(self)
-        from verl_ext.nvfp4_linear import load_nvfp4_checkpoint_into
-
-        hf_config = self.model_config.hf_config
-        had = hasattr(hf_config, "quantization_config")
-        saved = getattr(hf_config, "quantization_config", None)
-        if had:
-            delattr(hf_config, "quantization_config")
-        try:
-            module = original(self)
-        finally:
-            if had:
-                hf_config.quantization_config = saved
-        path = getattr(self.model_config, "local_path", None) or self.model_config.path
-        report = load_nvfp4_checkpoint_into(module, path, device=_quant_device())
-        logger.info("qerl: actor base loaded from the NVFP4 checkpoint %s: %s", path, report.summary())
-        return module
+        if getattr(self.model_config, "use_liger", False):
+            raise NotImplementedError("quantization=nvfp4 with an NVFP4 checkpoint does not support model.use_liger")
+        return build_from_nvfp4_checkpoint(self)
 
     return _build_module
 

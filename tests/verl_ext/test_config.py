@@ -1,0 +1,210 @@
+"""qerl's keys in verl configs: accepted by verl's own config classes, and bad input caught before any GPU work.
+
+Configs are composed exactly as ``python -m verl.trainer.main_ppo --config-path ... --config-name ...`` does
+(Hydra + verl's ``ppo_trainer`` defaults), from the example YAMLs plus overrides.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verl_ext.config import QerlConfigError, check, checkpoint_quantization, compose, settings_from, validate
+
+pytest.importorskip("verl")
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "tiny" / "config.yaml"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny", ROOT / "examples" / "tiny" / "make_tiny.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path_factory.mktemp("qerl_tiny")
+    mod.main([str(out), "--n-train", "16", "--n-test", "4"])
+    return out
+
+
+@pytest.fixture
+def env(tiny_dir, monkeypatch):
+    monkeypatch.setenv("QERL_TINY_DIR", str(tiny_dir))
+    return tiny_dir
+
+
+def _cfg(*overrides):
+    return compose(TINY, list(overrides))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# accepted configs
+
+
+def test_tiny_example_validates_through_verl(env):
+    cfg, settings, notes = check(TINY)
+    assert settings.nvfp4 and settings.model_quant == "bf16"
+    assert settings.aqn_enabled and settings.aqn.num_stages == 5 and settings.aqn.sigma_start == 1e-2
+    assert notes == []
+    # verl's own dataclass keeps our block untouched and the quantization string as given
+    from verl.utils.config import omega_conf_to_dataclass
+
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    assert type(rollout).__name__ == "RolloutConfig"
+    assert rollout.quantization == "nvfp4"
+    assert rollout.custom["qerl"]["aqn"]["enable"] is True
+    # and the settings the vLLM server derives from that dataclass equal the driver's
+    assert settings_from(rollout, cfg.actor_rollout_ref.model).aqn == settings.aqn
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*/config/qwen2.5-*.yaml")), ids=lambda p: f"{p.parent.parent.name}/{p.name}")
+def test_recipe_yamls_compose_and_pass_qerl_checks(example, env):
+    cfg = compose(example, [f"actor_rollout_ref.model.path={env / 'model'}"])
+    settings, notes = validate(cfg)
+    assert settings.nvfp4 and settings.aqn_enabled
+    assert cfg.actor_rollout_ref.model.lora_rank == 32
+    assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(1e-5)
+    a = settings.aqn
+    assert (a.sigma_start, a.sigma_end, a.num_stages, a.schedule) == (1e-2, 1e-4, 10, "exponential")
+    # the BF16-LoRA baseline of the same recipe is a valid config too
+    base = compose(
+        example,
+        [
+            f"actor_rollout_ref.model.path={env / 'model'}",
+            "actor_rollout_ref.rollout.quantization=null",
+            "actor_rollout_ref.rollout.custom.qerl.aqn.enable=false",
+        ],
+    )
+    s2, _ = validate(base)
+    assert not s2.active
+
+
+def test_plus_syntax_adds_aqn_to_a_config_without_the_block(env):
+    cfg = _cfg(
+        "~actor_rollout_ref.rollout.custom",
+        "+actor_rollout_ref.rollout.custom.qerl.aqn.enable=true",
+        "+actor_rollout_ref.rollout.custom.qerl.aqn.schedule=cosine",
+    )
+    settings, _ = validate(cfg)
+    assert settings.aqn.schedule == "cosine" and settings.aqn.sigma_end == 1e-4  # defaults from qerl_plugin.aqn
+
+
+def test_dummy_load_format_is_normalised_to_auto(env):
+    cfg = _cfg("actor_rollout_ref.rollout.load_format=dummy")
+    settings, notes = validate(cfg)
+    assert cfg.actor_rollout_ref.rollout.load_format == "auto"
+    assert notes and "load_format: dummy -> auto" in notes[0]
+
+
+def test_aqn_off_and_no_quantization_is_a_plain_verl_run(env):
+    cfg = _cfg("actor_rollout_ref.rollout.quantization=null", "actor_rollout_ref.rollout.custom.qerl.aqn.enable=false")
+    settings, notes = validate(cfg)
+    assert not settings.active and notes == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bad input: the error names the key and the fix
+
+
+@pytest.mark.parametrize(
+    "overrides, key, fix",
+    [
+        (["actor_rollout_ref.model.lora_rank=0"], "actor_rollout_ref.model.lora_rank=0", "lora_rank"),
+        (["actor_rollout_ref.actor.fsdp_config.qat.enable=true"], "fsdp_config.qat.enable=true", "Remove"),
+        (["actor_rollout_ref.rollout.custom.qerl.aqn.sigma_end=0.1"], "custom.qerl.aqn", "swap the two values"),
+        (["actor_rollout_ref.rollout.custom.qerl.aqn.num_stages=0"], "custom.qerl.aqn", "num_stages: must be >= 1"),
+        (["actor_rollout_ref.rollout.custom.qerl.aqn.schedule=expo"], "custom.qerl.aqn", "choose one of"),
+        (["+actor_rollout_ref.rollout.custom.qerl.aqn.sigma=0.1"], "custom.qerl.aqn", "unknown key(s) 'sigma'"),
+        (["+actor_rollout_ref.rollout.custom.qerl.noise=1"], "custom.qerl", "takes only aqn"),
+        (["actor_rollout_ref.rollout.name=sglang"], "rollout.name='sglang'", "rollout.name=vllm"),
+        (["actor_rollout_ref.model.lora.merge=true"], "lora.merge=true", "lora.merge=false"),
+        (["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"], "checkpoint_engine.backend='nccl'", "backend=naive"),
+        (["actor_rollout_ref.actor.strategy=megatron"], "actor.strategy='megatron'", "strategy=fsdp2"),
+        (["actor_rollout_ref.rollout.quantization=NVFP4"], "rollout.quantization", "lower case"),
+        (["actor_rollout_ref.rollout.quantization=fp4"], "rollout.quantization='fp4'", "quantization: nvfp4"),
+        (["actor_rollout_ref.rollout.quantization_config_file=/x.json"], "quantization_config_file", "remove"),
+        (["trainer.v1.trainer_mode=colocate_async"], "trainer_mode='colocate_async'", "trainer_mode=sync"),
+        (["trainer.total_training_steps=3"], "total_training_steps=3", "lower num_stages"),
+        (["actor_rollout_ref.rollout.custom.qerl.aqn.apply_to_actor=maybe"], "aqn.apply_to_actor", "true or false"),
+    ],
+)
+def test_bad_config_is_rejected_with_key_and_fix(env, overrides, key, fix):
+    cfg = _cfg(*overrides)
+    with pytest.raises(QerlConfigError) as e:
+        validate(cfg)
+    msg = str(e.value)
+    assert key in msg and fix in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# model path vs quantization
+
+
+def _fake_checkpoint(tmp_path: Path, src: Path, quant: dict | None) -> Path:
+    dst = tmp_path / "ckpt"
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    if quant is None:
+        cfg.pop("quantization_config", None)
+    else:
+        cfg["quantization_config"] = quant
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_checkpoint_quantization_detection(env, tmp_path):
+    from qerl_plugin.format import quantization_config_dict
+
+    src = env / "model"
+    assert checkpoint_quantization(str(src)) == "bf16"
+    assert checkpoint_quantization("/no/such/dir") == "unknown"
+    assert checkpoint_quantization("Qwen/Qwen2.5-7B-Instruct") == "unknown"  # a hub id is checked by vLLM later
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    nv = _fake_checkpoint(tmp_path / "a", src, quantization_config_dict(ignore=["lm_head"]))
+    assert checkpoint_quantization(str(nv)) == "nvfp4"
+    fp8 = _fake_checkpoint(tmp_path / "b", src, {"quant_method": "fp8", "fmt": "e4m3"})
+    assert checkpoint_quantization(str(fp8)) == "other:fp8"
+
+
+def test_model_path_quantization_must_match(env, tmp_path):
+    from qerl_plugin.format import quantization_config_dict
+
+    src = env / "model"
+    (tmp_path / "a").mkdir()
+    nv = _fake_checkpoint(tmp_path / "a", src, quantization_config_dict(ignore=["lm_head"]))
+    settings, _ = validate(_cfg(f"actor_rollout_ref.model.path={nv}"))
+    assert settings.nvfp4_checkpoint
+    with pytest.raises(QerlConfigError, match=r"is an NVFP4 .* set actor_rollout_ref.rollout.quantization=nvfp4"):
+        validate(_cfg(f"actor_rollout_ref.model.path={nv}", "actor_rollout_ref.rollout.quantization=null"))
+    (tmp_path / "b").mkdir()
+    fp8 = _fake_checkpoint(tmp_path / "b", src, {"quant_method": "fp8"})
+    with pytest.raises(QerlConfigError, match=r"already quantized \(fp8\).*BF16/FP16 checkpoint"):
+        validate(_cfg(f"actor_rollout_ref.model.path={fp8}"))
+    (tmp_path / "c").mkdir()
+    w4a4 = quantization_config_dict(ignore=["lm_head"])
+    for group in w4a4["config_groups"].values():
+        group["input_activations"] = dict(group["weights"])
+    nvfp4_w4a4 = _fake_checkpoint(tmp_path / "c", src, w4a4)
+    with pytest.raises(QerlConfigError, match="already quantized"):
+        validate(_cfg(f"actor_rollout_ref.model.path={nvfp4_w4a4}"))
+
+
+def test_verl_validate_config_runs_qerl_checks_first(env):
+    """The wrapped verl.utils.config.validate_config (what main_ppo calls) raises qerl's error."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from verl_ext import patches
+
+    patches.apply_all()
+    import verl.utils.config as vc
+
+    assert patches.is_patched(vc.validate_config)
+    cfg = _cfg("actor_rollout_ref.model.lora_rank=0")
+    with pytest.raises(QerlConfigError, match="lora_rank=0"):
+        vc.validate_config(cfg, need_reference_policy(cfg), need_critic(cfg))
