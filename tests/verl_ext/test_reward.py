@@ -414,6 +414,35 @@ def test_verl_loader_finds_and_wraps_our_function(path):
     assert fn(solution_str="so #### 71", ground_truth="72", **kw)["score"] == -1.0  # reward_kwargs reached us
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [
+            "reward.custom_reward_function.path=pkg://verl_ext.reward",
+            "reward.custom_reward_function.name=compute_score",
+            "+reward.custom_reward_function.reward_kwargs.incorrect_reward=-1.0",
+        ],
+        # verl's legacy top-level block, migrated by verl to reward.custom_reward_function
+        ["custom_reward_function.path=pkg://verl_ext.reward", "custom_reward_function.name=compute_score"],
+    ],
+)
+def test_verls_own_trainer_config_selects_it(overrides):
+    """The documented overrides on verl's real ppo_trainer.yaml (Hydra compose + verl's legacy migration)."""
+    from hydra import compose, initialize_config_dir
+    import verl
+    from verl.experimental.reward_loop.reward_loop import migrate_legacy_reward_impl
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = migrate_legacy_reward_impl(compose("ppo_trainer", overrides=overrides))
+    fn = get_custom_reward_fn(config)
+    kw = dict(data_source="openai/gsm8k", ground_truth="4", extra_info={})
+    assert fn(solution_str="#### 4", **kw)["score"] == 1.0
+    wrong = -1.0 if any("incorrect_reward" in o for o in overrides) else 0.0
+    assert fn(solution_str="#### 3", **kw)["score"] == wrong
+
+
 def _tiny_tokenizer():
     """Byte-level tokenizer with a chat template, built offline (exact decode of any text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
