@@ -24,6 +24,7 @@ renamed into place at the end, so an interrupted run leaves DST as it was.
 from __future__ import annotations
 
 import difflib
+import glob
 import json
 import os
 import re
@@ -650,6 +651,8 @@ def quantize_checkpoint(
 
     parent = dst.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
+    for stale in sorted(parent.glob(f".{glob.escape(dst.name)}.qerl-*")):
+        log(f"note: {stale} is left over from an interrupted run; it is safe to delete")
     need = plan.dst_bytes + sum((src_dir / f).stat().st_size for f in plan.copy_files)
     free = shutil.disk_usage(parent).free
     if free < need:

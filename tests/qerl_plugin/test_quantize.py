@@ -19,7 +19,7 @@ from qerl_plugin import format as fmt
 from qerl_plugin import nvfp4
 from qerl_plugin.cli import main
 from qerl_plugin.quantize import QuantizeError, parse_size, plan_quantization, quantize_checkpoint, resolve_source
-from helpers import file_hashes, make_tiny_qwen2, read_safetensors_dir
+from helpers import TINY_QWEN2, file_hashes, make_tiny_model, make_tiny_qwen2, read_safetensors_dir
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
@@ -198,6 +198,42 @@ def test_transformers_loads_the_output_and_matches_our_dequantized_weights(quant
         assert torch.equal(ct_model(ids).logits, ref(ids).logits)
 
 
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"])
+def test_other_supported_architectures(tmp_path, arch):
+    import transformers
+
+    cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    kw = {k: v for k, v in TINY_QWEN2.items()}
+    cfg = cfg_cls(**kw, head_dim=16)
+    src = make_tiny_model(tmp_path / "src", cfg, getattr(transformers, arch), tokenizer=False)
+    dst = tmp_path / "dst"
+    assert run_qerl(src, dst) == 0
+    out = read_safetensors_dir(dst)
+    srct = load_file(str(src / "model.safetensors"))
+    for layer in range(2):
+        for m in LINEARS:
+            assert f"model.layers.{layer}.{m}.weight_packed" in out, (arch, m)
+    kept = [k for k in out if not k.endswith(fmt.PARAM_NAMES)]
+    assert kept and all(torch.equal(out[k].view(torch.uint8), srct[k].view(torch.uint8)) for k in kept)
+    if arch == "Qwen3ForCausalLM":  # q_norm / k_norm are RMSNorm weights: kept
+        assert "model.layers.0.self_attn.q_norm.weight" in kept
+
+
+def test_tied_embeddings_and_fp16(tmp_path):
+    src = make_tiny_qwen2(tmp_path / "src", dtype=torch.float16, tie_word_embeddings=True, tokenizer=False)
+    srct = load_file(str(src / "model.safetensors"))
+    assert "lm_head.weight" not in srct
+    dst = tmp_path / "dst"
+    assert run_qerl(src, dst) == 0
+    out = read_safetensors_dir(dst)
+    assert "lm_head.weight" not in out and out["model.embed_tokens.weight"].dtype == torch.float16
+    assert json.loads((dst / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head"]
+    names = [f"model.layers.1.{m}" for m in GROUPS[0]]
+    ref = nvfp4.quantize_fused([srct[f"{n}.weight"] for n in names], names)
+    for n, q in zip(names, ref):
+        assert torch.equal(out[f"{n}.weight_packed"], q.packed) and torch.equal(out[f"{n}.weight_global_scale"], q.global_scale)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # sharding
 
@@ -300,6 +336,14 @@ def test_overwrite(tiny_qwen2_dir, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert run_qerl(tiny_qwen2_dir, empty) == 0  # an empty DST is fine
+
+
+def test_leftovers_of_a_killed_run_are_pointed_out(tiny_qwen2_dir, tmp_path):
+    (tmp_path / ".out.qerl-partial-deadbeef").mkdir()
+    logs: list[str] = []
+    quantize_checkpoint(tiny_qwen2_dir, tmp_path / "out", progress=False, log=logs.append)
+    assert any(".out.qerl-partial-deadbeef is left over from an interrupted run" in m for m in logs)
+    assert (tmp_path / "out" / "model.safetensors").exists()
 
 
 def test_dst_overlapping_src_is_refused(tiny_qwen2_dir, tmp_path):
