@@ -34,9 +34,9 @@ occurrence in the response counts):
 4. The last number in the response (only with ``allow_last_number=True``, the default).
 
 If the response contains ``</think>``, only the text after the last ``</think>`` is searched. The
-extracted text is tidied: math delimiters (``$...$``, ``\\(...\\)``) are taken from, a trailing period
-and ``**`` are dropped, a leading number followed by plain words keeps the number (``18 dollars`` ->
-``18``), ``%``/``\\%``, ``$``/``\\$`` signs and thousands separators go, the unicode minus becomes ``-``.
+extracted text is tidied: after a marker the content of a math span (``$...$``, ``\\(...\\)``) is taken,
+a trailing period and ``**`` are dropped, a leading number followed by plain words keeps the number
+(``18 dollars`` -> ``18``), ``%``/``\\%``, ``$``/``\\$`` signs and thousands separators go, the unicode minus becomes ``-``.
 The ground truth is read the same way: a GSM8K answer with ``#### 72`` gives ``72``, a ``\\boxed{}``
 gives its content, numbers/ints/floats are accepted, a list of strings means "any of these".
 
@@ -50,8 +50,10 @@ Timeouts: math-verify's own timeouts use ``signal.alarm``, which raises in any t
 and verl calls us from a thread. So we pass ``parsing_timeout=None``/``timeout_seconds=None`` to
 math-verify and bound the time ourselves: in the main thread with ``signal.setitimer`` around the whole
 comparison; in any other thread (Ray) by sending the comparison to a small pool of persistent helper
-processes (``python -c`` servers that load this file, one JSON line per request) and killing a helper
-that overruns ``timeout_s`` (it restarts on the next request). A timed-out comparison scores as wrong.
+processes (``python -c`` servers that load this file, one JSON line per request; ``verify_workers`` per
+reward worker, started on first need, ~60 MB each, exiting with their parent). A helper bounds each
+comparison with its own alarm and is killed if it has not answered ``timeout_s + 2`` s later (a computation
+stuck in C code); it restarts on the next request. A timed-out comparison scores as wrong.
 If helper processes cannot start (said once in the log), the comparison runs in a daemon thread that is
 abandoned at the deadline (it cannot be stopped, so a runaway one keeps a core busy until it finishes).
 
