@@ -36,8 +36,8 @@ occurrence in the response counts):
 If the response contains ``</think>``, only the text after the last ``</think>`` is searched. The
 extracted text is tidied: after a marker the content of a math span (``$...$``, ``\\(...\\)``) is taken,
 a trailing period and ``**`` are dropped, a leading number followed by plain words keeps the number
-(``18 dollars`` -> ``18``), ``%``/``\\%``, ``$``/``\\$`` signs and thousands separators go, the unicode minus becomes ``-``.
-The ground truth is read the same way: a GSM8K answer with ``#### 72`` gives ``72``, a ``\\boxed{}``
+(``18 dollars`` -> ``18``), ``%``/``\\%``, ``$``/``\\$`` signs and thousands separators go, the unicode
+minus becomes ``-``. The ground truth is read the same way: a GSM8K answer with ``#### 72`` gives ``72``, a ``\\boxed{}``
 gives its content, numbers/ints/floats are accepted, a list of strings means "any of these".
 
 Comparison: two plain integers are compared exactly (GSM8K, synthetic data: no sympy at all);
