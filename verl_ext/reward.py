@@ -37,8 +37,8 @@ If the response contains ``</think>``, only the text after the last ``</think>``
 extracted text is tidied: after a marker the content of a math span (``$...$``, ``\\(...\\)``) is taken,
 a trailing period and ``**`` are dropped, a leading number followed by plain words keeps the number
 (``18 dollars`` -> ``18``), ``%``/``\\%``, ``$``/``\\$`` signs and thousands separators go, the unicode
-minus becomes ``-``. The ground truth is read the same way: a GSM8K answer with ``#### 72`` gives ``72``, a ``\\boxed{}``
-gives its content, numbers/ints/floats are accepted, a list of strings means "any of these".
+minus becomes ``-``. The ground truth is read the same way: a GSM8K answer with ``#### 72`` gives ``72``,
+a ``\\boxed{}`` gives its content, numbers/ints/floats are accepted, a list of strings means "any of these".
 
 Comparison: two plain integers are compared exactly (GSM8K, synthetic data: no sympy at all);
 anything else goes through math-verify (``math_verify.parse`` on ``\\boxed{answer}`` with LaTeX and
