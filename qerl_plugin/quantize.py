@@ -461,9 +461,10 @@ def plan_quantization(
     for t in tensors:
         if t.name in linear and linear[t.name] not in ignored:
             if t.dtype not in _FLOAT_DTYPES:
+                why = "the checkpoint looks already quantized" if t.dtype.startswith(("F8", "I", "U")) else "unsupported dtype"
                 raise QuantizeError(
-                    f"{src / t.file}: Linear weight {t.name} has dtype {t.dtype}; the checkpoint looks already "
-                    "quantized: qerl quantize needs the original BF16/FP16/FP32 checkpoint"
+                    f"{src / t.file}: Linear weight {t.name} has dtype {t.dtype} ({why}); "
+                    "qerl quantize needs the original BF16/FP16/FP32 checkpoint"
                 )
             if len(t.shape) != 2:
                 raise QuantizeError(
@@ -503,11 +504,12 @@ def plan_quantization(
                 "they must share one global scale: re-export the checkpoint in one dtype"
             )
 
-    # the ignore list: lm_head, every ignored Linear, and (with --force) every other kept 2-D layer weight
-    kept_linear = set(ignored) | {t.module for t in unexpected}
-    ignore_list = sorted(kept_linear, key=_natural_key)
+    # the ignore list: lm_head, every ignored Linear, and every other kept 2-D weight that vLLM might build as
+    # a Linear (unknown layer modules with --force, heads outside the layers); listing a non-Linear is harmless
     for t in unexpected:
         kept_reason[t.name] = "unknown module, kept (--force)"
+    kept_2d = {t.module for t in tensors if kept_reason.get(t.name) in ("not a decoder Linear", "unknown module, kept (--force)")}
+    ignore_list = sorted(set(ignored) | kept_2d, key=_natural_key)
 
     copy_files, skipped = _other_files(src, files)
     return QuantizePlan(
