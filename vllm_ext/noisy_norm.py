@@ -17,22 +17,29 @@ Switch (fixed per engine, before graph capture)
 Trade-off chosen (bit-identity at sigma = 0 versus noise under torch.compile and CUDA graphs)
     * AQN off (default): every method is vLLM's own (``super().forward_*``), nothing else is traced and no
       buffer exists, so the engine is stock vLLM, bit for bit, with zero overhead.
-    * AQN on: the noisy expression is always traced; noise lives in a registered fp32 buffer ``qerl_noise``
-      (non-persistent, invisible to checkpoints and dummy init) and is rewritten in place with ``copy_`` by
-      :func:`set_noise`. The compiled graph and every CUDA-graph replay read that storage, so a resample
-      needs no recompilation, no recapture and no new Parameter. There is no Python branch on values.
-    * The noisy expression mirrors vLLM's native ``rms_norm`` cast for cast (``x.to(w.dtype)`` then the
-      weight multiply), only with the weight replaced by ``w.float() + z`` in fp32. The product of two
-      bf16 (or fp16) numbers is exact in fp32, so at ``z = 0`` the result equals vLLM's native RMSNorm bit
-      for bit (``torch.equal``; signed zeros aside), in eager and, up to Inductor's choice of reduction
-      schedule, in compiled graphs (vLLM lowers ``rms_norm`` to its native form whenever Inductor is on, the
-      default). What is *not* promised: an AQN engine at sigma = 0 is not bit-identical to the stock
-      ``vllm_c`` CUDA kernel that runs when compilation is off (``enforce_eager``); its reduction order
-      differs (results agree to about one bf16 ulp). For exact stock output run the engine with AQN off.
-      The price of AQN on is one extra fp32 vector read per norm inside the same fused kernel; vLLM's IR
-      fusions that match ``rms_norm`` (fp8 quant fusion, all-reduce fusion) do not fire on AQN norms.
-    * Because ``w + z`` is formed in fp32, sigma down to 1e-4 changes bf16 outputs: the rounding of
-      ``xn * (w + z)`` moves in the direction of ``xn * z`` for roughly ``sigma / ulp`` of the elements.
+    * AQN on: the noisy expression is always traced; noise lives in registered buffers (``qerl_noise``, fp32,
+      one value per channel, and ``qerl_active``, one bool), non-persistent, so invisible to checkpoints and
+      dummy init, and rewritten in place with ``copy_`` by :func:`set_noise`. The compiled graph and every
+      CUDA-graph replay read that storage, so a resample needs no recompilation, no recapture and no new
+      Parameter. There is no Python branch on values.
+    * The layer computes both vLLM's native expression (``x.to(w.dtype) * w``, cast for cast) and the noisy
+      one, ``normalize(x) * (w.float() + z)`` in fp32 with a single final rounding, and selects with
+      ``torch.where(qerl_active, noisy, stock)``. Cleared (sigma = 0) the output is vLLM's native RMSNorm bit
+      for bit in eager mode, and under Inductor it is the same expression vLLM itself compiles (vLLM lowers
+      ``rms_norm`` to its native form whenever Inductor is on, the default), equal up to Inductor's choice of
+      reduction schedule for the fused kernel (checked on the GPU by scripts/gpu/check_aqn_vllm.py). With
+      noise on, ``normalize(x)`` is not rounded to bf16 before the weight multiply (the stock eager path does
+      round it; Inductor does not): rounding first would swallow a 1e-4 perturbation of any weight that is a
+      power of two, such as the 1.0 of a freshly initialised norm.
+    * What is *not* promised: an AQN engine at sigma = 0 is not bit-identical to the stock ``vllm_c`` CUDA
+      kernel that runs when compilation is off (``enforce_eager``); its reduction order differs (results
+      agree to about one bf16 ulp). For exact stock output there, run the engine with AQN off.
+    * Cost of AQN on: one extra fp32 vector and a flag read per norm, a multiply and a select, all inside the
+      same fused kernel under Inductor; vLLM's IR fusions that match ``rms_norm`` (fp8 quant fusion, TP
+      all-reduce fusion) do not fire on AQN norms.
+    * Because ``w + z`` is formed in fp32 and rounded once, sigma down to 1e-4 changes bf16 outputs: each
+      output moves by one ulp in the direction of ``normalize(x) * z`` for roughly ``sigma / ulp`` of the
+      elements (bf16 weights ``w + z`` would round a 1e-4 change of a weight near 1 away entirely).
 
 Which norms get noise
     Every ``RMSNorm`` in the model is replaced; AQN applies to those that feed linear projections (QeRL
@@ -129,8 +136,9 @@ def is_aqn_target(hf_name: str) -> bool:
 class NoisyRMSNorm(RMSNorm):
     """vLLM ``RMSNorm`` with an optional fp32 noise vector added to its weight (see the module docstring).
 
-    Attributes beyond vLLM's: ``qerl_aqn`` (bool, fixed at construction), ``qerl_noise`` (fp32 buffer of
-    ``hidden_size``, only when ``qerl_aqn``), ``qerl_name`` (HF module name, set by :func:`noisy_norms`).
+    Attributes beyond vLLM's: ``qerl_aqn`` (bool, fixed at construction); when it is set, buffers
+    ``qerl_noise`` (fp32, ``hidden_size``) and ``qerl_active`` (bool, ``[1]``); ``qerl_name`` (HF module name,
+    set by :func:`noisy_norms`).
     """
 
     def __init__(
@@ -145,8 +153,9 @@ class NoisyRMSNorm(RMSNorm):
         self.qerl_name: str | None = None
         self.qerl_aqn = bool(has_weight) and aqn_enabled()
         if self.qerl_aqn:
-            noise = torch.zeros(hidden_size, dtype=torch.float32, device=self.weight.device)
-            self.register_buffer("qerl_noise", noise, persistent=False)
+            device = self.weight.device
+            self.register_buffer("qerl_noise", torch.zeros(hidden_size, dtype=torch.float32, device=device), persistent=False)
+            self.register_buffer("qerl_active", torch.zeros(1, dtype=torch.bool, device=device), persistent=False)
 
     # vLLM dispatches to forward_cuda on CUDA/ROCm/XPU and to forward_native elsewhere (and when the op is
     # disabled, the default under Inductor). Both go through the same noisy expression when AQN is on.
@@ -167,7 +176,7 @@ class NoisyRMSNorm(RMSNorm):
     def _qerl_forward(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # Same casts as vllm.ir.ops.rms_norm / fused_add_rms_norm (native), weight -> fp32 (w + z).
+        # Same steps as vllm.ir.ops.rms_norm / fused_add_rms_norm (native) up to the weight multiply.
         orig_dtype = x.dtype
         h = x.to(torch.float32)
         if residual is not None:
@@ -177,8 +186,9 @@ class NoisyRMSNorm(RMSNorm):
         variance = h_var.pow(2).mean(dim=-1, keepdim=True)
         h = h * torch.rsqrt(variance + self.variance_epsilon)
         weight = self.weight.data
-        noisy_weight = weight.to(torch.float32) + self.qerl_noise
-        out = (h.to(weight.dtype).to(torch.float32) * noisy_weight).to(orig_dtype)
+        stock = (h.to(weight.dtype) * weight).to(orig_dtype)
+        noisy = (h * (weight.to(torch.float32) + self.qerl_noise)).to(orig_dtype)
+        out = torch.where(self.qerl_active, noisy, stock)
         if residual is None:
             return out
         return out, new_residual
@@ -305,7 +315,7 @@ def set_noise(model: nn.Module, sigma: Any, seed: Any, stage: Any) -> dict:
             f"additional_config={{'{CONFIG_KEY}': True}} (or {ENV_FLAG}=1 in the worker environment)"
         )
     if sigma_f == 0.0:
-        vectors = [torch.zeros_like(norm.qerl_noise) for _, norm in norms]
+        vectors = [None] * len(norms)
     else:
         from qerl_plugin.aqn import noise_vector
 
@@ -320,7 +330,7 @@ def set_noise(model: nn.Module, sigma: Any, seed: Any, stage: Any) -> dict:
                 )
             vectors.append(z.to(buf.device))
     _write(norms, vectors)
-    checksum = float(sum(v.double().sum().item() for v in vectors))
+    checksum = float(sum(v.double().sum().item() for v in vectors if v is not None))
     return {
         "norms": len(norms),
         "sigma": sigma_f,
@@ -334,11 +344,12 @@ def set_noise(model: nn.Module, sigma: Any, seed: Any, stage: Any) -> dict:
 def clear_noise(model: nn.Module) -> dict:
     """Zero the noise of every AQN norm of ``model`` (the engine then computes vLLM's native RMSNorm)."""
     norms = noisy_norms(model)
-    _write(norms, [torch.zeros_like(norm.qerl_noise) for _, norm in norms])
+    _write(norms, [None] * len(norms))
     return {"norms": len(norms), "sigma": 0.0, "enabled": bool(norms)}
 
 
-def _write(norms: Iterable[tuple[str, NoisyRMSNorm]], vectors: list[torch.Tensor]) -> None:
+def _write(norms: Iterable[tuple[str, NoisyRMSNorm]], vectors: list[torch.Tensor | None]) -> None:
+    """Copy each vector into its norm's buffer (None: zero it and select the stock expression)."""
     norms = list(norms)
     devices = {norm.qerl_noise.device for _, norm in norms}
     # A forward already queued on another stream must not read a half-written set of vectors.
@@ -346,6 +357,11 @@ def _write(norms: Iterable[tuple[str, NoisyRMSNorm]], vectors: list[torch.Tensor
         _synchronize(device)
     with torch.no_grad():
         for (_, norm), z in zip(norms, vectors, strict=True):
-            norm.qerl_noise.copy_(z)
+            if z is None:
+                norm.qerl_noise.zero_()
+                norm.qerl_active.fill_(False)
+            else:
+                norm.qerl_noise.copy_(z)
+                norm.qerl_active.fill_(True)
     for device in devices:
         _synchronize(device)

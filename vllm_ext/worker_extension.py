@@ -13,6 +13,11 @@ AQN needs the engine to be built with AQN on (``additional_config={"qerl_aqn": T
 see :mod:`vllm_ext.noisy_norm`); ``qerl_set_noise`` on an engine without it raises instead of silently
 doing nothing.
 
+Sleep mode: the noise buffers are allocated with the weights, so a level-1 sleep (verl's setting with LoRA)
+backs them up and restores them; after a level-2 sleep (weights discarded) they hold garbage until the next
+``qerl_set_noise``/``qerl_clear_noise``: re-send the current noise after every such wake-up (the call is
+idempotent for the same arguments).
+
 Combining with verl: vLLM accepts a single ``worker_extension_cls``, and verl 0.9.1 passes its own
 (``verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension``, from
 ``vLLMHttpServer._get_worker_extension_cls``). :class:`QerlWorkerExtension` is a plain mixin — no
@@ -135,7 +140,7 @@ class QerlWorkerExtension:
         if model is not None:
             norms = noisy_norms_or_empty(model, noisy_norm)
             report["aqn_norms"] = len(norms)
-            report["aqn_buffer_bytes"] = sum(n.qerl_noise.numel() * 4 for _, n in norms)
+            report["aqn_buffer_bytes"] = sum(b.nbytes for _, n in norms for b in (n.qerl_noise, n.qerl_active))
         report["aqn_noise"] = getattr(self, "_qerl_noise_state", None)
         runner = getattr(self, "model_runner", None)
         lora_manager = getattr(runner, "lora_manager", None)

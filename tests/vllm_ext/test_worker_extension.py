@@ -219,7 +219,7 @@ def test_worker_without_model_says_so():
 def test_memory_report_on_cpu(model):
     rep = Host(model).qerl_memory_report()
     assert rep["device"] == "cpu" and rep["rss_bytes"] > 0 and rep["total_bytes"] > rep["rss_bytes"]
-    assert rep["aqn_norms"] == 2 * LAYERS + 1 and rep["aqn_buffer_bytes"] == 4 * HIDDEN * (2 * LAYERS + 1)
+    assert rep["aqn_norms"] == 2 * LAYERS + 1 and rep["aqn_buffer_bytes"] == (4 * HIDDEN + 1) * (2 * LAYERS + 1)
     assert rep["rank"] == 0 and "lora_adapters" not in rep
 
 
