@@ -30,7 +30,9 @@ Trade-off chosen (bit-identity at sigma = 0 versus noise under torch.compile and
       reduction schedule for the fused kernel (checked on the GPU by scripts/gpu/check_aqn_vllm.py). With
       noise on, ``normalize(x)`` is not rounded to bf16 before the weight multiply (the stock eager path does
       round it; Inductor does not): rounding first would swallow a 1e-4 perturbation of any weight that is a
-      power of two, such as the 1.0 of a freshly initialised norm.
+      power of two, such as the 1.0 of a freshly initialised norm. So in eager mode, switching noise on moves
+      some outputs by one ulp even at a tiny sigma; under Inductor (no rounding there in vLLM's expression
+      either) it does not.
     * What is *not* promised: an AQN engine at sigma = 0 is not bit-identical to the stock ``vllm_c`` CUDA
       kernel that runs when compilation is off (``enforce_eager``); its reduction order differs (results
       agree to about one bf16 ulp). For exact stock output there, run the engine with AQN off.
@@ -154,7 +156,8 @@ class NoisyRMSNorm(RMSNorm):
         self.qerl_aqn = bool(has_weight) and aqn_enabled()
         if self.qerl_aqn:
             device = self.weight.device
-            self.register_buffer("qerl_noise", torch.zeros(hidden_size, dtype=torch.float32, device=device), persistent=False)
+            noise = torch.zeros(hidden_size, dtype=torch.float32, device=device)
+            self.register_buffer("qerl_noise", noise, persistent=False)
             self.register_buffer("qerl_active", torch.zeros(1, dtype=torch.bool, device=device), persistent=False)
 
     # vLLM dispatches to forward_cuda on CUDA/ROCm/XPU and to forward_native elsewhere (and when the op is
