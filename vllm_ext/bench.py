@@ -9,7 +9,7 @@ Each (config, variant) runs in its own Python process with its own vLLM engine (
 never eager), so GPU memory is freed between them and a hung engine is killed after --timeout. Named
 shapes are Qwen2.5 configs with random weights (load_format=dummy); NVFP4 configs quantize them while
 loading (``--quantization nvfp4``). LoRA configs serve a random PEFT adapter (rank --lora-rank on
-q/k/v/o/gate/up/down, non-zero B) written once to the output folder; every request uses it.
+q/k/v/o/gate/up/down, non-zero B) written once to --work; every request uses it.
 
 Per batch size: prompts of --prompt-len random tokens, --new-tokens generated with ignore_eos. Decode
 tokens/s = batch * (new_tokens - 1) / (t(new_tokens) - t(1 token)), i.e. prefill removed; the best of
@@ -27,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,7 +216,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine before it is killed")
     p.add_argument("--mp", action="store_true", help="use vLLM's engine subprocess (default: in-process engine, "
                    "VLLM_ENABLE_V1_MULTIPROCESSING=0, which avoided a LoRA start-up hang)")
-    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+    p.add_argument("--out", default=None, help="output folder for results and logs (default $OUT or ./.out)")
+    p.add_argument("--work", default=None, help="folder for the generated model configs and LoRA adapter "
+                   "(hundreds of MB for large shapes; default <tmp>/qerl-bench, reused across runs)")
     p.add_argument("--dry-run", action="store_true", help="write model config/adapter, print the plan, run nothing")
 
 
@@ -311,7 +314,8 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
     variants = {name: _variant(name) for name in args.variants}
     if any(b < 1 for b in args.batches) or args.prompt_len < 1 or args.new_tokens < 2:
         raise ValueError("--batches must be >= 1, --prompt-len >= 1 and --new-tokens >= 2")
-    models = out / "models"
+    work = Path(args.work).expanduser().resolve() if getattr(args, "work", None) else Path(tempfile.gettempdir()) / "qerl-bench"
+    models = work / "models"
     if args.model:
         bf16_dir, dummy = Path(args.model).expanduser().resolve(), False
         if not (bf16_dir / "config.json").exists():
@@ -326,7 +330,7 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
         stock_dir = write_shape(args.shape, models, quantization_config_dict(ignore=["lm_head"]))
     adapter = None
     if any(CONFIGS[c].lora for c in args.configs):
-        adapter = write_adapter(bf16_dir, args.lora_rank, out / f"adapter-{bf16_dir.name}-r{args.lora_rank}")
+        adapter = write_adapter(bf16_dir, args.lora_rank, work / f"adapter-{bf16_dir.name}-r{args.lora_rank}")
 
     runs, skipped = [], []
     for vname, variant in variants.items():

@@ -29,7 +29,8 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_cli_dry_run_through_qerl(tmp_path, capsys):
     from qerl_plugin.cli import main
 
-    code = main(["bench", "rollout", "--shape", "0.5B", "--configs", "bf16,nvfp4", "--out", str(tmp_path), "--dry-run"])
+    code = main(["bench", "rollout", "--shape", "0.5B", "--configs", "bf16,nvfp4", "--out", str(tmp_path / "out"),
+                 "--work", str(tmp_path), "--dry-run"])
     assert code == 0
     cfg = json.loads((tmp_path / "models" / "qwen2.5-0.5b" / "config.json").read_text())
     assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]) == (896, 4864, 24)
@@ -41,7 +42,7 @@ def test_cli_dry_run_through_qerl(tmp_path, capsys):
 def test_plan_engine_arguments(tmp_path):
     args = _args("--shape", "1.5B", "--configs", "bf16-lora,nvfp4-lora,nvfp4-lora-aqn,stock-nvfp4",
                  "--variants", "default,no-fp32-reduce,dual-stream+specialize", "--batches", "1,8",
-                 "--out", str(tmp_path))
+                 "--out", str(tmp_path), "--work", str(tmp_path))
     runs, skipped = bench.plan(args, tmp_path)
     by = {r.key: r for r in runs}
     base = by["bf16-lora@default"].spec["engine"]
@@ -63,9 +64,9 @@ def test_plan_engine_arguments(tmp_path):
     assert {(s["config"], s["variant"]) for s in skipped} == {
         ("bf16-lora", "no-fp32-reduce"), ("stock-nvfp4", "no-fp32-reduce"), ("stock-nvfp4", "dual-stream+specialize")}
     with pytest.raises(ValueError, match="unknown variant 'dual-strem'"):
-        bench.plan(_args("--variants", "dual-strem", "--out", str(tmp_path), "--dry-run"), tmp_path)
+        bench.plan(_args("--variants", "dual-strem", "--work", str(tmp_path), "--dry-run"), tmp_path)
     with pytest.raises(ValueError, match=r"unknown config\(s\) \['fp8'\]"):
-        bench.plan(_args("--configs", "fp8", "--out", str(tmp_path)), tmp_path)
+        bench.plan(_args("--configs", "fp8", "--work", str(tmp_path)), tmp_path)
 
 
 def test_adapter_loads_into_peft_with_matching_shapes(tmp_path):
@@ -147,7 +148,7 @@ def test_failed_engine_is_reported_and_the_run_goes_on(tmp_path, capsys):
     """No GPU here: each engine fails in its own process; the bench records why and still writes its report."""
     src = make_tiny_qwen2(tmp_path / "tiny")
     args = _args("--model", str(src), "--configs", "bf16,nvfp4", "--batches", "1", "--new-tokens", "4",
-                 "--prompt-len", "8", "--timeout", "200", "--out", str(tmp_path / "out"))
+                 "--prompt-len", "8", "--timeout", "200", "--out", str(tmp_path / "out"), "--work", str(tmp_path))
     assert bench.run(args) == 1
     report = json.loads((tmp_path / "out" / "bench_rollout.json").read_text())
     assert [r["config"] for r in report["results"]] == ["bf16", "nvfp4"]
