@@ -30,8 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="a verl YAML that extends ppo_trainer (see examples/)")
     parser.add_argument(
         "overrides",
-        nargs="*",
-        help="Hydra overrides passed to verl, e.g. trainer.total_training_steps=10 data.train_files=/data/train.parquet",
+        nargs=argparse.REMAINDER,
+        help="Hydra overrides passed to verl, e.g. trainer.total_training_steps=10 data.train_files=/data/train.parquet "
+        "(qerl's own flags may appear among them)",
     )
     parser.add_argument("--check", action="store_true", help="validate the config (qerl's and verl's checks) and exit")
     parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
@@ -77,11 +78,27 @@ def _summary(cfg, settings, notes) -> str:
     return "\n".join(lines)
 
 
+def _split_flags(args: argparse.Namespace) -> list[str]:
+    """Take qerl's flags out of the overrides (argparse leaves anything after the first override there)."""
+    rest, items = [], list(args.overrides or [])
+    while items:
+        item = items.pop(0)
+        if item in ("--check", "--dry-run"):
+            setattr(args, item[2:].replace("-", "_"), True)
+        elif item == "--python" and items:
+            args.python = items.pop(0)
+        elif item.startswith("--python="):
+            args.python = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+    return rest
+
+
 def run(args: argparse.Namespace) -> int:
     config = Path(args.config).expanduser()
     if not config.is_file():
         raise FileNotFoundError(f"{args.config}: no such file; pass a YAML such as examples/tiny/config.yaml")
-    overrides = list(args.overrides or [])
+    overrides = _split_flags(args)
     if args.check:
         from verl_ext.config import check
 
