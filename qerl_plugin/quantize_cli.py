@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-shard-size",
         default=DEFAULT_MAX_SHARD_SIZE,
         metavar="SIZE",
-        help=f"largest output file, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE}); memory use is about this plus one tensor",
+        help=f"largest output file, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE}); peak memory is about this plus one source tensor and the codec's scratch (under 1 GB for 32B-class shapes)",
     )
     parser.add_argument(
         "--force",
