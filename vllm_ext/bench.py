@@ -80,6 +80,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 @dataclass(frozen=True)
 class BenchConfig:
     quant: str | None  # None (BF16) | "nvfp4" (ours) | "stock" (vLLM's compressed-tensors NVFP4A16 path)
+    #                    | "humming" (vLLM's humming JIT W4A16 kernels on the NVFP4A16 checkpoint)
     lora: bool = False
     aqn: bool = False
 
@@ -93,6 +94,10 @@ CONFIGS: dict[str, BenchConfig] = {
     # vLLM's own compressed-tensors NVFP4A16 scheme (same Marlin kernel): the stock reference
     "stock-nvfp4": BenchConfig("stock"),
     "stock-nvfp4-lora": BenchConfig("stock", lora=True),
+    # the same checkpoint through `--quantization humming` (JIT GEMMs, FP4 weights x BF16; needs nvcc):
+    # a candidate faster small-batch kernel than Marlin, measured here before any integration
+    "humming-nvfp4": BenchConfig("humming"),
+    "humming-nvfp4-lora": BenchConfig("humming", lora=True),
 }
 DEFAULT_CONFIGS = "bf16,bf16-lora,nvfp4,nvfp4-lora,nvfp4-lora-aqn"
 BASELINE = "bf16-lora"
@@ -339,10 +344,10 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
             if not _applies(variant, cfg):
                 skipped.append({"config": cname, "variant": vname, "reason": "the variant changes nothing for this config"})
                 continue
-            if cfg.quant == "stock" and stock_dir is None:
-                skipped.append({"config": cname, "variant": vname, "reason": "stock-* with --model needs --nvfp4-model"})
+            if cfg.quant in ("stock", "humming") and stock_dir is None:
+                skipped.append({"config": cname, "variant": vname, "reason": f"{cname} with --model needs --nvfp4-model"})
                 continue
-            model_dir = {None: bf16_dir, "nvfp4": nvfp4_dir or bf16_dir, "stock": stock_dir}[cfg.quant]
+            model_dir = {None: bf16_dir, "nvfp4": nvfp4_dir or bf16_dir, "stock": stock_dir, "humming": stock_dir}[cfg.quant]
             engine: dict[str, Any] = dict(
                 model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                 max_model_len=args.prompt_len + args.new_tokens + 16, enforce_eager=False,
@@ -350,8 +355,8 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
                 max_num_seqs=max(args.batches), enable_prefix_caching=False,
                 load_format="auto" if (cfg.quant and nvfp4_dir) or not dummy else "dummy",
             )
-            if cfg.quant == "nvfp4":
-                engine["quantization"] = "nvfp4"
+            if cfg.quant in ("nvfp4", "humming"):
+                engine["quantization"] = cfg.quant
             additional: dict[str, Any] = {}
             if cfg.lora:
                 engine.update(enable_lora=True, max_loras=1, max_lora_rank=args.lora_rank)

@@ -40,7 +40,7 @@ def test_cli_dry_run_through_qerl(tmp_path, capsys):
 
 
 def test_plan_engine_arguments(tmp_path):
-    args = _args("--shape", "1.5B", "--configs", "bf16-lora,nvfp4-lora,nvfp4-lora-aqn,stock-nvfp4",
+    args = _args("--shape", "1.5B", "--configs", "bf16-lora,nvfp4-lora,nvfp4-lora-aqn,stock-nvfp4,humming-nvfp4-lora",
                  "--variants", "default,no-fp32-reduce,dual-stream+specialize", "--batches", "1,8",
                  "--out", str(tmp_path), "--work", str(tmp_path))
     runs, skipped = bench.plan(args, tmp_path)
@@ -57,12 +57,15 @@ def test_plan_engine_arguments(tmp_path):
     assert "quantization" not in stock and stock["load_format"] == "dummy"
     qcfg = json.loads((tmp_path / "models" / "qwen2.5-1.5b-nvfp4a16" / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "compressed-tensors" and qcfg["format"] == "nvfp4-pack-quantized"
+    humming = by["humming-nvfp4-lora@default"].spec["engine"]
+    assert humming["quantization"] == "humming" and humming["model"] == stock["model"] != base["model"]
     assert by["nvfp4-lora@no-fp32-reduce"].spec["engine"]["additional_config"] == {"qerl_nvfp4": {"fp32_reduce": False}}
     combo = by["bf16-lora@dual-stream+specialize"]
     assert combo.env["VLLM_LORA_ENABLE_DUAL_STREAM"] == "1" and combo.spec["engine"]["specialize_active_lora"] is True
     assert combo.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert {(s["config"], s["variant"]) for s in skipped} == {
-        ("bf16-lora", "no-fp32-reduce"), ("stock-nvfp4", "no-fp32-reduce"), ("stock-nvfp4", "dual-stream+specialize")}
+        ("bf16-lora", "no-fp32-reduce"), ("stock-nvfp4", "no-fp32-reduce"), ("stock-nvfp4", "dual-stream+specialize"),
+        ("humming-nvfp4-lora", "no-fp32-reduce")}
     with pytest.raises(ValueError, match="unknown variant 'dual-strem'"):
         bench.plan(_args("--variants", "dual-strem", "--work", str(tmp_path), "--dry-run"), tmp_path)
     with pytest.raises(ValueError, match=r"unknown config\(s\) \['fp8'\]"):
