@@ -6,8 +6,8 @@ verl loads in every process. The YAML extends verl's own ``ppo_trainer`` config 
 _self_]`` with ``hydra.searchpath: [pkg://verl.trainer.config]``), so any verl key can be set in it or on
 the command line, with verl's Hydra syntax (``key=value``; ``+key=value`` for a key the config lacks).
 
-    qerl train examples/grpo_qwen2.5_7b/config.yaml                       # train
-    qerl train examples/grpo_qwen2.5_7b/config.yaml --check               # validate only (CPU, seconds)
+    qerl train examples/grpo_gsm8k/config/qwen2.5-7b.yaml               # train
+    qerl train examples/grpo_gsm8k/config/qwen2.5-7b.yaml --check       # validate only (CPU, seconds)
     qerl train examples/tiny/config.yaml trainer.total_training_steps=5 --dry-run   # print the command
 
 ``--check`` composes the config the way ``main_ppo`` does, runs qerl's checks (the error names the key and

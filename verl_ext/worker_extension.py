@@ -116,9 +116,7 @@ class QerlVerlWorkerExtension(_QerlBase, vLLMColocateWorkerExtension):
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
         if hasattr(super(), "qerl_add_lora_from_tensors") and _QERL_BASE_ERROR is None:
-            ok = self.qerl_add_lora_from_tensors(VLLM_LORA_NAME, VLLM_LORA_INT_ID, dict(tensors), dict(peft_config))
-            if ok is False:
-                raise AdapterSyncError("qerl_add_lora_from_tensors returned False: vLLM did not register the adapter")
+            self.qerl_add_lora_from_tensors(VLLM_LORA_NAME, VLLM_LORA_INT_ID, dict(tensors), dict(peft_config))
         else:
             super()._update_weights(list(tensors.items()), peft_config, base_sync_done)
         if VLLM_LORA_INT_ID not in self.list_loras():
@@ -130,6 +128,23 @@ class QerlVerlWorkerExtension(_QerlBase, vLLMColocateWorkerExtension):
             "seconds": time.perf_counter() - t0,
         }
         logger.info("qerl adapter sync: %s", self._qerl_last_sync)
+        if getattr(self, "rank", 0) == 0:  # one line per engine and sync, for logs and scripts/gpu checks
+            s = self._qerl_last_sync
+            print(
+                f"[qerl] adapter sync: {s['tensors']} tensors, {s['modules']} LoRA modules, {s['bytes'] / 2**20:.2f} MiB, "
+                f"{s['seconds'] * 1e3:.1f} ms",
+                flush=True,
+            )
+
+    def qerl_set_noise(self, sigma, seed, stage):
+        report = super().qerl_set_noise(sigma, seed, stage)
+        if getattr(self, "rank", 0) == 0 and isinstance(report, dict):
+            print(
+                "[qerl] vLLM noise set: "
+                + ", ".join(f"{k}={report[k]}" for k in ("norms", "sigma", "seed", "stage", "checksum") if k in report),
+                flush=True,
+            )
+        return report
 
     def qerl_last_adapter_sync(self) -> dict | None:
         """What the last adapter sync loaded (tensors, LoRA modules, bytes, seconds), for scripts and tests."""

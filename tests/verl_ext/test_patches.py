@@ -129,3 +129,13 @@ def test_worker_extension_swapped_only_when_qerl_is_on():
     assert issubclass(cls, vLLMColocateWorkerExtension) and issubclass(cls, QerlWorkerExtension)
     for rpc in ("qerl_set_noise", "qerl_clear_noise", "qerl_add_lora_from_tensors", "qerl_memory_report", "update_weights_from_ipc"):
         assert callable(getattr(cls, rpc))
+
+
+def test_worker_extension_does_not_shadow_vllms_worker():
+    """vLLM asserts that no extension attribute already exists on its GPU worker (vllm/v1/worker/worker_base.py)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from verl_ext.worker_extension import QerlVerlWorkerExtension
+
+    clash = [a for a in dir(QerlVerlWorkerExtension) if not a.startswith("__") and hasattr(Worker, a)]
+    assert clash == []
