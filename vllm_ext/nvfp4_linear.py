@@ -553,12 +553,12 @@ def quantize_layer_weight(
     parts = torch.split(weight, list(layer.logical_widths), dim=0)
     for part, name in zip(parts, info.part_names):
         nvfp4.check_weight(part, name)
-    amax = torch.stack([part.abs().amax() for part in parts]).amax()  # in the weight's dtype
+    amax = torch.stack([part.abs().amax() for part in parts]).amax().reshape(1)  # in the weight's dtype
     if info.tp_reduce:
         from vllm.distributed import get_tp_group
 
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
-    gscale = nvfp4.global_scale(amax.reshape(1))  # == global_scale(*unsharded parts)
+    gscale = nvfp4.global_scale(amax)  # == global_scale(*unsharded parts)
     q = nvfp4.quantize(weight, gscale, name=info.prefix)
     return q.packed, q.scale, q.global_scale
 
@@ -672,13 +672,20 @@ class MarlinBackend(Backend):
         prepare_fp4_layer_for_marlin(scratch)
         return scratch
 
+    @staticmethod
+    def _fused_bias(layer: torch.nn.Module) -> bool:
+        # Marlin adds a bias in its own (permuted) order. A layer with skip_bias_add returns its bias to the
+        # caller, who adds it in natural order: keep that one raw and out of the GEMM.
+        return not getattr(layer, "skip_bias_add", False)
+
     def install(self, layer, packed, scale, gscale, raw_bias) -> None:  # noqa: ANN001
-        m = self._marlin(layer, packed, scale, gscale, raw_bias)
+        fused = raw_bias is not None and self._fused_bias(layer)
+        m = self._marlin(layer, packed, scale, gscale, raw_bias if fused else None)
         _set_kernel(layer, "weight", m.weight.data)
         _set_kernel(layer, "weight_scale", m.weight_scale.data)
         _set_kernel(layer, "weight_global_scale", m.weight_global_scale.data)
         if raw_bias is not None:
-            _set_kernel(layer, "bias", m.bias.data)
+            _set_kernel(layer, "bias", m.bias.data if fused else raw_bias)
         if getattr(layer, "workspace", None) is None:
             layer.workspace = m.workspace  # plain attribute: kept (not re-created) across reloads
 
@@ -689,6 +696,9 @@ class MarlinBackend(Backend):
             marlin_permute_bias,
         )
 
+        if not self._fused_bias(layer):
+            _set_kernel(layer, "bias", raw_bias)
+            return
         n = layer.output_size_per_partition
         padded_n, _ = marlin_padded_nk(n, layer.input_size_per_partition, GROUP_SIZE)
         _set_kernel(layer, "bias", marlin_permute_bias(marlin_pad_dim(raw_bias, n, padded_n)))

@@ -485,3 +485,16 @@ def test_backend_options_from_additional_config(cpu_config, monkeypatch):
     monkeypatch.setenv("QERL_NVFP4_BACKEND", "marlin")  # no CUDA here: a clear error, not a crash later
     with pytest.raises(NVFP4Error, match="needs an NVIDIA GPU"):
         _qkv(cpu_config, _qconfig(ct=False))
+
+
+def test_gpu_below_marlin_requirement_is_refused(monkeypatch):
+    """A Volta-class GPU (7.0): a clear error when the layer is built, naming the requirement and the fix."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    from vllm_ext.nvfp4_linear import MarlinBackend
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda *a: True)
+    monkeypatch.setattr(type(current_platform), "get_device_capability", classmethod(lambda cls, device_id=0: DeviceCapability(7, 0)))
+    with pytest.raises(NVFP4Error, match=r"compute capability >= 7\.5.*this GPU is 7\.0.*without --quantization"):
+        MarlinBackend()
