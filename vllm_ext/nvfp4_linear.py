@@ -243,12 +243,6 @@ def _part_label(info: _LayerInfo, shard_id: Any) -> str:
     return info.part_names[info.shard_ids.index(shard_id)]
 
 
-def _unwrap_loader(loader: Callable[..., Any]) -> Callable[..., Any]:
-    while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(loader, "__wrapped__"):
-        loader = loader.__wrapped__
-    return loader
-
-
 def _bound(layer: torch.nn.Module, fn: Callable[..., Any]) -> types.MethodType:
     """``fn(layer, ...)`` bound to ``layer`` as a method, so vLLM's reload bookkeeping (which rebinds weight
     loaders whose ``__self__`` is the layer) does not keep layers alive through a closure."""
