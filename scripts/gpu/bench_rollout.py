@@ -8,7 +8,9 @@ Run from the repository root on the GPU machine, with vLLM and this project inst
     python3 scripts/gpu/bench_rollout.py --shape 7B --configs bf16-lora,nvfp4-lora \\
         --variants default,dual-stream,lora-tuned --batches 1,8                     # switches, one call
 
-Same options as `qerl bench rollout` (see --help). Results go to $OUT (default ./.out): bench_rollout.json,
+    python3 scripts/gpu/bench_rollout.py kernels --shape 7B    # per-layer kernels in CUDA graphs, ~1-2 min
+
+Same options as `qerl bench rollout` / `qerl bench kernels` (see --help). Results go to $OUT (default ./.out): bench_rollout.json,
 bench_rollout.jsonl, logs/; the table is printed last. Each engine is a child process running
 `python -m vllm_ext.bench`, i.e. the *installed* vllm_ext: this script warns when the installed copy differs
 from this checkout (reinstall with `python3 -m pip install -q --no-deps --no-build-isolation --no-index
@@ -52,7 +54,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(parser)
     argv = sys.argv[1:]
-    if not argv or argv[0] != "rollout":
+    if not argv or argv[0] not in ("rollout", "kernels"):
         argv = ["rollout", *argv]
     return bench.run(parser.parse_args(argv))
 

@@ -160,3 +160,13 @@ def test_failed_engine_is_reported_and_the_run_goes_on(tmp_path, capsys):
     lines = (tmp_path / "out" / "bench_rollout.jsonl").read_text().splitlines()
     assert len(lines) == 2
     assert re.search(r"bf16@default +FAILED", capsys.readouterr().out)
+
+
+def test_kernels_subcommand_parses_and_needs_a_gpu(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["kernels", "--shape", "32B", "--batches", "1,4", "--out", str(tmp_path)])
+    assert (args.shape, args.batches, args.lora_rank) == ("32B", [1, 4], 32)
+    if not torch.cuda.is_available():
+        assert bench.run(args) == 1
+        assert "needs a CUDA GPU" in capsys.readouterr().err
