@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""GPU: Qwen2.5-7B shape through verl 0.9.1 main_ppo, LoRA r32: peak memory and step time, BF16-LoRA vs NVFP4-LoRA.
+
+A Qwen2.5-7B-shaped model with random weights (std 0.02, built on the GPU, saved once as bf16 safetensors,
+15 GB) and synthetic prompts; each precision is one short verl GRPO run (3 steps, 8 prompts x 4 samples,
+responses forced to 512 tokens with ignore_eos) of the tiny example config with the 7B model swapped in:
+
+  build   write $OUT/verl_7b/model (+ byte-level tokenizer) and data            (~2-4 min, once)
+  bf16    16-bit LoRA base, no AQN                                               (~5-8 min)
+  nvfp4   quantization=nvfp4 (both sides quantize at load), AQN on               (~5-8 min)
+
+Per run it records (steps 2..3, step 1 includes warm-up): verl's timing_s/{gen,old_log_prob,update_actor,
+update_weights,step}; the actor process's peak torch memory (perf/max_memory_allocated_gb / reserved, verl's);
+the device's peak memory.used (nvidia-smi every 0.2 s, all processes: actor + vLLM); vLLM's own
+"Model loading took X GiB" and KV-cache size lines. Random weights: throughput and memory only, no accuracy.
+No time is measured with enforce_eager (CUDA graphs on; attention is sdpa in the actor, no flash-attn).
+
+    bash scripts/gpu/verl_7b_memory_step.sh build
+    bash scripts/gpu/verl_7b_memory_step.sh bf16
+    bash scripts/gpu/verl_7b_memory_step.sh nvfp4      # then: ... summary  (or all phases in one call if time allows)
+
+Writes $OUT/verl_7b/{<phase>/run.log, <phase>/metrics.jsonl, <phase>/smi.csv, results.jsonl} and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import verl_grpo_tiny as tiny  # noqa: E402  (run_verl, read_metrics, preflight)
+
+ROOT = HERE.parents[1]
+PHASES = ("build", "bf16", "nvfp4", "summary")
+QWEN25_7B = dict(
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def log(msg):
+    print(f"[verl_7b] {msg}", flush=True)
+
+
+def build(out: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+
+    sys.path.insert(0, str(ROOT / "examples" / "tiny"))
+    from make_tiny import byte_level_tokenizer
+
+    from verl_ext.data import make_synthetic_arithmetic
+
+    model_dir, data_dir = out / "model", out / "data"
+    t0 = time.time()
+    if not (model_dir / "config.json").exists():
+        tok = byte_level_tokenizer()
+        cfg = Qwen2Config(**QWEN25_7B, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+        with torch.device("cuda"):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        model.save_pretrained(model_dir, safe_serialization=True, max_shard_size="4GB")
+        tok.save_pretrained(model_dir)
+        del model
+        torch.cuda.empty_cache()
+    if not (data_dir / "train.parquet").exists():
+        make_synthetic_arithmetic(data_dir, n_train=256, n_test=16, seed=0, difficulty=2)
+    size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    return {"model_gb": round(size / 2**30, 2), "build_s": round(time.time() - t0, 1)}
+
+
+class SmiPeak:
+    """Peak device memory.used (MiB) sampled by nvidia-smi in the background."""
+
+    def __init__(self, path: Path):
+        self.path, self.peak, self._stop = path, 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with open(self.path, "w") as fh:
+            while not self._stop.is_set():
+                try:
+                    out = subprocess.run(
+                        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                        capture_output=True, text=True, timeout=5,
+                    ).stdout.split()  # fmt: skip
+                    used = int(out[0]) if out else 0
+                    self.peak = max(self.peak, used)
+                    fh.write(f"{time.time():.1f},{used}\n")
+                except Exception:
+                    pass
+                self._stop.wait(0.2)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(timeout=10)
+
+
+def run(name: str, out: Path, args) -> dict:
+    model, data = out / "model", out / "data"
+    if not (model / "config.json").exists():
+        return {"problems": ["no model: run the build phase first"]}
+    overrides = [
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={data}/train.parquet",
+        f"data.val_files={data}/test.parquet",
+        "data.train_batch_size=8",
+        "data.max_prompt_length=512",
+        f"data.max_response_length={args.response}",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.ignore_eos=true",
+        "actor_rollout_ref.model.lora_rank=32",
+        "actor_rollout_ref.model.lora_alpha=32",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_mem}",
+        "actor_rollout_ref.rollout.max_num_seqs=64",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=8192",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.save_freq=-1",
+    ]
+    if name == "bf16":
+        overrides += ["actor_rollout_ref.rollout.quantization=null", "actor_rollout_ref.rollout.custom.qerl.aqn.enable=false"]
+    (out / name).mkdir(parents=True, exist_ok=True)
+    with SmiPeak(out / name / "smi.csv") as smi:
+        rc, text, res = tiny.run_verl(name, out, out, overrides, args.timeout, eager=False)
+    steps = res["steps"]
+    timed = [d for s, d in sorted(steps.items()) if s >= 2] or list(steps.values())
+
+    def mean(key):
+        vals = [d[key] for d in timed if isinstance(d.get(key), (int, float))]
+        return round(sum(vals) / len(vals), 3) if vals else None
+
+    def peak(key):
+        vals = [d[key] for d in steps.values() if isinstance(d.get(key), (int, float))]
+        return round(max(vals), 2) if vals else None
+
+    loads = [float(x) for x in re.findall(r"Model loading took ([0-9.]+) GiB", text)]
+    kv = [float(x) for x in re.findall(r"Available KV cache memory: ([0-9.]+) GiB", text)]
+    rec = {
+        "rc": rc,
+        "steps_logged": len(steps),
+        "gen_s": mean("timing_s/gen"),
+        "old_log_prob_s": mean("timing_s/old_log_prob"),
+        "ref_s": mean("timing_s/ref"),
+        "update_actor_s": mean("timing_s/update_actor"),
+        "update_weights_s": mean("timing_s/update_weights"),
+        "step_s": mean("timing_s/step"),
+        "actor_peak_alloc_gb": peak("perf/max_memory_allocated_gb"),
+        "actor_peak_reserved_gb": peak("perf/max_memory_reserved_gb"),
+        "device_peak_used_gb": round(smi.peak / 1024, 2),
+        "vllm_weights_gib": loads[0] if loads else None,
+        "vllm_kv_cache_gib": kv[0] if kv else None,
+        "run_s": res["seconds"],
+        "problems": [] if rc == 0 and len(steps) >= args.steps else [f"exit {rc}, {len(steps)} steps logged"],
+    }
+    return rec
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("phases", nargs="*", default=list(PHASES), help=f"any of {', '.join(PHASES)} (default: all)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".out")) / "verl_7b")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--response", type=int, default=512)
+    p.add_argument("--gpu-mem", type=float, default=0.5, help="rollout.gpu_memory_utilization (the same for both)")
+    p.add_argument("--timeout", type=int, default=570)
+    args = p.parse_args()
+    bad = [x for x in args.phases if x not in PHASES]
+    if bad:
+        p.error(f"unknown phase(s) {bad}; choose from {', '.join(PHASES)}")
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    results_file = out / "results.jsonl"
+    if any(x in ("bf16", "nvfp4") for x in args.phases):
+        log(f"preflight: {tiny.preflight()}")
+    for name in args.phases:
+        if name == "summary":
+            continue
+        try:
+            rec = build(out) if name == "build" else run(name, out, args)
+        except Exception as e:
+            rec = {"problems": [f"{type(e).__name__}: {e}"]}
+        rec = {"phase": name, **rec}
+        with open(results_file, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        log(json.dumps(rec))
+
+    latest = {}
+    if results_file.exists():
+        for line in results_file.read_text().splitlines():
+            r = json.loads(line)
+            latest[r["phase"]] = r
+    cols = ("gen_s", "old_log_prob_s", "update_actor_s", "update_weights_s", "step_s", "actor_peak_alloc_gb",
+            "device_peak_used_gb", "vllm_weights_gib", "vllm_kv_cache_gib")  # fmt: skip
+    print("\n" + "=" * 110)
+    print(f"{'run':6} " + " ".join(f"{c:>16}" for c in cols))
+    for name in ("bf16", "nvfp4"):
+        r = latest.get(name)
+        if r:
+            print(f"{name:6} " + " ".join(f"{str(r.get(c, '-')):>16}" for c in cols))
+            for prob in r.get("problems", []):
+                print(f"    ! {prob}")
+    if "build" in latest:
+        print(f"model: {latest['build']}")
+    print(f"results: {results_file}")
+    ran = [latest[n] for n in args.phases if n in latest]
+    return 0 if all(not r.get("problems") for r in ran) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
