@@ -151,6 +151,12 @@ def test_model_config_picks_nvfp4_for_both_checkpoint_kinds(tmp_path, tiny_qwen2
     assert ModelConfig(model=str(tiny_qwen2_dir), quantization="nvfp4").quantization == "nvfp4"
     assert ModelConfig(model=str(ct_dir), quantization="nvfp4").quantization == "nvfp4"
     assert ModelConfig(model=str(ct_dir)).quantization == "compressed-tensors"
+    # BF16 checkpoint, some modules kept in BF16: a quantization_config naming nvfp4 (here via hf_overrides)
+    overrides = {"quantization_config": {"quant_method": "nvfp4", "ignore": ["re:.*down_proj"]}}
+    mc = ModelConfig(model=str(tiny_qwen2_dir), hf_overrides=overrides)
+    assert mc.quantization == "nvfp4"
+    vc = VllmConfig(model_config=mc, device_config=DeviceConfig(device="cpu"))
+    assert isinstance(vc.quant_config, NVFP4Config) and vc.quant_config.ignore == ["re:.*down_proj"]
 
     bad = tmp_path / "w4a4"
     shutil.copytree(ct_dir, bad)
