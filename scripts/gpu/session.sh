@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One GPU call = one invocation of this driver with the steps that fit into it (each under `timeout`).
+#
+#   bash scripts/gpu/session.sh install smoke vllm_load lora actor gputests
+#   bash scripts/gpu/session.sh bench7b
+#   bash scripts/gpu/session.sh verl_nvfp4
+#
+# Steps write into /tmp/qerl-out/<step> (checkpoints and models stay there); what comes back through the
+# device tool's $OUT is small: status.txt (one line per step) and <tag>.tar.gz with every step's logs and
+# JSON (no weights). Install first: the staged wheels in /tmp/stage (see ../shared/gpu/README.md).
+set -u
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
+final="${OUT:-./.out}"
+work=/tmp/qerl-out
+mkdir -p "$work" "$final"
+tag="gpu-$(date +%H%M%S)"
+
+step() {  # step NAME LIMIT_S CMD...
+    local name=$1 limit=$2
+    shift 2
+    mkdir -p "$work/$name"
+    echo "=== $name (limit ${limit}s): $*"
+    local t0=$SECONDS
+    OUT="$work/$name" timeout "$limit" "$@" >"$work/$name/stdout.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc ${SECONDS}s-total $((SECONDS - t0))s" | tee -a "$work/status.txt"
+    tail -n "${TAIL:-25}" "$work/$name/stdout.log" | cut -c1-220
+}
+
+for s in "$@"; do
+    case "$s" in
+    install)
+        step install 300 bash -c 'bash .gpu/p08/install.sh && python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . && echo project installed' ;;
+    smoke)
+        step smoke 120 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch,vllm,verl,compressed_tensors,transformers;print(torch.__version__,vllm.__version__,verl.__version__,compressed_tensors.__version__,transformers.__version__)"; python3 -m qerl_plugin.cli doctor' ;;
+    vllm_load) step vllm_load 300 python3 scripts/gpu/check_vllm_load.py ;;
+    lora) step lora 420 python3 scripts/gpu/check_lora_correctness.py ;;
+    actor) step actor 240 python3 scripts/gpu/check_actor_kernels.py --quick ;;
+    actor_full) step actor_full 420 python3 scripts/gpu/check_actor_kernels.py ;;
+    gputests) step gputests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    aqn) step aqn 480 python3 scripts/gpu/check_aqn_vllm.py ;;
+    serve) step serve 240 python3 scripts/gpu/serve_adapter.py ;;
+    bench7b) step bench7b 570 python3 scripts/gpu/bench_rollout.py --shape 7B --configs bf16-lora,nvfp4-lora,nvfp4-lora-aqn --batches 1,8,64 --repeats 1 ;;
+    bench7b_base) step bench7b_base 570 python3 scripts/gpu/bench_rollout.py --shape 7B --configs bf16,nvfp4 --batches 1,8,64 --repeats 1 ;;
+    bench32b) step bench32b 570 python3 scripts/gpu/bench_rollout.py --shape 32B --configs bf16-lora,nvfp4-lora --batches 1 --repeats 1 ;;
+    kernels) step kernels 240 python3 scripts/gpu/bench_rollout.py kernels --shape 7B ;;
+    verl_nvfp4) step verl_nvfp4 580 bash scripts/gpu/verl_grpo_tiny.sh nvfp4 ;;
+    verl_bf16) step verl_bf16 580 bash scripts/gpu/verl_grpo_tiny.sh bf16 ;;
+    verl_dapo_resume) step verl_dapo_resume 580 bash scripts/gpu/verl_grpo_tiny.sh dapo resume ;;
+    *) echo "unknown step $s" ;;
+    esac
+done
+
+cp "$work/status.txt" "$final/status.txt" 2>/dev/null
+tar czf "$final/$tag.tar.gz" -C "$work" \
+    --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' --exclude='*.parquet' \
+    --exclude='checkpoints' --exclude='model' --exclude='work' --exclude='*.whl' . 2>/dev/null
+ls -la "$final"
