@@ -16,9 +16,26 @@ work=/tmp/qerl-out
 mkdir -p "$work" "$final"
 tag="gpu-$(date +%H%M%S)"
 
+pack() {  # what has finished so far goes to $OUT now: a call cut off by the device limit still reports
+    cp "$work/status.txt" "$final/status.txt" 2>/dev/null
+    tar czf "$final/$tag.tar.gz" -C "$work" \
+        --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' --exclude='*.parquet' \
+        --exclude='checkpoints' --exclude='model' --exclude='work' --exclude='*.whl' . 2>/dev/null
+}
+
+# The whole call must end before the device tool's limit (QERL_DEADLINE_S after start, default 585 s):
+# each step's limit is cut to what is left, and a step with under 20 s left is skipped.
+deadline=$((SECONDS + ${QERL_DEADLINE_S:-585}))
+
 step() {  # step NAME LIMIT_S CMD...
     local name=$1 limit=$2
     shift 2
+    local left=$((deadline - SECONDS - 10))
+    if [ "$left" -lt 20 ]; then
+        echo "$name skipped: ${left}s left" | tee -a "$work/status.txt"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
     mkdir -p "$work/$name"
     echo "=== $name (limit ${limit}s): $*"
     local t0=$SECONDS
@@ -26,10 +43,13 @@ step() {  # step NAME LIMIT_S CMD...
     local rc=$?
     echo "$name rc=$rc ${SECONDS}s-total $((SECONDS - t0))s" | tee -a "$work/status.txt"
     tail -n "${TAIL:-25}" "$work/$name/stdout.log" | cut -c1-220
+    pack
 }
 
 for s in "$@"; do
     case "$s" in
+    project)  # the project only (code changed since install); the wheels stay
+        step project 120 bash -c 'python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . && echo project installed' ;;
     install)
         step install 300 bash -c 'bash .gpu/p08/install.sh && python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . && echo project installed' ;;
     smoke)
@@ -52,8 +72,5 @@ for s in "$@"; do
     esac
 done
 
-cp "$work/status.txt" "$final/status.txt" 2>/dev/null
-tar czf "$final/$tag.tar.gz" -C "$work" \
-    --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' --exclude='*.parquet' \
-    --exclude='checkpoints' --exclude='model' --exclude='work' --exclude='*.whl' . 2>/dev/null
+pack
 ls -la "$final"
