@@ -46,8 +46,11 @@ def build_model(out: Path, layers: int = 2, hidden: int = 256, intermediate: int
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
     tok = byte_level_tokenizer()
-    vocab = 320  # 259 used, padded to a multiple of 64
-    assert len(tok) <= vocab
+    # Exactly the tokenizer's 259 ids. A padded vocabulary (e.g. 320) is harmless for trained models, whose
+    # padding rows get ~0 probability, but a random model spreads mass over them; vLLM samples only ids the
+    # tokenizer knows while the actor's softmax covers the whole lm_head, so rollout and actor log-probs
+    # would differ by ln(320/259) = 0.21 per token at sigma 0 (seen on the H100, 2026-11-22).
+    vocab = len(tok)
     cfg = Qwen2Config(
         vocab_size=vocab,
         hidden_size=hidden,

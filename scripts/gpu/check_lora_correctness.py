@@ -190,9 +190,10 @@ def engine_main(spec_path: str, out_path: str) -> int:
         lora = LoRARequest(f"adapter-r{r}", i, adapter)
         outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], greedy, lora_request=lora,
                             use_tqdm=False)
-        res["greedy"][r] = [list(o.outputs[0].token_ids) for o in outs]
+        # keys as the reference has them (int ranks; the JSON spec turned them into strings)
+        res["greedy"][int(r)] = [list(o.outputs[0].token_ids) for o in outs]
         seqs = spec["tf_seqs"][str(r)]
-        res["tf"][r] = tf(seqs, lora)
+        res["tf"][int(r)] = tf(seqs, lora)
         if not res["tf_nolora"]:
             res["tf_nolora"] = tf(seqs, None)
 

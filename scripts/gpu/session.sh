@@ -17,10 +17,13 @@ mkdir -p "$work" "$final"
 tag="gpu-$(date +%H%M%S)"
 
 pack() {  # what has finished so far goes to $OUT now: a call cut off by the device limit still reports
+    exec 9>"$work/.pack.lock"
+    flock 9
     cp "$work/status.txt" "$final/status.txt" 2>/dev/null
     tar czf "$final/$tag.tar.gz" -C "$work" \
         --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' --exclude='*.parquet' \
-        --exclude='checkpoints' --exclude='model' --exclude='work' --exclude='*.whl' . 2>/dev/null
+        --exclude='checkpoints' --exclude='model' --exclude='work' --exclude='*.whl' --exclude='.pack.lock' . 2>/dev/null
+    flock -u 9
 }
 
 # The whole call must end before the device tool's limit (QERL_DEADLINE_S after start, default 585 s):
@@ -46,8 +49,8 @@ step() {  # step NAME LIMIT_S CMD...
     pack
 }
 
-for s in "$@"; do
-    case "$s" in
+run_step() {
+    case "$1" in
     project)  # the project only (code changed since install); the wheels stay
         step project 120 bash -c 'python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . && echo project installed' ;;
     install)
@@ -68,9 +71,25 @@ for s in "$@"; do
     verl_nvfp4) step verl_nvfp4 580 bash scripts/gpu/verl_grpo_tiny.sh nvfp4 ;;
     verl_bf16) step verl_bf16 580 bash scripts/gpu/verl_grpo_tiny.sh bf16 ;;
     verl_dapo_resume) step verl_dapo_resume 580 bash scripts/gpu/verl_grpo_tiny.sh dapo resume ;;
-    *) echo "unknown step $s" ;;
+    verl_dapo) step verl_dapo 580 bash scripts/gpu/verl_grpo_tiny.sh dapo --override actor_rollout_ref.rollout.gpu_memory_utilization=0.15 ;;
+    verl_resume8)  # self-contained: an 8-step nvfp4+AQN run saving at step 4, then a resume from it to step 8
+        step verl_resume8 580 bash scripts/gpu/verl_grpo_tiny.sh nvfp4 resume --steps 8 --eager --override actor_rollout_ref.rollout.gpu_memory_utilization=0.15 ;;
+    v7_build) step v7_build 400 bash scripts/gpu/verl_7b_memory_step.sh build --out "$work/verl_7b" ;;
+    v7_nvfp4) step v7_nvfp4 580 bash scripts/gpu/verl_7b_memory_step.sh nvfp4 summary --out "$work/verl_7b" ;;
+    v7_bf16) step v7_bf16 580 bash scripts/gpu/verl_7b_memory_step.sh bf16 summary --out "$work/verl_7b" ;;
+    *) echo "unknown step $1" ;;
+    esac
+}
+
+# bg:STEP runs STEP in the background next to the following ones (GPU work that fits beside them);
+# the call waits for all of them before the last pack.
+for s in "$@"; do
+    case "$s" in
+    bg:*) run_step "${s#bg:}" & ;;
+    *) run_step "$s" ;;
     esac
 done
+wait
 
 pack
 ls -la "$final"

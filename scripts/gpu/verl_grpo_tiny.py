@@ -92,7 +92,7 @@ def expected_setting(g: int, total: int):
 _STEP = re.compile(r"step:(\d+) - (.*)$")
 _AQN_RPC = re.compile(r"\[qerl\] AQN after update_weights\((\w+)\): stage (\d+) sigma ([0-9.eE+-]+)")
 _SYNC = re.compile(r"\[qerl\] adapter sync: (\d+) tensors, (\d+) LoRA modules")
-_NOISE_SET = re.compile(r"\[qerl\] vLLM noise set: (.*)$")
+_NOISE_SET = re.compile(r"\[qerl\] vLLM noise set: (.*)$", re.M)
 
 
 def parse_console(text: str) -> dict[int, dict]:
@@ -128,6 +128,9 @@ def read_metrics(path: Path, console: str) -> dict[int, dict]:
     return {s: d for s, d in steps.items() if any(str(k).startswith("actor/") for k in d)}  # training steps only
 
 
+EXTRA_OVERRIDES: list[str] = []  # --override, appended to every phase's command line
+
+
 def run_verl(name: str, out: Path, tiny: Path, overrides: list[str], timeout: int, eager: bool) -> tuple[int, str, dict]:
     phase = out / name
     phase.mkdir(parents=True, exist_ok=True)
@@ -153,6 +156,7 @@ def run_verl(name: str, out: Path, tiny: Path, overrides: list[str], timeout: in
         f"trainer.experiment_name=tiny-{name}",
         *(["actor_rollout_ref.rollout.enforce_eager=true"] if eager else []),
         *overrides,
+        *EXTRA_OVERRIDES,
     ]  # fmt: skip
     log(f"{name}: {' '.join(cmd)}")
     t0 = time.time()
@@ -343,7 +347,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--timeout", type=int, default=560, help="seconds per phase")
     p.add_argument("--eager", action="store_true", help="vLLM enforce_eager (faster start, slower LoRA decode)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra verl override for every phase (e.g. a smaller rollout.gpu_memory_utilization when "
+                        "several runs share the GPU); repeatable")
     args = p.parse_args()
+    EXTRA_OVERRIDES.extend(args.override)
     bad = [x for x in args.phases if x not in PHASES]
     if bad:
         p.error(f"unknown phase(s) {bad}; choose from {', '.join(PHASES)}")
