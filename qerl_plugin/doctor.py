@@ -163,8 +163,18 @@ def vllm_import():
     return {"version": vllm.__version__}
 
 def marlin():
+    import importlib
     import torch
-    import vllm._C  # registers torch.ops._C
+    errors = []
+    # vLLM 0.24 CUDA wheels register torch.ops._C from vllm._C_stable_libtorch (older ones: vllm._C)
+    for lib in ("vllm._C_stable_libtorch", "vllm._C"):
+        try:
+            importlib.import_module(lib)
+            break
+        except ImportError as exc:
+            errors.append(lib + ": " + str(exc).splitlines()[0][:160])
+    else:
+        raise ImportError("no compiled vLLM ops library: " + "; ".join(errors))
     ops = {name: hasattr(torch.ops._C, name) for name in %(ops)r}
     from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import is_fp4_marlin_supported
     missing = [n for n, ok in ops.items() if not ok]
@@ -255,7 +265,7 @@ def collect(probe: dict | None = None) -> dict[str, Check]:
         probe,
         "marlin",
         "Marlin FP4 op",
-        "install a CUDA build of vLLM (its compiled vllm._C provides torch.ops._C.marlin_gemm)",
+        "install a CUDA build of vLLM (its compiled vllm._C_stable_libtorch provides torch.ops._C.marlin_gemm)",
         lambda r: "torch.ops._C." + " / ".join(MARLIN_OPS) + " present"
         + ("" if r.get("fp4_marlin_supported") else "; vLLM says FP4 Marlin is not supported on this device"),
     )

@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("measurements")
     g.add_argument("--num-prompts", type=int, default=64)
     g.add_argument("--sigmas", default="0,1e-4,1e-3,1e-2")
-    g.add_argument("--seeds", type=int, default=8, help="noise draws per sigma > 0")
+    g.add_argument("--seeds", type=int, default=24, help="noise draws per sigma > 0")
     g.add_argument("--greedy-tokens", type=int, default=32)
     g.add_argument("--batches", default="1,32", help="decode batch sizes (7B phases: 1,16)")
     g.add_argument("--decode-tokens", type=int, default=128, help="extra tokens between the two timed lengths")
@@ -267,6 +267,17 @@ def greedy(llm, ids, n, lora=None) -> list:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts_of(ids), sp, lora_request=lora, use_tqdm=False)]
 
 
+def top1_diff(a, b) -> dict:
+    """Largest |top-1 logprob difference| over all positions, and in how many positions the top-1 token differs."""
+    d, tok = [], 0
+    for pa, pb in zip(a, b):
+        for ta, tb in zip(pa, pb):
+            d.append(abs(ta[0][1] - tb[0][1]))
+            tok += ta[0][0] != tb[0][0]
+    return {"max": max(d) if d else None, "mean": statistics.fmean(d) if d else None, "top1_tokens_differing": tok,
+            "positions": len(d)}
+
+
 def digest(obj) -> str:
     import hashlib
 
@@ -406,6 +417,9 @@ def phase_engine(args, workdir: Path, rec: Recorder, *, aqn: bool, big: bool) ->
     if not big:
         if lora is not None:
             rec.run("sigma0_lora", lambda: _outputs(llm, ids, vocab, args, lora=lora, greedy_too=False))
+            # vLLM's LoRA shrink kernel splits K over 64 programs that tl.atomic_add into fp32: the same request
+            # twice is not always bit-identical, so LoRA comparisons are made against this run-to-run floor
+            rec.run("sigma0_lora_repeat", lambda: _outputs(llm, ids, vocab, args, lora=lora, greedy_too=False))
 
     if aqn and not big:
         aqn_checks(llm, ids, vocab, args, rec, workdir, tensors, peft_config, lora)
@@ -497,10 +511,11 @@ def aqn_checks(llm, ids, vocab, args, rec: Recorder, workdir: Path, tensors, pef
     from vllm.lora.request import LoRARequest
 
     def lora_checks():
-        mem = digest(prompt_logprobs(llm, ids[:8], lora))
+        mem = prompt_logprobs(llm, ids[:8], lora)
+        floor = top1_diff(mem, prompt_logprobs(llm, ids[:8], lora))  # run-to-run (atomic-add LoRA shrink)
         disk_dir = save_adapter(workdir / "adapter_policy", tensors, peft_config)
-        disk = digest(prompt_logprobs(llm, ids[:8], LoRARequest("policy-disk", 2, str(disk_dir))))
-        base = digest(prompt_logprobs(llm, ids[:8]))
+        disk = prompt_logprobs(llm, ids[:8], LoRARequest("policy-disk", 2, str(disk_dir)))
+        base = prompt_logprobs(llm, ids[:8])
         t2, c2 = synthetic_adapter(json.loads((workdir / "model" / "config.json").read_text()), args.lora_rank, seed=2)
         big_t, big_c = synthetic_adapter(json.loads((workdir / "model" / "config.json").read_text()), 32, seed=3)
         try:
@@ -508,16 +523,26 @@ def aqn_checks(llm, ids, vocab, args, rec: Recorder, workdir: Path, tensors, pef
             refused = "no error"
         except Exception as err:  # noqa: BLE001
             refused = f"{type(err).__name__}: {str(err)[:300]}"
-        still = digest(prompt_logprobs(llm, ids[:8], lora))
+        still = prompt_logprobs(llm, ids[:8], lora)
         llm.collective_rpc("qerl_add_lora_from_tensors", args=("policy", 1, t2, c2))
-        replaced = digest(prompt_logprobs(llm, ids[:8], lora))
+        replaced = prompt_logprobs(llm, ids[:8], lora)
         disk2 = save_adapter(workdir / "adapter_policy2", t2, c2)
-        replaced_disk = digest(prompt_logprobs(llm, ids[:8], LoRARequest("policy2-disk", 4, str(disk2))))
+        replaced_disk = prompt_logprobs(llm, ids[:8], LoRARequest("policy2-disk", 4, str(disk2)))
         llm.collective_rpc("qerl_add_lora_from_tensors", args=("policy", 1, tensors, peft_config))
-        return {"in_memory_equals_disk": mem == disk, "adapter_changes_output": mem != base,
-                "too_big_refused": refused, "previous_keeps_serving": still == mem,
-                "replace_in_place_changes_output": replaced != mem, "replaced_equals_disk": replaced == replaced_disk,
-                "restored": digest(prompt_logprobs(llm, ids[:8], lora)) == mem}
+        restored = prompt_logprobs(llm, ids[:8], lora)
+        # "equal" = within the run-to-run floor (x2, plus one fp32 ulp of a logprob near 1); "differs" = by far more
+        tol = 2 * floor["max"] + 1e-6
+        diffs = {"mem_vs_disk": top1_diff(mem, disk), "mem_vs_base": top1_diff(mem, base),
+                 "still_vs_mem": top1_diff(still, mem), "replaced_vs_mem": top1_diff(replaced, mem),
+                 "replaced_vs_disk": top1_diff(replaced, replaced_disk), "restored_vs_mem": top1_diff(restored, mem)}
+        return {"in_memory_equals_disk": diffs["mem_vs_disk"]["max"] <= tol,
+                "adapter_changes_output": diffs["mem_vs_base"]["max"] > 100 * tol,
+                "too_big_refused": refused, "previous_keeps_serving": diffs["still_vs_mem"]["max"] <= tol,
+                "replace_in_place_changes_output": diffs["replaced_vs_mem"]["max"] > 100 * tol,
+                "replaced_equals_disk": diffs["replaced_vs_disk"]["max"] <= tol,
+                "restored": diffs["restored_vs_mem"]["max"] <= tol,
+                "run_to_run_floor": floor, "tolerance": tol, "diffs": diffs,
+                "bit_identical": {k: v["max"] == 0.0 for k, v in diffs.items()}}
 
     rec.run("lora", lora_checks)
 
@@ -610,7 +635,19 @@ def summarize(workdir: Path, statuses: list[dict]) -> dict:
                       {"tokens_differing": sum(x != y for p, q in zip(stock0["greedy"], a["greedy"]) for x, y in zip(p, q))})
     sl, al = res(ph, "stock", "sigma0_lora"), res(ph, "aqn", "sigma0_lora")
     if sl and al:
-        check("exact_sigma0_with_lora", sl["logprobs_digest"] == al["logprobs_digest"], {})
+        def maxdiff(x, y):
+            return max((abs(u - v) for p, q in zip(x["top1_logprobs"], y["top1_logprobs"]) for u, v in zip(p, q)),
+                       default=None)
+        floors = {p: maxdiff(res(ph, p, "sigma0_lora"), res(ph, p, "sigma0_lora_repeat"))
+                  for p in ("stock", "aqn") if res(ph, p, "sigma0_lora_repeat")}
+        floor = max((f for f in floors.values() if f is not None), default=0.0)
+        diff = maxdiff(sl, al)
+        # bit-identical if vLLM's LoRA kernels happen to be; otherwise within their own run-to-run spread
+        check("exact_sigma0_with_lora", sl["logprobs_digest"] == al["logprobs_digest"]
+              or (diff is not None and diff <= 2 * floor + 1e-6),
+              {"bit_identical": sl["logprobs_digest"] == al["logprobs_digest"], "max_abs_top1_diff": diff,
+               "run_to_run_floor": floors,
+               "note": "vLLM 0.24 LoRA shrink = split-K 64 with fp32 tl.atomic_add: not bitwise reproducible"})
     nt = res(ph, "aqn", "norm_types") or []
     st = res(ph, "stock", "norm_types") or []
     if nt or st:

@@ -19,7 +19,8 @@ Steps (each survives the failure of another; results in $OUT, default ./.out):
   engine:bf16   vLLM LLM(bf16 checkpoint, quantization="nvfp4", enable_lora) in a subprocess
   engine:ct     vLLM LLM(qerl quantize checkpoint, quantization="nvfp4", enable_lora)
   engine:stock  vLLM LLM(qerl quantize checkpoint) - vLLM's own compressed-tensors NVFP4A16 path
-  compare     per engine and rank: greedy token match vs the reference, teacher-forced |d logprob| (max, mean),
+  compare     per engine and rank: greedy token match vs the fp32 reference (divergence allowed only at near-ties),
+              teacher-forced |d logprob| (max, mean) within max(tolerance, 1.5 x the bf16 transformers+PEFT floor),
               adapter effect (with vs without adapter, must be large), Marlin tensors bf16 == ct == stock
 
 Writes $OUT/check_lora_correctness.jsonl, $OUT/check_lora_correctness.json, engine logs under
@@ -132,20 +133,24 @@ def dequantized_reference(bf16_dir: str, device: str):
 
 
 def reference(paths: dict, prompts: list[list[int]], new_tokens: int, device: str) -> dict:
+    """fp32 transformers+PEFT: greedy sequences, their teacher-forced logprobs and top-1/top-2 margins, the same
+    without adapter; then the identical model in bf16 on the same sequences (the precision floor vLLM is held to)."""
     import torch
     from peft import PeftModel
 
     base = dequantized_reference(paths["bf16"], device)
-    out: dict = {"greedy": {}, "tf": {}, "tf_base": None}
+    out: dict = {"greedy": {}, "tf": {}, "tf_base": {}, "bf16": {}}
 
-    def teacher_forced(model, seqs):
-        res = []
+    def teacher_forced(model, seqs, margins=False):
+        res, gaps = [], []
         for seq in seqs:
             ids = torch.tensor([seq], device=device)
             with torch.no_grad():
                 logp = torch.log_softmax(model(ids).logits.float(), dim=-1)[0]
             res.append([float(logp[i - 1, seq[i]]) for i in range(1, len(seq))])
-        return res
+            top2 = logp.topk(2, dim=-1).values
+            gaps.append([float(top2[i - 1, 0] - top2[i - 1, 1]) for i in range(1, len(seq))])
+        return (res, gaps) if margins else res
 
     for r, adapter in paths["adapters"].items():
         model = PeftModel.from_pretrained(base, adapter).eval()
@@ -157,11 +162,17 @@ def reference(paths: dict, prompts: list[list[int]], new_tokens: int, device: st
                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
             seqs.append(gen[0].tolist())
         out["greedy"][r] = [s[len(p):] for s, p in zip(seqs, prompts)]
-        out["tf"][r] = {"seqs": seqs, "logprobs": teacher_forced(model, seqs)}
-        if out["tf_base"] is None:
-            with model.disable_adapter():
-                out["tf_base"] = teacher_forced(model, seqs)
+        logprobs, gaps = teacher_forced(model, seqs, margins=True)
+        out["tf"][r] = {"seqs": seqs, "logprobs": logprobs, "margins": gaps}
+        with model.disable_adapter():
+            out["tf_base"][r] = teacher_forced(model, seqs)
         base = model.unload()  # the plain dequantized base again
+    # the precision floor: the same dequantized weights and adapters, run by transformers+PEFT in bf16
+    base = base.to(torch.bfloat16)
+    for r, adapter in paths["adapters"].items():
+        model = PeftModel.from_pretrained(base, adapter).eval()
+        out["bf16"][r] = teacher_forced(model, out["tf"][r]["seqs"])
+        base = model.unload()
     return out
 
 
@@ -186,7 +197,7 @@ def engine_main(spec_path: str, out_path: str) -> int:
         return [[float(pl[s[i]].logprob) for i, pl in enumerate(o.prompt_logprobs) if i > 0]
                 for o, s in zip(outs, seqs)]
 
-    for i, (r, adapter) in enumerate(sorted(spec["adapters"].items()), start=1):
+    for i, (r, adapter) in enumerate(sorted(spec["adapters"].items(), key=lambda kv: int(kv[0])), start=1):
         lora = LoRARequest(f"adapter-r{r}", i, adapter)
         outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], greedy, lora_request=lora,
                             use_tqdm=False)
@@ -194,8 +205,7 @@ def engine_main(spec_path: str, out_path: str) -> int:
         res["greedy"][int(r)] = [list(o.outputs[0].token_ids) for o in outs]
         seqs = spec["tf_seqs"][str(r)]
         res["tf"][int(r)] = tf(seqs, lora)
-        if not res["tf_nolora"]:
-            res["tf_nolora"] = tf(seqs, None)
+        res["tf_nolora"][int(r)] = tf(seqs, None)  # the same sequences without adapter (adapter effect)
 
     def grab(worker):
         model = worker.model_runner.get_model()
@@ -252,26 +262,43 @@ def run_engine(name: str, paths: dict, prompts, tf_seqs, args, logdir: Path) -> 
 # comparisons
 
 
+def _absdiff(a, b) -> list[float]:
+    return [abs(x - y) for g, w in zip(a, b) for x, y in zip(g, w)]
+
+
 def compare(rec: Recorder, name: str, res: dict, ref: dict, args) -> None:
+    """vLLM vs the fp32 reference, held to max(fixed tolerance, 1.5 x what bf16 transformers+PEFT itself deviates
+    from fp32 on the same sequences). Greedy: a prompt may diverge only where the fp32 reference's top-1/top-2
+    margin is within twice that logprob tolerance (a near-tie any bf16 engine may break either way)."""
     for r in sorted(ref["greedy"]):
+        floor = _absdiff(ref["bf16"][r], ref["tf"][r]["logprobs"])
+        tol_max = max(args.tol_max, 1.5 * max(floor))
+        tol_mean = max(args.tol_mean, 1.5 * sum(floor) / len(floor))
         got, want = res["greedy"][r], ref["greedy"][r]
+        plen = [len(s) - len(w) for s, w in zip(ref["tf"][r]["seqs"], want)]
         match = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
+        margins = [None if m == len(w) else ref["tf"][r]["margins"][k][plen[k] + m - 1]
+                   for k, (m, w) in enumerate(zip(match, want))]
+        near_tie = all(g is None or g <= 2 * tol_max for g in margins)
         rate = sum(match) / sum(len(w) for w in want)
-        rec.add(f"{name} r{r} greedy", rate >= args.min_token_match,
-                f"{rate:.1%} of tokens before the first divergence (per prompt {match} of {len(want[0])})",
-                rate=rate, first_divergence=match)
-        diffs = [abs(a - b) for g, w in zip(res["tf"][r], ref["tf"][r]["logprobs"]) for a, b in zip(g, w)]
+        rec.add(f"{name} r{r} greedy", rate >= args.min_token_match or near_tie,
+                f"{rate:.1%} of tokens before the first divergence (per prompt {match} of {len(want[0])}); "
+                f"fp32 reference top-1/top-2 margin there {[None if g is None else round(g, 3) for g in margins]} "
+                f"(near-tie if <= {2 * tol_max:.3f})",
+                rate=rate, first_divergence=match, margins_at_divergence=margins)
+        diffs = _absdiff(res["tf"][r], ref["tf"][r]["logprobs"])
         worst, mean = max(diffs), sum(diffs) / len(diffs)
-        rec.add(f"{name} r{r} teacher-forced", worst <= args.tol_max and mean <= args.tol_mean,
-                f"|d logprob| max {worst:.4f} (tol {args.tol_max}), mean {mean:.4f} (tol {args.tol_mean}) over "
-                f"{len(diffs)} tokens", max=worst, mean=mean)
-    r0 = min(ref["greedy"])
-    effect = [abs(a - b) for g, w in zip(res["tf"][r0], res["tf_nolora"]) for a, b in zip(g, w)]
-    ref_effect = [abs(a - b) for g, w in zip(ref["tf"][r0]["logprobs"], ref["tf_base"]) for a, b in zip(g, w)]
-    mean_effect, mean_ref = sum(effect) / len(effect), sum(ref_effect) / len(ref_effect)
-    rec.add(f"{name} adapter active", mean_effect > 10 * args.tol_mean and mean_effect > 0.5 * mean_ref,
-            f"mean |logprob(with r{r0}) - logprob(without)| = {mean_effect:.3f} (reference {mean_ref:.3f})",
-            effect=mean_effect, reference_effect=mean_ref)
+        rec.add(f"{name} r{r} teacher-forced", worst <= tol_max and mean <= tol_mean,
+                f"|d logprob| vs fp32 max {worst:.4f} (tol {tol_max:.4f}), mean {mean:.4f} (tol {tol_mean:.4f}) over "
+                f"{len(diffs)} tokens; transformers+PEFT bf16 vs fp32: max {max(floor):.4f}, "
+                f"mean {sum(floor) / len(floor):.4f}", max=worst, mean=mean, bf16_floor_max=max(floor),
+                bf16_floor_mean=sum(floor) / len(floor), tol_max=tol_max, tol_mean=tol_mean)
+        effect = _absdiff(res["tf"][r], res["tf_nolora"][r])
+        ref_effect = _absdiff(ref["tf"][r]["logprobs"], ref["tf_base"][r])
+        mean_effect, mean_ref = sum(effect) / len(effect), sum(ref_effect) / len(ref_effect)
+        rec.add(f"{name} r{r} adapter effect", mean_effect > 10 * args.tol_mean and abs(mean_effect - mean_ref) <= 0.1 * mean_ref,
+                f"mean |logprob(with r{r}) - logprob(without)| = {mean_effect:.3f} (reference {mean_ref:.3f}, "
+                f"must agree within 10%)", effect=mean_effect, reference_effect=mean_ref)
 
 
 def compare_kernels(rec: Recorder, a_name: str, a: dict, b_name: str, b: dict) -> None:
@@ -336,7 +363,7 @@ def main() -> int:
     try:
         ref = reference(paths, prompts, args.new_tokens, device)
         r0 = min(ref["greedy"])
-        effect = [abs(a - b) for g, w in zip(ref["tf"][r0]["logprobs"], ref["tf_base"]) for a, b in zip(g, w)]
+        effect = _absdiff(ref["tf"][r0]["logprobs"], ref["tf_base"][r0])
         distinct = len({t for seq in ref["greedy"][r0] for t in seq})
         report["reference_greedy"] = ref["greedy"]
         rec.add("reference", distinct > 2, f"transformers+PEFT on the dequantized base ({device}, fp32): "

@@ -571,7 +571,7 @@ def test_gpu_triton_equals_torch_codec(shape):
         assert torch.equal(a.cpu().view(iv), nvfp4.dequantize(q.packed.cpu(), q.scale.cpu(), q.global_scale.cpu(), dt).view(iv))
     # every byte value of packed and scale
     packed = torch.randint(0, 256, (64, 128), dtype=torch.uint8, generator=g).cuda()
-    sb = (torch.arange(64 * 8) % 256).to(torch.uint8).reshape(64, 8).cuda()  # every FP8 byte
+    sb = (torch.arange(64 * 16) % 256).to(torch.uint8).reshape(64, 16).cuda()  # every FP8 byte (256 inputs = 16 groups)
     for gs in (1.0, 2688.0, 1e-3, 3e7):
         gsc = torch.tensor([gs], device="cuda")
         a = kernels.dequantize_nvfp4_triton(packed, sb.view(torch.float8_e4m3fn), gsc, torch.bfloat16)
