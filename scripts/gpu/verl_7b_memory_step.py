@@ -141,6 +141,7 @@ def run(name: str, out: Path, args) -> dict:
         "actor_rollout_ref.rollout.max_num_seqs=64",
         "actor_rollout_ref.rollout.max_num_batched_tokens=8192",
         f"trainer.total_training_steps={args.steps}",
+        f"actor_rollout_ref.rollout.custom.qerl.aqn.num_stages={min(args.steps, 3)}",  # AQN on from step 2 (stage 0 is noise-free)
         "trainer.save_freq=-1",
     ]
     if name == "bf16":
@@ -170,8 +171,8 @@ def run(name: str, out: Path, args) -> dict:
         "update_actor_s": mean("timing_s/update_actor"),
         "update_weights_s": mean("timing_s/update_weights"),
         "step_s": mean("timing_s/step"),
-        "actor_peak_alloc_gb": peak("perf/max_memory_allocated_gb"),
-        "actor_peak_reserved_gb": peak("perf/max_memory_reserved_gb"),
+        "actor_peak_alloc_gb": peak("actor/perf/max_memory_allocated_gb"),
+        "actor_peak_reserved_gb": peak("actor/perf/max_memory_reserved_gb"),
         "device_peak_used_gb": round(smi.peak / 1024, 2),
         "vllm_weights_gib": loads[0] if loads else None,
         "vllm_kv_cache_gib": kv[0] if kv else None,
