@@ -74,6 +74,10 @@ run_step() {
     verl_dapo) step verl_dapo 580 bash scripts/gpu/verl_grpo_tiny.sh dapo --override actor_rollout_ref.rollout.gpu_memory_utilization=0.15 ;;
     verl_resume8)  # self-contained: an 8-step nvfp4+AQN run saving at step 4, then a resume from it to step 8
         step verl_resume8 580 bash scripts/gpu/verl_grpo_tiny.sh nvfp4 resume --steps 8 --eager --override actor_rollout_ref.rollout.gpu_memory_utilization=0.15 ;;
+    verl_resume8a)  # the same in two device calls on one machine (each part needs ~4-6 min): the 8-step run ...
+        step verl_resume8a 580 bash scripts/gpu/verl_grpo_tiny.sh nvfp4 --steps 8 --eager --out "$work/verl_resume8/verl_grpo_tiny" --override actor_rollout_ref.rollout.gpu_memory_utilization=0.15 ;;
+    verl_resume8b)  # ... then the resume from its step-4 checkpoint (left in /tmp/qerl-out by verl_resume8a)
+        step verl_resume8b 580 bash scripts/gpu/verl_grpo_tiny.sh resume --steps 8 --eager --out "$work/verl_resume8/verl_grpo_tiny" --override actor_rollout_ref.rollout.gpu_memory_utilization=0.15 ;;
     v7_build) step v7_build 400 bash scripts/gpu/verl_7b_memory_step.sh build --out "$work/verl_7b" ;;
     v7_nvfp4) step v7_nvfp4 580 bash scripts/gpu/verl_7b_memory_step.sh nvfp4 summary --out "$work/verl_7b" ;;
     v7_bf16) step v7_bf16 580 bash scripts/gpu/verl_7b_memory_step.sh bf16 summary --out "$work/verl_7b" ;;
