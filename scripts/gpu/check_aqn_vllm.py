@@ -104,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--num-prompts", type=int, default=64)
     g.add_argument("--sigmas", default="0,1e-4,1e-3,1e-2")
     g.add_argument("--seeds", type=int, default=24, help="noise draws per sigma > 0")
+    g.add_argument("--no-antithetic", dest="antithetic", action="store_false",
+                   help="one entropy per draw instead of the mean over the draw z and its mirror -z")
     g.add_argument("--greedy-tokens", type=int, default=32)
     g.add_argument("--batches", default="1,32", help="decode batch sizes (7B phases: 1,16)")
     g.add_argument("--decode-tokens", type=int, default=128, help="extra tokens between the two timed lengths")
@@ -310,6 +312,17 @@ def entropy_stats(rows, vocab: int) -> dict:
             "tail_mass": statistics.fmean(tails), "positions": len(ent), "top1": top1}
 
 
+def negate_noise(worker) -> int:
+    """collective_rpc function: z -> -z in every noisy norm, in place (buffers and CUDA graphs unchanged)."""
+    n = 0
+    for module in worker.model_runner.get_model().modules():
+        buf = getattr(module, "qerl_noise", None)
+        if buf is not None:
+            buf.neg_()
+            n += 1
+    return n
+
+
 def noise_buffers(worker):
     """collective_rpc function: (name, type, data_ptr, active) of every RMSNorm-like module."""
     model = worker.model_runner.get_model()
@@ -499,16 +512,27 @@ def aqn_checks(llm, ids, vocab, args, rec: Recorder, workdir: Path, tensors, pef
         def one_sigma(sigma=sigma, seeds=seeds):
             vals, changed = [], []
             base = rec.steps.get("sigma0_after_clear", {}).get("result", {}).get("top1_tokens")
+            plus, minus = [], []
             for seed in seeds:
                 if sigma == 0:
                     llm.collective_rpc("qerl_clear_noise")
                 else:
                     llm.collective_rpc("qerl_set_noise", args=(sigma, seed, 1))
                 st = entropy_stats(prompt_logprobs(llm, ids), vocab)
-                vals.append(st["entropy"])
+                if sigma > 0 and args.antithetic:
+                    # the same draw with its sign flipped (in place): the pair mean cancels the first-order,
+                    # zero-mean part of the entropy change and keeps the second-order part AQN is about
+                    llm.collective_rpc(negate_noise)
+                    st_neg = entropy_stats(prompt_logprobs(llm, ids), vocab)
+                    plus.append(st["entropy"])
+                    minus.append(st_neg["entropy"])
+                    vals.append((st["entropy"] + st_neg["entropy"]) / 2)
+                else:
+                    vals.append(st["entropy"])
                 if base:
                     changed.append(sum(a != b for a, b in zip(st["top1"], base)) / len(base))
-            return {"sigma": sigma, "entropies": vals, "mean": statistics.fmean(vals),
+            return {"sigma": sigma, "entropies": vals, "entropies_plus": plus, "entropies_minus": minus,
+                    "antithetic": bool(plus), "mean": statistics.fmean(vals),
                     "se": statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else 0.0,
                     "top1_changed_frac": statistics.fmean(changed) if changed else None}
 
@@ -684,7 +708,8 @@ def summarize(workdir: Path, statuses: list[dict]) -> dict:
             "strictly_increasing_means": all(v["delta"] > 0 for v in verdicts),
             "means": {f"{r['sigma']:g}": r["mean"] for r in sweep},
             "top1_changed_frac": {f"{r['sigma']:g}": r["top1_changed_frac"] for r in sweep},
-            "method": "mean over prompt positions of the top-20 entropy + uniform-tail term; SE over noise seeds"})
+            "method": "mean over prompt positions of the top-20 entropy + uniform-tail term; per draw the mean of z and -z "
+                      "(antithetic) unless --no-antithetic; SE over noise seeds"})
 
     # (3) cost
     overheads = []
