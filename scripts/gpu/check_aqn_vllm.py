@@ -72,8 +72,6 @@ NAME = "check_aqn_vllm"
 VLLM_OWN_PLUGINS = "lora_filesystem_resolver,lora_hf_hub_resolver"  # vLLM's general plugins, not ours
 EXTENSION = "vllm_ext.worker_extension.QerlWorkerExtension"
 TOP_K = 20
-QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768)
 LORA_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -411,12 +409,15 @@ def phase_engine(args, workdir: Path, rec: Recorder, *, aqn: bool, big: bool) ->
         model_dir = workdir / "model7b"
         from transformers import Qwen2Config
 
-        cfg = Qwen2Config(**QWEN25_7B, tie_word_embeddings=False)
+        from vllm_ext.bench import SHAPES
+
+        shape7b = dict(SHAPES["7B"], max_position_embeddings=32768)
+        cfg = Qwen2Config(**shape7b)
         cfg.architectures = ["Qwen2ForCausalLM"]
         cfg.torch_dtype = "bfloat16"
         cfg.save_pretrained(model_dir)
-        cfg_d = dict(QWEN25_7B)
-        vocab = QWEN25_7B["vocab_size"]
+        cfg_d = dict(shape7b)
+        vocab = shape7b["vocab_size"]
         ids = [[(1000 * p + 7 * t) % vocab for t in range(64)] for p in range(8)]  # dummy weights: any tokens
     else:
         model_dir = workdir / "model"

@@ -40,18 +40,10 @@ import verl_grpo_tiny as tiny  # noqa: E402  (run_verl, read_metrics, preflight)
 
 ROOT = HERE.parents[1]
 PHASES = ("build", "bf16", "nvfp4", "summary")
-QWEN25_7B = dict(
-    vocab_size=152064,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    max_position_embeddings=32768,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+# Qwen2.5-7B as `qerl bench rollout --shape 7B` knows it, plus the fields a saved config needs
+from vllm_ext.bench import SHAPES  # noqa: E402
+
+QWEN25_7B = dict(**SHAPES["7B"], max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 
 
 def log(msg):
