@@ -19,6 +19,7 @@ import pytest
 
 from verl_ext import data
 from verl_ext.reward import compute_score
+from helpers import chat_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts" / "data"
@@ -298,26 +299,6 @@ def test_synthetic_rows_score_as_a_model_would_answer():
 # verl's own dataset class reads the files
 
 
-def _tiny_tokenizer():
-    """Byte-level tokenizer with a chat template, built offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=(
-            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-        ),
-    )
-
-
 def test_verl_rlhf_dataset_reads_our_files(tmp_path):
     from omegaconf import OmegaConf
     from torch.utils.data import DataLoader
@@ -325,7 +306,7 @@ def test_verl_rlhf_dataset_reads_our_files(tmp_path):
 
     gsm = data.prepare_gsm8k(_hf_layout(tmp_path / "gsm8k"), tmp_path / "gsm8k_rl")
     syn = data.make_synthetic_arithmetic(tmp_path / "syn", n_train=12, n_test=4, seed=0, difficulty=2)
-    tokenizer = _tiny_tokenizer()
+    tokenizer = chat_tokenizer()
     config = OmegaConf.create(
         {"max_prompt_length": 1024, "filter_overlong_prompts": True, "filter_overlong_prompts_workers": 1,
          "cache_dir": str(tmp_path / "cache"), "prompt_key": "prompt"}

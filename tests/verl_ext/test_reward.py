@@ -19,6 +19,7 @@ import pytest
 
 from verl_ext import reward
 from verl_ext.reward import compute_score, extract_answer, extract_ground_truth
+from helpers import chat_tokenizer
 
 REWARD_FILE = Path(reward.__file__).resolve()
 # Parsing 10^{10^{10}} and comparing it with anything takes sympy far longer than any sane time limit.
@@ -443,26 +444,6 @@ def test_verls_own_trainer_config_selects_it(overrides):
     assert fn(solution_str="#### 3", **kw)["score"] == wrong
 
 
-def _tiny_tokenizer():
-    """Byte-level tokenizer with a chat template, built offline (exact decode of any text)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=(
-            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-        ),
-    )
-
-
 def _one_item(tokenizer, response: str, ground_truth, data_source: str, prompt_len: int = 8, resp_len: int = 96):
     import torch
     from verl import DataProto
@@ -493,7 +474,7 @@ def test_verl_reward_manager_runs_it_in_its_executor_thread(manager):
     """verl's own reward-loop manager decodes the response and calls us via run_in_executor (a thread)."""
     from verl.trainer.ppo.reward import load_reward_manager
 
-    tokenizer = _tiny_tokenizer()
+    tokenizer = chat_tokenizer()
     config = _verl_config("pkg://verl_ext.reward", timeout_s=1.0)
     config.reward.reward_manager.name = manager
     mgr = load_reward_manager(config, tokenizer)
@@ -550,7 +531,7 @@ def test_inside_a_real_ray_reward_loop_worker(tmp_path):
     from verl import DataProto
     from verl.experimental.reward_loop.reward_loop import RewardLoopWorker
 
-    tokenizer = _tiny_tokenizer()
+    tokenizer = chat_tokenizer()
     tokenizer.save_pretrained(tmp_path / "tok")
     config = _verl_config("pkg://verl_ext.reward", timeout_s=1.0)
     config.actor_rollout_ref = {"model": {"path": str(tmp_path / "tok"), "tokenizer_path": None}}
