@@ -43,6 +43,8 @@ JOBS = ("quantize", "rollout", "train", "serve")
 # vLLM 0.24: marlin_utils_fp4.is_fp4_marlin_supported() == is_cuda() and has_device_capability(75)
 MARLIN_FP4_MIN_CAPABILITY = (7, 5)
 MARLIN_OPS = ("marlin_gemm", "gptq_marlin_repack")
+# the compiled library that registers torch.ops._C: vLLM 0.24 CUDA wheels ship the first, older ones the second
+VLLM_OPS_LIBS = ("vllm._C_stable_libtorch", "vllm._C")
 ENTRY_POINTS = {"vllm": ("vllm.general_plugins", "qerl", "vllm_ext:register"), "verl": ("verl.plugins", "qerl", "verl_ext")}
 PROBE_TIMEOUT_S = 300
 _PROBE_MARK = "QERL_DOCTOR_PROBE="
@@ -166,8 +168,7 @@ def marlin():
     import importlib
     import torch
     errors = []
-    # vLLM 0.24 CUDA wheels register torch.ops._C from vllm._C_stable_libtorch (older ones: vllm._C)
-    for lib in ("vllm._C_stable_libtorch", "vllm._C"):
+    for lib in %(libs)r:
         try:
             importlib.import_module(lib)
             break
@@ -213,7 +214,7 @@ attempt("verl", verl_import)
 if res["verl"]["ok"]:
     attempt("verl_plugin", verl_plugin)
 print(%(mark)r + json.dumps(res), flush=True)
-""" % {"ops": MARLIN_OPS, "mark": _PROBE_MARK}
+""" % {"ops": MARLIN_OPS, "libs": VLLM_OPS_LIBS, "mark": _PROBE_MARK}
 
 
 def run_probe(timeout: float = PROBE_TIMEOUT_S) -> dict:

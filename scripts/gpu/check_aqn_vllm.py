@@ -277,6 +277,11 @@ def lora_verdicts(diffs: dict, tol: float) -> dict:
             "restored": diffs["restored_vs_mem"]["max"] <= tol}
 
 
+def top1_gaps(x: dict, y: dict) -> list[float]:
+    """|top-1 logprob| differences, position by position, of two recorded _outputs results."""
+    return [abs(u - v) for p, q in zip(x["top1_logprobs"], y["top1_logprobs"]) for u, v in zip(p, q)]
+
+
 def top1_diff(a, b) -> dict:
     """Largest |top-1 logprob difference| over all positions, and in how many positions the top-1 token differs."""
     d, tok = [], 0
@@ -570,8 +575,8 @@ def aqn_checks(llm, ids, vocab, args, rec: Recorder, workdir: Path, tensors, pef
         diffs = {"mem_vs_disk": top1_diff(mem, disk), "mem_vs_base": top1_diff(mem, base),
                  "still_vs_mem": top1_diff(still, mem), "replaced_vs_mem": top1_diff(replaced, mem),
                  "replaced_vs_disk": top1_diff(replaced, replaced_disk), "restored_vs_mem": top1_diff(restored, mem)}
-        return {**lora_verdicts(diffs, tol), "too_big_refused": refused, "run_to_run_floor": floor, "tolerance": tol,
-                "diffs": diffs, "bit_identical": {k: v["max"] == 0.0 for k, v in diffs.items()}}
+        return {"too_big_refused": refused, "run_to_run_floor": floor, "tolerance": tol, "diffs": diffs,
+                "bit_identical": {k: v["max"] == 0.0 for k, v in diffs.items()}}  # verdicts: summarize()
 
     rec.run("lora", lora_checks)
 
@@ -655,7 +660,7 @@ def summarize(workdir: Path, statuses: list[dict]) -> dict:
         for label, a in (("fresh", res(ph, aqn_phase, "sigma0_fresh")), ("after_clear", res(ph, aqn_phase, "sigma0_after_clear"))):
             if not (stock0 and a):
                 continue
-            diffs = [abs(x - y) for p, q in zip(stock0["top1_logprobs"], a["top1_logprobs"]) for x, y in zip(p, q)]
+            diffs = top1_gaps(stock0, a)
             check(f"exact_{tag}sigma0_{label}_logprobs", a["logprobs_digest"] == stock0["logprobs_digest"],
                   {"max_abs_top1_diff": max(diffs) if diffs else None,
                    "positions_differing": sum(d != 0 for d in diffs), "positions": len(diffs)})
@@ -665,8 +670,8 @@ def summarize(workdir: Path, statuses: list[dict]) -> dict:
     sl, al = res(ph, "stock", "sigma0_lora"), res(ph, "aqn", "sigma0_lora")
     if sl and al:
         def maxdiff(x, y):
-            return max((abs(u - v) for p, q in zip(x["top1_logprobs"], y["top1_logprobs"]) for u, v in zip(p, q)),
-                       default=None)
+            return max(top1_gaps(x, y), default=None)
+
         floors = {p: maxdiff(res(ph, p, "sigma0_lora"), res(ph, p, "sigma0_lora_repeat"))
                   for p in ("stock", "aqn") if res(ph, p, "sigma0_lora_repeat")}
         floor = max((f for f in floors.values() if f is not None), default=0.0)
@@ -735,7 +740,7 @@ def summarize(workdir: Path, statuses: list[dict]) -> dict:
     # (4) LoRA
     lora = res(ph, "aqn", "lora")
     if lora:
-        if "diffs" in lora:  # verdicts from the recorded differences (re-summarizing applies the current rule)
+        if "diffs" in lora:  # verdicts from the recorded differences (older runs recorded booleans only)
             lora = {**lora, **lora_verdicts(lora["diffs"], lora["tolerance"])}
         ok = all(lora[k] is True for k in ("in_memory_equals_disk", "adapter_changes_output", "previous_keeps_serving",
                                             "replace_in_place_changes_output", "replaced_equals_disk", "restored"))

@@ -80,7 +80,7 @@ def test_marlin_op_check_matches_torch_ops(json_report):
     import importlib
 
     have = False
-    for lib in ("vllm._C_stable_libtorch", "vllm._C"):  # vLLM 0.24 CUDA wheels ship the former
+    for lib in doctor.VLLM_OPS_LIBS:
         try:
             importlib.import_module(lib)
         except ImportError:
