@@ -79,8 +79,8 @@ run_step() {
     verl_resume8b)  # ... then the resume from its step-4 checkpoint (left in /tmp/qerl-out by verl_resume8a)
         step verl_resume8b 580 bash scripts/gpu/verl_grpo_tiny.sh resume --steps 8 --eager --out "$work/verl_resume8/verl_grpo_tiny" --override actor_rollout_ref.rollout.gpu_memory_utilization=0.15 ;;
     v7_build) step v7_build 400 bash scripts/gpu/verl_7b_memory_step.sh build --out "$work/verl_7b" ;;
-    v7_nvfp4) step v7_nvfp4 580 bash scripts/gpu/verl_7b_memory_step.sh nvfp4 summary --out "$work/verl_7b" ;;
-    v7_bf16) step v7_bf16 580 bash scripts/gpu/verl_7b_memory_step.sh bf16 summary --out "$work/verl_7b" ;;
+    v7_nvfp4) step v7_nvfp4 580 bash scripts/gpu/verl_7b_memory_step.sh nvfp4 summary --out "$work/verl_7b" ${V7_ARGS:-} ;;
+    v7_bf16) step v7_bf16 580 bash scripts/gpu/verl_7b_memory_step.sh bf16 summary --out "$work/verl_7b" ${V7_ARGS:-} ;;
     *) echo "unknown step $1" ;;
     esac
 }

@@ -126,8 +126,8 @@ def run(name: str, out: Path, args) -> dict:
         "actor_rollout_ref.model.lora_alpha=32",
         "actor_rollout_ref.model.enable_gradient_checkpointing=true",
         "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.ppo_micro}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.logprob_micro}",
         "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
         f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_mem}",
         "actor_rollout_ref.rollout.max_num_seqs=64",
@@ -136,6 +136,11 @@ def run(name: str, out: Path, args) -> dict:
         f"actor_rollout_ref.rollout.custom.qerl.aqn.num_stages={min(args.steps, 3)}",  # AQN on from step 2 (stage 0 is noise-free)
         "trainer.save_freq=-1",
     ]
+    if args.chunked_entropy:  # verl's own switches: entropy over the vocabulary in chunks, recomputed in backward
+        overrides += [
+            "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true",
+            "actor_rollout_ref.actor.entropy_checkpointing=true",
+        ]
     if name == "bf16":
         overrides += ["actor_rollout_ref.rollout.quantization=null", "actor_rollout_ref.rollout.custom.qerl.aqn.enable=false"]
     (out / name).mkdir(parents=True, exist_ok=True)
@@ -156,6 +161,8 @@ def run(name: str, out: Path, args) -> dict:
     kv = [float(x) for x in re.findall(r"Available KV cache memory: ([0-9.]+) GiB", text)]
     rec = {
         "rc": rc,
+        "settings": {"ppo_micro": args.ppo_micro, "logprob_micro": args.logprob_micro,
+                     "chunked_entropy": args.chunked_entropy, "response": args.response, "gpu_mem": args.gpu_mem},
         "steps_logged": len(steps),
         "gen_s": mean("timing_s/gen"),
         "old_log_prob_s": mean("timing_s/old_log_prob"),
@@ -181,6 +188,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--response", type=int, default=512)
     p.add_argument("--gpu-mem", type=float, default=0.5, help="rollout.gpu_memory_utilization (the same for both)")
+    p.add_argument("--ppo-micro", type=int, default=4, help="actor.ppo_micro_batch_size_per_gpu")
+    p.add_argument("--logprob-micro", type=int, default=8, help="rollout.log_prob_micro_batch_size_per_gpu")
+    p.add_argument("--chunked-entropy", action="store_true",
+                   help="verl's entropy_from_logits_with_chunking + entropy_checkpointing (smaller logit peaks)")
     p.add_argument("--timeout", type=int, default=570)
     args = p.parse_args()
     bad = [x for x in args.phases if x not in PHASES]
