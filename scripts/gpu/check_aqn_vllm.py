@@ -84,8 +84,8 @@ LORA_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "./.out"), help="output folder (default $OUT or ./.out)")
-    p.add_argument("--phases", default="build,stock,aqn",
-                   help="comma list of build, stock, aqn, stock7b, aqn7b (default build,stock,aqn)")
+    p.add_argument("--phases", default="build,stock,aqn,entropy32",
+                   help="comma list of build, stock, aqn, entropy32, stock7b, aqn7b (default build,stock,aqn,entropy32)")
     p.add_argument("--big", action="store_true", help="append stock7b,aqn7b to --phases")
     p.add_argument("--phase-timeout", type=int, default=420, help="seconds per phase subprocess")
     p.add_argument("--aqn-switch", choices=("env", "config"), default="env",
@@ -219,15 +219,16 @@ def phase_build(args, workdir: Path, rec: Recorder) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def make_llm(args, model_dir: Path, *, aqn: bool, big: bool):
+def make_llm(args, model_dir: Path, *, aqn: bool, big: bool, dtype: str = "bfloat16", lora: bool = True):
     from vllm import LLM
 
     kwargs = dict(
-        model=str(model_dir), dtype="bfloat16", seed=0, skip_tokenizer_init=True,
+        model=str(model_dir), dtype=dtype, seed=0, skip_tokenizer_init=True,
         max_model_len=1024 if big else 512, gpu_memory_utilization=args.gpu_memory_utilization if not big else 0.85,
-        enable_prefix_caching=False, enable_lora=True, max_lora_rank=16, max_loras=2, max_cpu_loras=4,
-        worker_extension_cls=EXTENSION,
+        enable_prefix_caching=False, worker_extension_cls=EXTENSION,
     )
+    if lora:
+        kwargs.update(enable_lora=True, max_lora_rank=16, max_loras=2, max_cpu_loras=4)
     if big:
         kwargs["load_format"] = "dummy"
     if aqn and args.aqn_switch == "config":
@@ -464,6 +465,27 @@ def phase_engine(args, workdir: Path, rec: Recorder, *, aqn: bool, big: bool) ->
         timing_block(llm, vocab, args, batches, lora, "stock", rec)
 
 
+def phase_entropy32(args, workdir: Path, rec: Recorder) -> None:
+    """The entropy sweep again on an AQN engine in float32 (no LoRA; CUDA graphs and torch.compile on).
+
+    In bf16 a noise of 1e-4 or 1e-3 moves outputs by whole bf16 ulps at a few elements (and logits of size
+    ~10 are rounded to 1/16), so the sweep's small-sigma steps measure rounding, not the expected entropy
+    change (second order in sigma). A float32 engine removes that floor and shows the noise's own effect.
+    """
+    data = json.loads((workdir / "prompts.json").read_text())
+    ids, vocab = data["prompts"], data["vocab"]
+    llm = rec.run("engine_start", make_llm, args, workdir / "model", aqn=True, big=False, dtype="float32", lora=False)
+    if llm is None:
+        return
+    rec.run("norm_types", lambda: sorted({t for _, t, _, _ in llm.collective_rpc(noise_buffers)[0]}))
+    first = rec.run("sigma0_fresh", lambda: _outputs(llm, ids, vocab, args, greedy_too=False))
+    again = rec.run("sigma0_repeat", lambda: _outputs(llm, ids, vocab, args, greedy_too=False))
+    if first and again:
+        rec.run("sigma0_deterministic", lambda: first["logprobs_digest"] == again["logprobs_digest"])
+    entropy_sweep(llm, ids, vocab, args, rec, [float(x) for x in args.sigmas.split(",")])
+    llm.collective_rpc("qerl_clear_noise")
+
+
 def _outputs(llm, ids, vocab, args, lora=None, greedy_too=True) -> dict:
     rows = prompt_logprobs(llm, ids, lora)
     out = {"logprobs_digest": digest(rows), "top1_logprobs": [[top[0][1] for top in p] for p in rows]}
@@ -474,6 +496,43 @@ def _outputs(llm, ids, vocab, args, lora=None, greedy_too=True) -> dict:
         g = greedy(llm, ids[:16], args.greedy_tokens, lora)
         out.update(greedy_digest=digest(g), greedy=g)
     return out
+
+
+def entropy_sweep(llm, ids, vocab, args, rec: Recorder, sigmas) -> dict:
+    """Mean next-token entropy per sigma over --seeds draws (stage 1); recorded as steps entropy_sigma_<s>."""
+    sweep = {}
+    for sigma in sigmas:
+        seeds = [0] if sigma == 0 else list(range(args.seeds))
+
+        def one_sigma(sigma=sigma, seeds=seeds):
+            vals, changed = [], []
+            base = (rec.steps.get("sigma0_after_clear") or rec.steps.get("sigma0_fresh") or {}).get("result", {}).get("top1_tokens")
+            plus, minus = [], []
+            for seed in seeds:
+                if sigma == 0:
+                    llm.collective_rpc("qerl_clear_noise")
+                else:
+                    llm.collective_rpc("qerl_set_noise", args=(sigma, seed, 1))
+                st = entropy_stats(prompt_logprobs(llm, ids), vocab)
+                if sigma > 0 and args.antithetic:
+                    # the same draw with its sign flipped (in place): the pair mean cancels the first-order,
+                    # zero-mean part of the entropy change and keeps the second-order part AQN is about
+                    llm.collective_rpc(negate_noise)
+                    st_neg = entropy_stats(prompt_logprobs(llm, ids), vocab)
+                    plus.append(st["entropy"])
+                    minus.append(st_neg["entropy"])
+                    vals.append((st["entropy"] + st_neg["entropy"]) / 2)
+                else:
+                    vals.append(st["entropy"])
+                if base:
+                    changed.append(sum(a != b for a, b in zip(st["top1"], base)) / len(base))
+            return {"sigma": sigma, "entropies": vals, "entropies_plus": plus, "entropies_minus": minus,
+                    "antithetic": bool(plus), "mean": statistics.fmean(vals),
+                    "se": statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else 0.0,
+                    "top1_changed_frac": statistics.fmean(changed) if changed else None}
+
+        sweep[sigma] = rec.run(f"entropy_sigma_{sigma:g}", one_sigma)
+    return sweep
 
 
 def aqn_checks(llm, ids, vocab, args, rec: Recorder, workdir: Path, tensors, peft_config, lora) -> None:
@@ -511,38 +570,7 @@ def aqn_checks(llm, ids, vocab, args, rec: Recorder, workdir: Path, tensors, pef
     rec.run("sigma0_after_clear", lambda: (llm.collective_rpc("qerl_clear_noise"), _outputs(llm, ids, vocab, args))[1])
 
     # entropy sweep
-    sweep = {}
-    for sigma in sigmas:
-        seeds = [0] if sigma == 0 else list(range(args.seeds))
-
-        def one_sigma(sigma=sigma, seeds=seeds):
-            vals, changed = [], []
-            base = rec.steps.get("sigma0_after_clear", {}).get("result", {}).get("top1_tokens")
-            plus, minus = [], []
-            for seed in seeds:
-                if sigma == 0:
-                    llm.collective_rpc("qerl_clear_noise")
-                else:
-                    llm.collective_rpc("qerl_set_noise", args=(sigma, seed, 1))
-                st = entropy_stats(prompt_logprobs(llm, ids), vocab)
-                if sigma > 0 and args.antithetic:
-                    # the same draw with its sign flipped (in place): the pair mean cancels the first-order,
-                    # zero-mean part of the entropy change and keeps the second-order part AQN is about
-                    llm.collective_rpc(negate_noise)
-                    st_neg = entropy_stats(prompt_logprobs(llm, ids), vocab)
-                    plus.append(st["entropy"])
-                    minus.append(st_neg["entropy"])
-                    vals.append((st["entropy"] + st_neg["entropy"]) / 2)
-                else:
-                    vals.append(st["entropy"])
-                if base:
-                    changed.append(sum(a != b for a, b in zip(st["top1"], base)) / len(base))
-            return {"sigma": sigma, "entropies": vals, "entropies_plus": plus, "entropies_minus": minus,
-                    "antithetic": bool(plus), "mean": statistics.fmean(vals),
-                    "se": statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else 0.0,
-                    "top1_changed_frac": statistics.fmean(changed) if changed else None}
-
-        sweep[sigma] = rec.run(f"entropy_sigma_{sigma:g}", one_sigma)
+    entropy_sweep(llm, ids, vocab, args, rec, sigmas)
     llm.collective_rpc("qerl_clear_noise")
 
     # LoRA: in-memory == disk; in-place replacement; too-big rank refused, adapter keeps serving
@@ -602,6 +630,8 @@ def run_phase(args, workdir: Path, phase: str) -> None:
             phase_build(args, workdir, rec)
         elif phase in ("stock", "aqn", "stock7b", "aqn7b"):
             phase_engine(args, workdir, rec, aqn=phase.startswith("aqn"), big=phase.endswith("7b"))
+        elif phase == "entropy32":
+            phase_entropy32(args, workdir, rec)
         else:
             raise ValueError(f"unknown phase {phase!r}")
     except Exception as err:  # noqa: BLE001
@@ -614,7 +644,7 @@ def launch(args, workdir: Path, phase: str) -> dict:
     env.pop("QERL_AQN", None)
     if phase.startswith("stock"):
         env["VLLM_PLUGINS"] = VLLM_OWN_PLUGINS
-    elif phase.startswith("aqn"):
+    elif phase.startswith("aqn") or phase == "entropy32":
         env.pop("VLLM_PLUGINS", None)
         if args.aqn_switch == "env":
             env["QERL_AQN"] = "1"
@@ -645,6 +675,26 @@ def load_phases(workdir: Path) -> dict:
 def res(phases, phase, step):
     s = phases.get(phase, {}).get("steps", {}).get(step, {})
     return s.get("result") if s.get("ok") else None
+
+
+def entropy_verdict(sweep: list[dict]) -> tuple[bool, dict]:
+    """Step verdicts of a sweep: "up" when the mean rises by more than 2 SE, "flat" within 2 SE, else "down";
+    it passes when no step is down and the largest sigma is up against sigma = 0."""
+    sweep = sorted(sweep, key=lambda r: r["sigma"])
+    verdicts = []
+    for lo, hi in zip(sweep, sweep[1:]):
+        d, se = hi["mean"] - lo["mean"], math.hypot(hi["se"], lo["se"])
+        verdicts.append({"from": lo["sigma"], "to": hi["sigma"], "delta": d, "se": se,
+                         "verdict": "up" if d > 2 * se else ("flat" if d >= -2 * se else "down")})
+    d_all, se_all = sweep[-1]["mean"] - sweep[0]["mean"], math.hypot(sweep[-1]["se"], sweep[0]["se"])
+    ok = all(v["verdict"] != "down" for v in verdicts) and d_all > 2 * se_all
+    return ok, {
+        "steps": verdicts, "total_delta": d_all, "total_se": se_all,
+        "strictly_increasing_means": all(v["delta"] > 0 for v in verdicts),
+        "means": {f"{r['sigma']:g}": r["mean"] for r in sweep},
+        "top1_changed_frac": {f"{r['sigma']:g}": r["top1_changed_frac"] for r in sweep},
+        "method": "mean over prompt positions of the top-20 entropy + uniform-tail term; per draw the mean of z and -z "
+                  "(antithetic) unless --no-antithetic; SE over noise seeds"}
 
 
 def summarize(workdir: Path, statuses: list[dict]) -> dict:
@@ -695,28 +745,12 @@ def summarize(workdir: Path, statuses: list[dict]) -> dict:
     if bad:
         check("bad_args_refused_state_kept", bad["state_kept"] and all(v != "no error" for v in bad["errors"].values()), bad)
 
-    # (2) entropy sweep
-    sweep = []
-    for name, step in ph.get("aqn", {}).get("steps", {}).items():
-        if name.startswith("entropy_sigma_") and step.get("ok"):
-            sweep.append(step["result"])
-    sweep.sort(key=lambda r: r["sigma"])
-    if sweep:
-        verdicts = []
-        for lo, hi in zip(sweep, sweep[1:]):
-            d, se = hi["mean"] - lo["mean"], math.hypot(hi["se"], lo["se"])
-            verdicts.append({"from": lo["sigma"], "to": hi["sigma"], "delta": d, "se": se,
-                             "verdict": "up" if d > 2 * se else ("flat" if d >= -2 * se else "down")})
-        d_all, se_all = sweep[-1]["mean"] - sweep[0]["mean"], math.hypot(sweep[-1]["se"], sweep[0]["se"])
-        ok = all(v["verdict"] != "down" for v in verdicts) and d_all > 2 * se_all
-        check("entropy_rises_with_sigma", ok, {
-            "steps": verdicts, "total_delta": d_all, "total_se": se_all,
-            "strictly_increasing_means": all(v["delta"] > 0 for v in verdicts),
-            "means": {f"{r['sigma']:g}": r["mean"] for r in sweep},
-            "top1_changed_frac": {f"{r['sigma']:g}": r["top1_changed_frac"] for r in sweep},
-            "method": "mean over prompt positions of the top-20 entropy + uniform-tail term; per draw the mean of z and -z "
-                      "(antithetic) unless --no-antithetic; SE over noise seeds"})
-
+    # (2) entropy sweep: the bf16 AQN engine, and the float32 one (entropy32) without the bf16 rounding floor
+    for phase, name in (("aqn", "entropy_rises_with_sigma"), ("entropy32", "entropy_rises_with_sigma_fp32")):
+        sweep = [step["result"] for n, step in ph.get(phase, {}).get("steps", {}).items()
+                 if n.startswith("entropy_sigma_") and step.get("ok")]
+        if sweep:
+            check(name, *entropy_verdict(sweep))
     # (3) cost
     overheads = []
     for phase_stock, phase_aqn in (("stock", "aqn"), ("stock7b", "aqn7b")):
@@ -772,7 +806,7 @@ def print_table(summary: dict) -> None:
     print(f"{'check':<36} {'ok':<5} detail")
     for name, c in summary["checks"].items():
         detail = c["detail"]
-        if name == "entropy_rises_with_sigma":
+        if name.startswith("entropy_rises_with_sigma"):
             detail = "; ".join(f"{v['from']:g}->{v['to']:g}: {v['delta']:+.2e}±{v['se']:.1e} {v['verdict']}" for v in detail["steps"]) + \
                 " | H: " + ", ".join(f"{k}={v:.5f}" for k, v in detail["means"].items()) + \
                 " | top1 changed: " + ", ".join(f"{k}={v:.3f}" for k, v in detail["top1_changed_frac"].items() if v is not None)

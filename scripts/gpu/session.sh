@@ -62,11 +62,13 @@ run_step() {
     actor) step actor 240 python3 scripts/gpu/check_actor_kernels.py --quick ;;
     actor_full) step actor_full 420 python3 scripts/gpu/check_actor_kernels.py ;;
     gputests) step gputests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-    aqn) step aqn 480 python3 scripts/gpu/check_aqn_vllm.py ;;
+    aqn) step aqn 560 python3 scripts/gpu/check_aqn_vllm.py ;;
+    entropy32) step entropy32 300 python3 scripts/gpu/check_aqn_vllm.py --phases build,entropy32 ;;
     serve) step serve 240 python3 scripts/gpu/serve_adapter.py ;;
     bench7b) step bench7b 570 python3 scripts/gpu/bench_rollout.py --shape 7B --configs bf16-lora,nvfp4-lora,nvfp4-lora-aqn --batches 1,8,64 --repeats 1 ;;
     bench7b_base) step bench7b_base 570 python3 scripts/gpu/bench_rollout.py --shape 7B --configs bf16,nvfp4 --batches 1,8,64 --repeats 1 ;;
-    bench32b) step bench32b 570 python3 scripts/gpu/bench_rollout.py --shape 32B --configs bf16-lora,nvfp4-lora --batches 1 --repeats 1 ;;
+    bench7b_lora_oh) step bench7b_lora_oh 300 python3 scripts/gpu/bench_rollout.py --shape 7B --configs nvfp4,nvfp4-lora --batches 1,8,64 --repeats 1 ;;
+    bench32b) step bench32b 570 python3 scripts/gpu/bench_rollout.py --shape 32B --configs bf16-lora,nvfp4-lora --batches 1 --repeats 1 --gpu-memory-utilization 0.92 ;;
     kernels) step kernels 240 python3 scripts/gpu/bench_rollout.py kernels --shape 7B ;;
     verl_nvfp4) step verl_nvfp4 580 bash scripts/gpu/verl_grpo_tiny.sh nvfp4 ;;
     verl_bf16) step verl_bf16 580 bash scripts/gpu/verl_grpo_tiny.sh bf16 ;;
