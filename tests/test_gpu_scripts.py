@@ -6,6 +6,8 @@ decides their verdicts and what a reader would type from the docs.
 
 from __future__ import annotations
 
+import importlib
+import os
 import re
 import sys
 from pathlib import Path
@@ -14,16 +16,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "scripts" / "gpu"
-sys.path.insert(0, str(GPU))
 
-import check_aqn_vllm  # noqa: E402
+
+@pytest.fixture(scope="module")
+def check_aqn_vllm():
+    """The script as a module, imported without leaving its os.environ defaults (VLLM_* switches meant for its
+    own GPU process) or scripts/gpu on sys.path behind for the rest of the test session."""
+    env, path = dict(os.environ), list(sys.path)
+    sys.path.insert(0, str(GPU))
+    try:
+        return importlib.import_module("check_aqn_vllm")
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = path
 
 
 def _sweep(means_ses):
     return [{"sigma": s, "mean": m, "se": se, "top1_changed_frac": 0.0} for s, (m, se) in means_ses.items()]
 
 
-def test_entropy_verdict_passes_a_rising_sweep_with_a_flat_step():
+def test_entropy_verdict_passes_a_rising_sweep_with_a_flat_step(check_aqn_vllm):
     # the float32 sweep measured on the H100 (second session)
     ok, detail = check_aqn_vllm.entropy_verdict(_sweep({
         0.0: (0.5708205636511734, 0.0), 1e-4: (0.5708208336212515, 2.99e-8),
@@ -33,7 +46,7 @@ def test_entropy_verdict_passes_a_rising_sweep_with_a_flat_step():
     assert detail["strictly_increasing_means"]
 
 
-def test_entropy_verdict_fails_a_dip_beyond_two_se():
+def test_entropy_verdict_fails_a_dip_beyond_two_se(check_aqn_vllm):
     # the bf16 sweep measured on the H100: 1e-4 sits 4 SE below sigma = 0
     ok, detail = check_aqn_vllm.entropy_verdict(_sweep({
         0.0: (0.570807, 0.0), 1e-4: (0.5707861, 4.7e-6), 1e-3: (0.5707840, 5.6e-6), 1e-2: (0.5708696, 1.2e-5)}))
@@ -41,12 +54,12 @@ def test_entropy_verdict_fails_a_dip_beyond_two_se():
     assert detail["steps"][0]["verdict"] == "down"
 
 
-def test_entropy_verdict_needs_the_largest_sigma_up():
+def test_entropy_verdict_needs_the_largest_sigma_up(check_aqn_vllm):
     ok, _ = check_aqn_vllm.entropy_verdict(_sweep({0.0: (1.0, 0.0), 1e-2: (1.0 + 1e-9, 1e-6)}))
     assert not ok
 
 
-def test_entropy_verdict_sorts_by_sigma():
+def test_entropy_verdict_sorts_by_sigma(check_aqn_vllm):
     ok, detail = check_aqn_vllm.entropy_verdict(_sweep({1e-2: (2.0, 0.01), 0.0: (1.0, 0.0)}))
     assert ok and detail["steps"][0]["from"] == 0.0
 

@@ -272,8 +272,9 @@ def compare(rec: Recorder, name: str, res: dict, ref: dict, args) -> None:
     margin is within twice that logprob tolerance (a near-tie any bf16 engine may break either way)."""
     for r in sorted(ref["greedy"]):
         floor = _absdiff(ref["bf16"][r], ref["tf"][r]["logprobs"])
-        tol_max = max(args.tol_max, 1.5 * max(floor))
-        tol_mean = max(args.tol_mean, 1.5 * sum(floor) / len(floor))
+        floor_max, floor_mean = max(floor), sum(floor) / len(floor)
+        tol_max = max(args.tol_max, 1.5 * floor_max)
+        tol_mean = max(args.tol_mean, 1.5 * floor_mean)
         got, want = res["greedy"][r], ref["greedy"][r]
         plen = [len(s) - len(w) for s, w in zip(ref["tf"][r]["seqs"], want)]
         match = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
@@ -290,9 +291,9 @@ def compare(rec: Recorder, name: str, res: dict, ref: dict, args) -> None:
         worst, mean = max(diffs), sum(diffs) / len(diffs)
         rec.add(f"{name} r{r} teacher-forced", worst <= tol_max and mean <= tol_mean,
                 f"|d logprob| vs fp32 max {worst:.4f} (tol {tol_max:.4f}), mean {mean:.4f} (tol {tol_mean:.4f}) over "
-                f"{len(diffs)} tokens; transformers+PEFT bf16 vs fp32: max {max(floor):.4f}, "
-                f"mean {sum(floor) / len(floor):.4f}", max=worst, mean=mean, bf16_floor_max=max(floor),
-                bf16_floor_mean=sum(floor) / len(floor), tol_max=tol_max, tol_mean=tol_mean)
+                f"{len(diffs)} tokens; transformers+PEFT bf16 vs fp32: max {floor_max:.4f}, "
+                f"mean {floor_mean:.4f}", max=worst, mean=mean, bf16_floor_max=floor_max,
+                bf16_floor_mean=floor_mean, tol_max=tol_max, tol_mean=tol_mean)
         effect = _absdiff(res["tf"][r], res["tf_nolora"][r])
         ref_effect = _absdiff(ref["tf"][r]["logprobs"], ref["tf_base"][r])
         mean_effect, mean_ref = sum(effect) / len(effect), sum(ref_effect) / len(ref_effect)
