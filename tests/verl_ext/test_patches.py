@@ -7,6 +7,7 @@ wrapped exactly once; the pinned versions are the ones installed; wrappers pass 
 from __future__ import annotations
 
 import inspect
+import os
 import pkgutil
 from types import SimpleNamespace
 
@@ -21,6 +22,29 @@ pytest.importorskip("verl")
 @pytest.fixture(scope="module", autouse=True)
 def applied():
     return patches.apply_all()
+
+
+@pytest.fixture(autouse=True)
+def environment_unchanged():
+    """Fail a test that leaves os.environ different from how it found it (and put it back).
+
+    Autouse, so it is set up before the test's ``monkeypatch`` and torn down after monkeypatch has undone its
+    changes: what it sees at teardown is what the rest of the test run would inherit.
+    """
+    own = "PYTEST_CURRENT_TEST"  # pytest's own, rewritten at every phase
+
+    def snapshot() -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k != own}
+
+    before = snapshot()
+    yield
+    after = snapshot()
+    if after != before:
+        for k in after.keys() - before.keys():
+            del os.environ[k]
+        os.environ.update(before)
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        pytest.fail(f"the test leaked environment variables into the test run: {changed}")
 
 
 def test_pinned_versions_are_installed():
@@ -100,12 +124,15 @@ def _server(quantization=None, custom=None, qat=None):
 def test_apply_quantization_routes_nvfp4_and_passes_others_through(monkeypatch):
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
 
-    monkeypatch.delenv("QERL_AQN", raising=False)
+    # setenv first so that monkeypatch records QERL_AQN's state before the test (set or not) and restores
+    # exactly that at teardown; delenv alone records nothing when the variable is unset, and the "1" that
+    # _apply_quantization writes below would stay for the rest of the test run
+    monkeypatch.setenv("QERL_AQN", "0")
+    monkeypatch.delenv("QERL_AQN")
     assert vLLMHttpServer._apply_quantization(_server("nvfp4")) == ("nvfp4", {})
     assert vLLMHttpServer._apply_quantization(_server(None)) == (None, {})  # verl's own code path
     with pytest.raises(ValueError, match="Currently only support"):  # verl's own error for unknown methods
         vLLMHttpServer._apply_quantization(_server("int3"))
-    import os
 
     assert "QERL_AQN" not in os.environ
     aqn = {"qerl": {"aqn": {"enable": True}}}
