@@ -133,7 +133,6 @@ def compute_score(
     unknown = set(kwargs) - _VERL_KWARGS
     if unknown:
         warn_once(
-            logger,
             "kwargs:" + ",".join(sorted(unknown)),
             "qerl reward: ignoring unknown reward_kwargs %s (known: correct_reward, incorrect_reward, "
             "no_answer_reward, allow_last_number, timeout_s, verify_mode, verify_workers, max_answer_chars, "

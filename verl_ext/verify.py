@@ -26,7 +26,7 @@ from verl_ext.answers import normalize_answer
 
 __all__ = ["VERIFY_MODES", "is_equivalent", "shutdown_helpers", "warn_once"]
 
-logger = logging.getLogger("qerl.verl.reward.verify")
+logger = logging.getLogger("qerl.verl.reward")  # one logger for the reward and its comparisons
 
 #: ``verify_mode`` values: "auto" (helper processes outside the main thread), "process" (always), "inline" (never).
 VERIFY_MODES = ("auto", "process", "inline")
@@ -290,11 +290,11 @@ _POOL = _HelperPool()
 _NOTICES: set[str] = set()
 
 
-def warn_once(log: logging.Logger, key: str, msg: str, *args: Any) -> None:
-    """``log.warning(msg, *args)`` the first time this process sees ``key``."""
+def warn_once(key: str, msg: str, *args: Any) -> None:
+    """``logger.warning(msg, *args)`` the first time this process sees ``key``."""
     if key not in _NOTICES:
         _NOTICES.add(key)
-        log.warning(msg, *args)
+        logger.warning(msg, *args)
 
 
 def shutdown_helpers() -> None:
@@ -336,7 +336,6 @@ def is_equivalent(
         return _POOL.compare(gold, pred, timeout_s, verify_workers)
     except _HelperUnavailable as exc:
         warn_once(
-            logger,
             "no-helper",
             "qerl reward: %s; comparing in daemon threads that are abandoned (not stopped) at the time limit",
             exc,
