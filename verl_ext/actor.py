@@ -84,7 +84,7 @@ def build_from_nvfp4_checkpoint(engine):
     from verl.utils.model import get_hf_auto_model_class
     from verl.utils.torch_dtypes import PrecisionType
 
-    from verl_ext.nvfp4_linear import load_nvfp4_checkpoint_into
+    from verl_ext.nvfp4_checkpoint import load_nvfp4_checkpoint_into
 
     mc, ec = engine.model_config, engine.engine_config
     if mc.model_type != "language_model":
@@ -141,7 +141,7 @@ def wrap_build_lora_module(original, target: str):
         s = current()
         if not s.nvfp4:
             return original(self, module)
-        from verl_ext.nvfp4_linear import nvfp4_modules, replace_linears_with_nvfp4
+        from verl_ext.nvfp4_replace import nvfp4_modules, replace_linears_with_nvfp4
 
         if not nvfp4_modules(module):
             report = replace_linears_with_nvfp4(module, device=_quant_device())

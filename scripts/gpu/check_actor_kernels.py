@@ -268,7 +268,7 @@ def step_model(rec: Recorder, layers: int, tokens: int, rank: int) -> None:
     except ImportError as exc:
         rec.record(step="model", error=f"peft not importable: {exc}")
         return
-    from verl_ext.nvfp4_linear import replace_linears_with_nvfp4
+    from verl_ext.nvfp4_replace import replace_linears_with_nvfp4
 
     cfg = _qwen2_7b_config(layers)
     for variant in ("bf16", "nvfp4"):
