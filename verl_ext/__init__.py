@@ -14,8 +14,14 @@ The data path, one concern per module:
 * :mod:`verl_ext.worker_extension` inside vLLM: verl's extension + qerl's RPCs, adapter-only sync checks
 * :mod:`verl_ext.adapter_sync`     actor -> vLLM adapter: extraction by name (the FSDP1 fix), key checks
 * :mod:`verl_ext.actor`            actor build: NVFP4 base (:mod:`verl_ext.nvfp4_linear`) under PEFT LoRA
+* :mod:`verl_ext.nvfp4_linear`     the actor's frozen NVFP4 base linear: decoded per call, input gradient only
+* :mod:`verl_ext.nvfp4_replace`    which linears go NVFP4; quantize them in place (the rollout's bytes)
+* :mod:`verl_ext.nvfp4_checkpoint` load an NVFP4 checkpoint's bytes into a model built from its config
 * :mod:`verl_ext.aqn_hook`         per-step AQN noise RPC next to the weight sync; sigma/stage metrics
 * :mod:`verl_ext.train`            ``qerl train <yaml> [overrides]``
+* :mod:`verl_ext.reward`           verl custom reward ``compute_score``: data-source routing, scores
+* :mod:`verl_ext.answers`          the final answer in a response and in a ground truth, normalised
+* :mod:`verl_ext.verify`           answer equivalence (math-verify) under deadlines that work in threads
 """
 
 from __future__ import annotations
