@@ -11,15 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qerl_plugin.quantize import (
-    DEFAULT_MAX_SHARD_SIZE,
-    SUPPORTED_ARCHITECTURES,
-    format_plan,
-    human_size,
-    parse_size,
-    plan_quantization,
-    quantize_checkpoint,
-)
+from qerl_plugin.plan import SUPPORTED_ARCHITECTURES, format_plan, plan_quantization
+from qerl_plugin.quantize import quantize_checkpoint
+from qerl_plugin.shards import DEFAULT_MAX_SHARD_SIZE, human_size, parse_size
 
 HELP = "quantize a Hugging Face checkpoint to NVFP4A16 (compressed-tensors, loads in vLLM)"
 
