@@ -1,0 +1,40 @@
+"""``vllm_ext.bench.report``: ratios vs bf16-lora, LoRA overhead, target checks and the printed table."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_ext.bench import report  # noqa: E402
+
+
+def _res(config, variant, toks, ok=True):
+    return {"config": config, "variant": variant, "ok": ok, "startup_s": 60.0,
+            "batches": {str(b): {"decode_tok_s": t} for b, t in toks.items()},
+            "memory": {"weights_bytes": 5.5 * 2**30, "kv_cache_bytes": 50 * 2**30, "lora_buffers_bytes": 2**28}}
+
+
+def test_summary_ratios_overhead_and_targets(rollout_args):
+    results = [
+        _res("bf16-lora", "default", {1: 100.0, 8: 800.0, 64: 6000.0}),
+        _res("nvfp4", "default", {1: 280.0, 8: 2000.0, 64: 8000.0}),
+        _res("nvfp4-lora", "default", {1: 260.0, 8: 1600.0, 64: 7200.0}),
+        _res("nvfp4-lora", "dual-stream", {1: 270.0, 8: 1800.0, 64: 7000.0}),  # no bf16-lora@dual-stream: default base
+        {"config": "nvfp4-lora-aqn", "variant": "default", "ok": False, "error": "AQN hook unavailable: ..."},
+    ]
+    args = rollout_args("--shape", "7B")
+    summary = report.summarize(results, args)
+    row = summary["rows"]["nvfp4-lora@default"]
+    assert row["vs_bf16_lora"] == {"1": 2.6, "8": 2.0, "64": 1.2}
+    assert row["lora_overhead"] == {"1": round(1 - 260 / 280, 3), "8": 0.2, "64": 0.1}
+    assert summary["rows"]["nvfp4-lora@dual-stream"]["vs_bf16_lora"]["1"] == 2.7
+    checks = {(c["run"], c["what"]): c["pass"] for c in summary["checks"]}
+    assert checks[("nvfp4-lora@default", "7B b1 vs bf16-lora")] is True
+    assert checks[("nvfp4-lora@default", "7B b8 vs bf16-lora")] is False
+    assert checks[("nvfp4-lora@default", "LoRA overhead b64")] is True
+    table = report.format_table(results, summary, [1, 8, 64])
+    assert re.search(r"nvfp4-lora-aqn@default +FAILED: AQN hook unavailable", table)
+    assert "PASS nvfp4-lora@default 7B b1 vs bf16-lora: 2.6" in table and "5.50" in table

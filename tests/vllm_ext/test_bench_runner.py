@@ -1,0 +1,63 @@
+"""``vllm_ext.bench.runner``: the engine plan and the child processes (each fails here: there is no GPU)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from helpers import make_tiny_qwen2  # noqa: E402
+
+from vllm_ext import bench  # noqa: E402
+from vllm_ext.bench import runner  # noqa: E402
+
+
+def test_plan_engine_arguments(tmp_path, rollout_args):
+    args = rollout_args("--shape", "1.5B", "--configs", "bf16-lora,nvfp4-lora,nvfp4-lora-aqn,stock-nvfp4,humming-nvfp4-lora",
+                        "--variants", "default,no-fp32-reduce,dual-stream+specialize", "--batches", "1,8",
+                        "--out", str(tmp_path), "--work", str(tmp_path))
+    runs, skipped = runner.plan(args, tmp_path)
+    by = {r.key: r for r in runs}
+    base = by["bf16-lora@default"].spec["engine"]
+    assert base["load_format"] == "dummy" and "quantization" not in base and base["enforce_eager"] is False
+    assert (base["enable_lora"], base["max_loras"], base["max_lora_rank"]) == (True, 1, 32)
+    assert base["compilation_config"] == {"cudagraph_capture_sizes": [1, 8]} and base["max_num_seqs"] == 8
+    assert by["nvfp4-lora@default"].spec["engine"]["quantization"] == "nvfp4"
+    aqn = by["nvfp4-lora-aqn@default"].spec
+    assert aqn["engine"]["additional_config"] == {"qerl_aqn": True} and aqn["aqn_sigma"] == 1e-2
+    assert aqn["engine"]["worker_extension_cls"] == "vllm_ext.worker_extension.QerlWorkerExtension"
+    stock = by["stock-nvfp4@default"].spec["engine"]
+    assert "quantization" not in stock and stock["load_format"] == "dummy"
+    qcfg = json.loads((tmp_path / "models" / "qwen2.5-1.5b-nvfp4a16" / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "compressed-tensors" and qcfg["format"] == "nvfp4-pack-quantized"
+    humming = by["humming-nvfp4-lora@default"].spec["engine"]
+    assert humming["quantization"] == "humming" and humming["model"] == stock["model"] != base["model"]
+    assert by["nvfp4-lora@no-fp32-reduce"].spec["engine"]["additional_config"] == {"qerl_nvfp4": {"fp32_reduce": False}}
+    combo = by["bf16-lora@dual-stream+specialize"]
+    assert combo.env["VLLM_LORA_ENABLE_DUAL_STREAM"] == "1" and combo.spec["engine"]["specialize_active_lora"] is True
+    assert combo.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert {(s["config"], s["variant"]) for s in skipped} == {
+        ("bf16-lora", "no-fp32-reduce"), ("stock-nvfp4", "no-fp32-reduce"), ("stock-nvfp4", "dual-stream+specialize"),
+        ("humming-nvfp4-lora", "no-fp32-reduce")}
+    with pytest.raises(ValueError, match="unknown variant 'dual-strem'"):
+        runner.plan(rollout_args("--variants", "dual-strem", "--work", str(tmp_path), "--dry-run"), tmp_path)
+    with pytest.raises(ValueError, match=r"unknown config\(s\) \['fp8'\]"):
+        runner.plan(rollout_args("--configs", "fp8", "--work", str(tmp_path)), tmp_path)
+
+
+def test_failed_engine_is_reported_and_the_run_goes_on(tmp_path, capsys, rollout_args):
+    """No GPU here: each engine fails in its own process; the bench records why and still writes its report."""
+    src = make_tiny_qwen2(tmp_path / "tiny")
+    args = rollout_args("--model", str(src), "--configs", "bf16,nvfp4", "--batches", "1", "--new-tokens", "4",
+                        "--prompt-len", "8", "--timeout", "200", "--out", str(tmp_path / "out"), "--work", str(tmp_path))
+    assert bench.run(args) == 1
+    report = json.loads((tmp_path / "out" / "bench_rollout.json").read_text())
+    assert [r["config"] for r in report["results"]] == ["bf16", "nvfp4"]
+    for r in report["results"]:
+        assert r["ok"] is False and r["error"] and r["log_tail"], r
+    lines = (tmp_path / "out" / "bench_rollout.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    assert re.search(r"bf16@default +FAILED", capsys.readouterr().out)

@@ -1,0 +1,184 @@
+"""``qerl bench kernels``: where the decode time of one layer goes (per-layer kernels timed in CUDA graphs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_ext.bench.shapes import shape_config
+
+__all__ = ["KERNELS_DOC", "run"]
+
+KERNELS_DOC = """Per-layer decode kernels of a Qwen2.5 shape, each timed as GPU time inside a CUDA graph (no launch
+overhead from Python), for every projection group (qkv, o, gate_up, down) and batch size:
+
+  bf16          F.linear (cuBLAS), the BF16 base
+  marlin        vLLM's Marlin FP4 GEMM on our NVFP4 bytes (apply_fp4_marlin_linear, fp32 reduce as vLLM)
+  marlin_bf16r  the same with use_fp32_reduce=False
+  lora_punica   vLLM's LoRA path for one adapter: fp32 buffer, lora_shrink (zeroes it, split-K) + lora_expand
+  lora_dense    the same math as two cuBLAS calls: t = x @ A_cat^T, y += t @ B_blockdiag^T (no memset)
+  serial        marlin then lora_punica on one stream (vLLM's default)
+  overlap       marlin on the main stream, lora_punica on a second stream, joined (VLLM_LORA_ENABLE_DUAL_STREAM's idea)
+
+Per-step sums (x layers) estimate the linear-layer share of a decode step and what each LoRA strategy costs.
+Writes $OUT/bench_kernels.json; prints the table last. Needs a CUDA GPU and vLLM's compiled ops.
+"""
+
+
+def _graph_us(fn, iters: int, reps: int = 5) -> float:
+    """GPU microseconds per call of ``fn``: ``iters`` calls captured in one CUDA graph, best of ``reps``."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000.0 / iters)
+    del graph
+    return best
+
+
+def run(args: argparse.Namespace) -> int:
+    """Time every projection group of ``args.shape`` at each batch size; write and print the table."""
+    import torch
+    import torch.nn.functional as F
+
+    out = Path(args.out or os.environ.get("OUT") or ".out").expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("qerl bench kernels: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    from vllm.lora.ops.triton_ops import LoRAKernelMeta, lora_expand, lora_shrink
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
+        apply_fp4_marlin_linear,
+        prepare_fp4_layer_for_marlin,
+    )
+
+    from qerl_plugin import nvfp4
+
+    shp = shape_config(args.shape)
+    hidden, inter, layers = shp["hidden_size"], shp["intermediate_size"], shp["num_hidden_layers"]
+    head = hidden // shp["num_attention_heads"]
+    q, kv = shp["num_attention_heads"] * head, shp["num_key_value_heads"] * head
+    groups = {"qkv": (hidden, [q, kv, kv]), "o": (q, [hidden]), "gate_up": (hidden, [inter, inter]), "down": (inter, [hidden])}
+    r, dev, bf16 = args.lora_rank, torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    for gname, (k_in, ns) in groups.items():
+        n = sum(ns)
+        weight = (torch.randn(n, k_in, device=dev) * 0.02).to(bf16)
+        parts = nvfp4.quantize_fused(list(weight.split(ns)))
+        scratch = torch.nn.Module()
+        scratch.weight = torch.nn.Parameter(torch.cat([p.packed for p in parts]), requires_grad=False)
+        scratch.weight_scale = torch.nn.Parameter(torch.cat([p.scale for p in parts]), requires_grad=False)
+        scratch.weight_global_scale = torch.nn.Parameter(1.0 / parts[0].global_scale.max(), requires_grad=False)
+        scratch.bias, scratch.params_dtype = None, bf16
+        scratch.output_size_per_partition, scratch.input_size_per_partition = n, k_in
+        prepare_fp4_layer_for_marlin(scratch)
+        lora_a = tuple(torch.randn(1, 1, r, k_in, device=dev, dtype=bf16) * 0.02 for _ in ns)
+        lora_b = tuple(torch.randn(1, 1, ni, r, device=dev, dtype=bf16) * 0.02 for ni in ns)
+        a_cat = torch.cat([a[0, 0] for a in lora_a])  # [S*r, K]
+        b_bd = torch.zeros(n, len(ns) * r, device=dev, dtype=bf16)  # block-diagonal [N, S*r]
+        off = 0
+        for i, ni in enumerate(ns):
+            b_bd[off:off + ni, i * r:(i + 1) * r] = lora_b[i][0, 0]
+            off += ni
+        for m in args.batches:
+            x = torch.randn(m, k_in, device=dev, dtype=bf16)
+            meta = LoRAKernelMeta.make(1, m, device=dev)
+            meta.prepare_tensors(torch.zeros(m, dtype=torch.long, device=dev))
+            margs = meta.meta_args(m, False)
+            y = torch.empty(m, n, device=dev, dtype=bf16)
+
+            def marlin(fp32_reduce=True):
+                return apply_fp4_marlin_linear(input=x, weight=scratch.weight, weight_scale=scratch.weight_scale,
+                                               weight_global_scale=scratch.weight_global_scale,
+                                               workspace=scratch.workspace, size_n=n, size_k=k_in,
+                                               use_fp32_reduce=fp32_reduce)
+
+            def punica(target):
+                buf = torch.empty(len(ns), m, r, dtype=torch.float32, device=dev)
+                lora_shrink(x, lora_a, buf, *margs, 1.0)
+                lora_expand(buf, lora_b, target, *margs, offset_start=0, add_inputs=True)
+
+            def dense(target):
+                target.addmm_(x @ a_cat.t(), b_bd.t())
+
+            ev_fork, ev_join = torch.cuda.Event(), torch.cuda.Event()
+            side = torch.cuda.Stream()
+
+            def overlap():
+                lora_out = torch.zeros(m, n, device=dev, dtype=bf16)
+                ev_fork.record()
+                with torch.cuda.stream(side):
+                    side.wait_event(ev_fork)
+                    buf = torch.empty(len(ns), m, r, dtype=torch.float32, device=dev)
+                    lora_shrink(x, lora_a, buf, *margs, 1.0)
+                    lora_expand(buf, lora_b, lora_out, *margs, offset_start=0, add_inputs=False)
+                    ev_join.record()
+                base = marlin()
+                torch.cuda.current_stream().wait_event(ev_join)
+                base.add_(lora_out)
+
+            def serial():
+                punica(marlin())
+
+            cases = {
+                "bf16": lambda: F.linear(x, weight),
+                "marlin": marlin,
+                "marlin_bf16r": lambda: marlin(False),
+                "lora_punica": lambda: punica(y),
+                "lora_dense": lambda: dense(y),
+                "serial": serial,
+                "overlap": overlap,
+            }
+            row: dict[str, Any] = {"group": gname, "m": m, "n": n, "k": k_in}
+            for cname, fn in cases.items():
+                try:
+                    row[cname] = round(_graph_us(fn, args.iters), 2)
+                except Exception as exc:  # one failing case must not hide the others
+                    row[cname] = None
+                    row[f"{cname}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    per_step: dict[str, dict[str, float | None]] = {}
+    for m in args.batches:
+        sel = [x for x in rows if x["m"] == m]
+        per_step[str(m)] = {
+            c: (round(layers * sum(x[c] for x in sel) / 1000.0, 3) if all(x.get(c) is not None for x in sel) else None)
+            for c in ("bf16", "marlin", "marlin_bf16r", "lora_punica", "lora_dense", "serial", "overlap")
+        }
+    report = {"shape": args.shape, "rank": r, "device": torch.cuda.get_device_name(), "rows": rows,
+              "per_step_ms": per_step}
+    (out / "bench_kernels.json").write_text(json.dumps(report, indent=1))
+    cols = ("bf16", "marlin", "marlin_bf16r", "lora_punica", "lora_dense", "serial", "overlap")
+    lines = ["", f"per-layer decode kernels, {args.shape}, LoRA r{r}, {report['device']} (GPU us per call in CUDA graphs)",
+             f"{'group':<8}{'m':>4}" + "".join(f"{c:>13}" for c in cols)]
+    for x in rows:
+        lines.append(f"{x['group']:<8}{x['m']:>4}" + "".join(f"{x[c]:>13.1f}" if x.get(c) is not None else f"{'err':>13}" for c in cols))
+    lines.append(f"per decode step ({layers} layers, linears only, ms):")
+    for m, v in per_step.items():
+        lines.append(f"{'step':<8}{m:>4}" + "".join(f"{v[c]:>13.3f}" if v[c] is not None else f"{'-':>13}" for c in cols))
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,114 @@
+"""What ``qerl bench rollout`` compares: configs (BF16 / NVFP4 / stock NVFP4, with or without LoRA and AQN)
+times variants (engine switches to try), and the speed targets the report checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["BASELINE", "CONFIGS", "DEFAULT_CONFIGS", "MAX_LORA_OVERHEAD", "TARGETS", "VARIANTS", "BenchConfig",
+           "Variant", "applies", "parse_variant"]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    quant: str | None  # None (BF16) | "nvfp4" (ours) | "stock" (vLLM's compressed-tensors NVFP4A16 path)
+    #                    | "humming" (vLLM's humming JIT W4A16 kernels on the NVFP4A16 checkpoint)
+    lora: bool = False
+    aqn: bool = False
+
+
+CONFIGS: dict[str, BenchConfig] = {
+    "bf16": BenchConfig(None),
+    "bf16-lora": BenchConfig(None, lora=True),
+    "nvfp4": BenchConfig("nvfp4"),
+    "nvfp4-lora": BenchConfig("nvfp4", lora=True),
+    "nvfp4-lora-aqn": BenchConfig("nvfp4", lora=True, aqn=True),
+    # vLLM's own compressed-tensors NVFP4A16 scheme (same Marlin kernel): the stock reference
+    "stock-nvfp4": BenchConfig("stock"),
+    "stock-nvfp4-lora": BenchConfig("stock", lora=True),
+    # the same checkpoint through `--quantization humming` (JIT GEMMs, FP4 weights x BF16; needs nvcc):
+    # a candidate faster small-batch kernel than Marlin, measured here before any integration
+    "humming-nvfp4": BenchConfig("humming"),
+    "humming-nvfp4-lora": BenchConfig("humming", lora=True),
+}
+DEFAULT_CONFIGS = "bf16,bf16-lora,nvfp4,nvfp4-lora,nvfp4-lora-aqn"
+BASELINE = "bf16-lora"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Engine switches. ``only`` limits it to configs where it changes something: "lora", "nvfp4" (our
+    method) or "quant" (any NVFP4 config, stock included). A combination ("a+b") runs on every config
+    that at least one part applies to (the other parts are no-ops there)."""
+
+    help: str
+    env: dict[str, str] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)  # LLM(...) keyword arguments
+    compilation: dict[str, Any] = field(default_factory=dict)  # compilation_config entries
+    nvfp4: dict[str, Any] = field(default_factory=dict)  # additional_config["qerl_nvfp4"] entries
+    only: str | None = None  # None | "lora" | "nvfp4" | "quant"
+    lora_tuned: bool = False
+    parts: tuple[str, ...] = ()  # presets of a combination
+
+
+VARIANTS: dict[str, Variant] = {
+    "default": Variant("vLLM defaults; max_loras=1, max_lora_rank = adapter rank, capture sizes = --batches"),
+    "dual-stream": Variant("LoRA shrink/expand on a second CUDA stream, overlapping the base GEMM (and PDL)",
+                           env={"VLLM_LORA_ENABLE_DUAL_STREAM": "1"}, only="lora"),
+    "lora-tuned": Variant("LoRA Triton kernels with shape-specific configs written by this bench "
+                          "(split-K sized to K, one N tile for the rank) via VLLM_TUNED_CONFIG_FOLDER",
+                          only="lora", lora_tuned=True),
+    "specialize": Variant("LoRA kernel grids sized to the active adapter count (specialize_active_lora)",
+                          engine={"specialize_active_lora": True}, only="lora"),
+    "fully-sharded": Variant("fully_sharded_loras (matters only with tensor parallelism)",
+                             engine={"fully_sharded_loras": True}, only="lora"),
+    "rank64": Variant("max_lora_rank=64 with the rank-32 adapter (cost of a padded rank)",
+                      engine={"max_lora_rank": 64}, only="lora"),
+    "max-loras-4": Variant("max_loras=4 (RL needs 1)", engine={"max_loras": 4}, only="lora"),
+    "no-fp32-reduce": Variant("Marlin reduces split-K partials in BF16 instead of FP32",
+                              nvfp4={"fp32_reduce": False}, only="nvfp4"),
+    "marlin-atomic": Variant("VLLM_MARLIN_USE_ATOMIC_ADD=1 (vLLM applies it only where n < 2048)",
+                             env={"VLLM_MARLIN_USE_ATOMIC_ADD": "1"}, only="quant"),
+    "piecewise": Variant("piecewise CUDA graphs only (no full decode graph)",
+                         compilation={"cudagraph_mode": "PIECEWISE"}),
+    "full-decode-only": Variant("full CUDA graphs for decode only", compilation={"cudagraph_mode": "FULL_DECODE_ONLY"}),
+    "no-async": Variant("async scheduling off", engine={"async_scheduling": False}),
+}
+
+# Speed targets: decode ratios of nvfp4-lora vs bf16-lora in the same run, per shape and batch size; LoRA
+# overhead on NVFP4.
+TARGETS = {"7B": {1: 2.5, 8: 2.2, 64: 1.3}, "32B": {1: 3.0}}
+MAX_LORA_OVERHEAD = 0.10
+
+
+def parse_variant(name: str) -> Variant:
+    """A preset name, or presets joined with '+' (settings merged left to right)."""
+    parts = [p.strip() for p in name.split("+") if p.strip()]
+    unknown = [p for p in parts if p not in VARIANTS]
+    if not parts or unknown:
+        raise ValueError(f"unknown variant {name!r} (unknown: {unknown}); choose from {sorted(VARIANTS)} or join with '+'")
+    if len(parts) == 1:
+        return VARIANTS[parts[0]]
+    merged = Variant(help=" + ".join(VARIANTS[p].help for p in parts))
+    return Variant(
+        help=merged.help,
+        env={k: v for p in parts for k, v in VARIANTS[p].env.items()},
+        engine={k: v for p in parts for k, v in VARIANTS[p].engine.items()},
+        compilation={k: v for p in parts for k, v in VARIANTS[p].compilation.items()},
+        nvfp4={k: v for p in parts for k, v in VARIANTS[p].nvfp4.items()},
+        lora_tuned=any(VARIANTS[p].lora_tuned for p in parts),
+        parts=tuple(parts),
+    )
+
+
+def applies(variant: Variant, cfg: BenchConfig) -> bool:
+    """Whether ``variant`` changes anything for ``cfg`` (see :class:`Variant`'s ``only``)."""
+    if variant.parts:
+        return any(applies(VARIANTS[p], cfg) for p in variant.parts)
+    return (
+        variant.only is None
+        or (variant.only == "lora" and cfg.lora)
+        or (variant.only == "nvfp4" and cfg.quant == "nvfp4")
+        or (variant.only == "quant" and cfg.quant is not None)
+    )

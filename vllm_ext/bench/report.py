@@ -1,0 +1,79 @@
+"""``qerl bench rollout``'s report: decode ratios vs bf16-lora, LoRA overhead, target checks, and the table."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from vllm_ext.bench.matrix import BASELINE, CONFIGS, MAX_LORA_OVERHEAD, TARGETS
+
+__all__ = ["format_table", "summarize"]
+
+
+def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
+    """Ratios vs bf16-lora (same variant, else the default variant), LoRA overhead, target checks."""
+    by = {(r["config"], r["variant"]): r for r in results if r.get("ok")}
+    rows: dict[str, Any] = {}
+    for (cname, vname), r in by.items():
+        base = by.get((BASELINE, vname)) or by.get((BASELINE, "default"))
+        row: dict[str, Any] = {"decode_tok_s": {}, "vs_bf16_lora": {}, "lora_overhead": {}}
+        no_lora = by.get((cname.replace("-lora-aqn", "").replace("-lora", ""), vname)) if CONFIGS[cname].lora else None
+        for b, m in r.get("batches", {}).items():
+            tok = m.get("decode_tok_s")
+            row["decode_tok_s"][b] = tok
+            if base and tok and base["batches"].get(b, {}).get("decode_tok_s"):
+                row["vs_bf16_lora"][b] = round(tok / base["batches"][b]["decode_tok_s"], 3)
+            if no_lora and tok and no_lora["batches"].get(b, {}).get("decode_tok_s"):
+                row["lora_overhead"][b] = round(1 - tok / no_lora["batches"][b]["decode_tok_s"], 3)
+        rows[f"{cname}@{vname}"] = row
+    checks = []
+    shape = None if args.model else args.shape
+    for key, row in rows.items():
+        cname = key.split("@")[0]
+        if cname != "nvfp4-lora":
+            continue
+        for b, target in TARGETS.get(shape, {}).items():
+            got = row["vs_bf16_lora"].get(str(b), row["vs_bf16_lora"].get(b))
+            if got is not None:
+                checks.append({"run": key, "what": f"{shape} b{b} vs bf16-lora", "target": f">= {target}", "got": got,
+                               "pass": got >= target})
+        for b, ov in row["lora_overhead"].items():
+            checks.append({"run": key, "what": f"LoRA overhead b{b}", "target": f"<= {MAX_LORA_OVERHEAD:.0%}",
+                           "got": ov, "pass": ov <= MAX_LORA_OVERHEAD})
+    return {"rows": rows, "checks": checks}
+
+
+def _gib(n: Any) -> str:
+    return f"{n / 2**30:.2f}" if isinstance(n, (int, float)) and n else "-"
+
+
+def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
+    lines = []
+    head = f"{'run':<34}" + "".join(f"{'b' + str(b) + ' tok/s':>12}{'x':>7}" for b in batches)
+    head += f"{'weights':>9}{'lora':>7}{'kv':>8}{'start s':>8}"
+    lines += ["", "decode tokens/s (x = ratio vs bf16-lora of the same variant); memory in GiB", head, "-" * len(head)]
+    for r in results:
+        key = f"{r['config']}@{r['variant']}"
+        if not r.get("ok"):
+            lines.append(f"{key:<34} FAILED: {str(r.get('error'))[:150]}")
+            continue
+        row = summary["rows"].get(key, {})
+        cells = ""
+        for b in batches:
+            tok = r["batches"].get(str(b), {}).get("decode_tok_s")
+            ratio = row.get("vs_bf16_lora", {}).get(str(b))
+            cells += f"{tok:>12.1f}" if tok else f"{'-':>12}"
+            cells += f"{ratio:>7.2f}" if ratio else f"{'-':>7}"
+        mem = r.get("memory", {})
+        cells += f"{_gib(mem.get('weights_bytes')):>9}{_gib(mem.get('lora_buffers_bytes')):>7}"
+        cells += f"{_gib(mem.get('kv_cache_bytes')):>8}{r.get('startup_s', 0):>8.0f}"
+        lines.append(f"{key:<34}{cells}")
+    overheads = [f"{k}: " + ", ".join(f"b{b} {v:.0%}" for b, v in row["lora_overhead"].items())
+                 for k, row in summary["rows"].items() if row["lora_overhead"]]
+    if overheads:
+        lines += ["", "LoRA overhead (1 - tok/s with LoRA / without): " + "; ".join(overheads)]
+    if summary["checks"]:
+        lines += ["", "targets:"] + [
+            f"  {'PASS' if c['pass'] else 'FAIL'} {c['run']} {c['what']}: {c['got']} (target {c['target']})"
+            for c in summary["checks"]]
+    return "\n".join(lines)
