@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from qerl_plugin import format as fmt
 from qerl_plugin import nvfp4
-from qerl_plugin.quantize import QuantizeError, quantize_checkpoint
+from qerl_plugin import quantize
+from qerl_plugin.quantize import QuantizeError, check_finite, quantize_checkpoint
 from helpers import TINY_QWEN2, file_hashes, make_tiny_model, make_tiny_qwen2, read_safetensors_dir
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -288,9 +289,10 @@ def test_nan_or_inf_in_a_weight(tiny_qwen2_dir, tmp_path, tensor, value, copy_mo
     assert_refused(src, tmp_path, rf"{tensor} in {re.escape(str(src / 'model.safetensors'))}: contains NaN/Inf \(first at index \(3, 5\)\).*re-export")
 
 
-def test_failure_with_overwrite_keeps_the_old_dst(tiny_qwen2_dir, tmp_path, copy_model, edit_tensor):
+@pytest.mark.parametrize("tensor", ["model.layers.1.mlp.up_proj.weight", "model.norm.weight"])
+def test_failure_with_overwrite_keeps_the_old_dst(tiny_qwen2_dir, tmp_path, copy_model, edit_tensor, tensor):
     src = copy_model(tiny_qwen2_dir, tmp_path)
-    edit_tensor(src / "model.safetensors", "model.layers.1.mlp.up_proj.weight", lambda t: t.fill_(float("nan")))
+    edit_tensor(src / "model.safetensors", tensor, lambda t: t.fill_(float("nan")))
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "precious.txt").write_text("x")
@@ -298,3 +300,65 @@ def test_failure_with_overwrite_keeps_the_old_dst(tiny_qwen2_dir, tmp_path, copy
         quantize_checkpoint(src, dst, overwrite=True, progress=False)
     assert [p.name for p in dst.iterdir()] == ["precious.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
+
+
+# the tensors written as they are: a NaN there would reach vLLM untouched
+@pytest.mark.parametrize(
+    "tensor,value,index,kept_as,ignore",
+    [
+        ("model.norm.weight", float("nan"), (5,), "norm", ()),
+        ("model.layers.0.post_attention_layernorm.weight", float("inf"), (5,), "norm", ()),
+        ("model.embed_tokens.weight", float("inf"), (3, 5), "embedding", ()),
+        ("lm_head.weight", float("-inf"), (3, 5), "lm_head stays in high precision", ()),
+        ("model.layers.0.self_attn.q_proj.bias", float("nan"), (5,), "bias", ()),
+        ("model.layers.1.mlp.down_proj.weight", float("nan"), (3, 5), "ignored", ["model.layers.1.mlp.down_proj"]),
+    ],
+    ids=["norm", "layernorm", "embedding", "lm_head", "bias", "ignored"],
+)
+def test_nan_or_inf_in_a_kept_tensor(tiny_qwen2_dir, tmp_path, tensor, value, index, kept_as, ignore, copy_model, edit_tensor, assert_refused):
+    src = copy_model(tiny_qwen2_dir, tmp_path)
+
+    def poison(t):
+        t[index] = value
+        return t
+
+    edit_tensor(src / "model.safetensors", tensor, poison)
+    assert_refused(
+        src,
+        tmp_path,
+        rf"{re.escape(tensor)} in {re.escape(str(src / 'model.safetensors'))}: contains NaN/Inf "
+        rf"\(first at index {re.escape(str(index))}\) \(kept unquantized: {kept_as}\); .*re-export it from a healthy state",
+        ignore=ignore,
+    )
+
+
+def test_nan_found_after_some_files_were_written_leaves_nothing(tiny_qwen2_sharded_dir, tmp_path, copy_model, edit_tensor, assert_refused, monkeypatch):
+    import safetensors.torch
+
+    src = copy_model(tiny_qwen2_sharded_dir, tmp_path)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    edit_tensor(src / index["model.norm.weight"], "model.norm.weight", lambda t: t.fill_(float("nan")))
+    written = []
+    save_file = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda tensors, path, **kw: (written.append(path), save_file(tensors, path, **kw)))
+    assert_refused(src, tmp_path, r"model\.norm\.weight in .*: contains NaN/Inf.*kept unquantized: norm", max_shard_size="3kB")
+    assert len(written) > 1, "the NaN should be found after some output files were written"
+
+
+def test_check_finite_finds_the_first_bad_value_in_any_chunk(monkeypatch):
+    monkeypatch.setattr(quantize, "FINITE_CHUNK", 7)
+    t = torch.zeros(4, 6, dtype=torch.bfloat16)
+    t[2, 3], t[3, 0] = float("-inf"), float("nan")  # flat index 15: the third chunk
+    with pytest.raises(QuantizeError, match=r"^w: contains NaN/Inf \(first at index \(2, 3\)\); .*re-export"):
+        check_finite(t, "w")
+    for value in (float("nan"), float("inf"), float("-inf")):  # alone, in the second chunk
+        t = torch.zeros(4, 6, dtype=torch.float16)
+        t[1, 2] = value
+        with pytest.raises(QuantizeError, match=r"first at index \(1, 2\)"):
+            check_finite(t, "w")
+    check_finite(torch.zeros(4, 6), "w")
+    check_finite(torch.full((3,), 7, dtype=torch.int64), "ids")  # integers are always finite
+    with pytest.raises(QuantizeError, match=r"f8: contains NaN/Inf \(first at index \(1,\)\)"):
+        check_finite(torch.tensor([1.0, float("nan")]).to(torch.float8_e4m3fn), "f8")
+    with pytest.raises(QuantizeError, match=r"scalar: contains NaN/Inf \(first at index \(\)\)"):
+        check_finite(torch.tensor(float("nan")), "scalar")
