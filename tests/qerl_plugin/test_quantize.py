@@ -41,6 +41,16 @@ def ct_reference(parts: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def test_public_names_import_from_qerl_plugin_quantize():
+    """Callers (scripts/gpu, the vLLM and verl tests) import everything from qerl_plugin.quantize."""
+    from qerl_plugin import plan, shards, source
+
+    for name in quantize.__all__:
+        obj = getattr(quantize, name)
+        homes = [m for m in (source, plan, shards) if getattr(m, name, None) is obj]
+        assert homes or obj.__module__ == "qerl_plugin.quantize", name
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the output checkpoint
 
