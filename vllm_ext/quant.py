@@ -1,27 +1,11 @@
 """vLLM quantization method ``nvfp4``: NVFP4 weights, BF16 activations on Marlin FP4, LoRA on top.
 
-One method, two checkpoint sources, the same bits:
+It serves a compressed-tensors NVFP4A16 checkpoint (``qerl quantize``) as stored, and quantizes a BF16/FP16
+checkpoint while loading to the same bytes. :meth:`NVFP4Config.override_quantization_method` claims an
+NVFP4A16 checkpoint when ``--quantization nvfp4`` is given and refuses any other quantized one.
 
-* a compressed-tensors **NVFP4A16** checkpoint (``qerl quantize``, llmcompressor's ``NVFP4A16`` preset):
-  ``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` are loaded as stored;
-* a plain **BF16/FP16** checkpoint: each dense linear layer is quantized while it loads with
-  :mod:`qerl_plugin.nvfp4` (vLLM's own FP4 quantize kernel exists only for sm100/sm120). Shards of a fused
-  layer (q/k/v, gate/up) are collected first and share one global scale, exactly as
-  :func:`qerl_plugin.nvfp4.quantize_fused`; so a BF16 model started with ``--quantization nvfp4`` holds the
-  same bytes as its ``qerl quantize`` checkpoint, and the same bytes the trainer uses.
-
-Both are then repacked for vLLM's Marlin FP4 kernel (``NVFP4 x BF16``, compute capability >= 7.5, aimed at
-Hopper) by :mod:`vllm_ext.nvfp4_linear`, which also makes the load re-runnable for RL weight reloads.
-
-Selection (``vllm/config/model.py::_verify_quantization``): a BF16 checkpoint has no ``quantization_config``,
-so ``--quantization nvfp4`` simply selects this config (built with no arguments). A checkpoint whose
-``config.json`` carries a compressed-tensors config would normally select ``compressed-tensors``; vLLM asks
-every registered method's :meth:`NVFP4Config.override_quantization_method` first, and ours claims the
-checkpoint when the user asked for ``nvfp4`` and the config is NVFP4A16 (weight-only), or refuses with a clear
-error when it is anything else. Without ``--quantization nvfp4`` such checkpoints keep vLLM's stock path.
-
-This module only defines the config (cheap to import, done by :func:`register` in every vLLM process); the
-layer code lives in :mod:`vllm_ext.nvfp4_linear` and is imported when the first layer is built.
+This module holds only the config and its registration (cheap: :func:`register` runs in every vLLM
+process); the layer code, :mod:`vllm_ext.nvfp4_linear`, is imported when the first layer is built.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The vLLM 0.24.0 internals the ``nvfp4`` method builds on; fails loudly when upstream moves them.
 
-No monkeypatching is involved: these are the functions/classes ``vllm_ext.quant`` and
-``vllm_ext.nvfp4_linear`` call or subclass, with the parameters they pass.
+No monkeypatching is involved: these are the functions/classes ``vllm_ext.quant`` and the
+``vllm_ext.nvfp4_*`` modules call or subclass, with the parameters they pass.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ the unsharded ``quantize_fused`` bytes - the per-part amax is all-reduced, so th
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from nvfp4_layers import free_port  # noqa: E402
 
 from qerl_plugin import nvfp4  # noqa: E402
 
@@ -46,12 +46,6 @@ RANK_CODE = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_hold_slices_of_the_unsharded_bytes(tmp_path):
     g = torch.Generator().manual_seed(0)
     w = {
@@ -63,7 +57,7 @@ def test_two_ranks_hold_slices_of_the_unsharded_bytes(tmp_path):
     w["q"][40, 3] = 40.0  # the fused layer's max sits in rank 1's rows of q: rank 0 must learn it
     w["o"][0, 50] = -30.0  # o_proj's max sits in rank 1's input columns
     torch.save(w, tmp_path / "w.pt")
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", RANK_CODE, str(r), "2", str(port), str(tmp_path / f"r{r}.pt"), str(tmp_path / "w.pt")],

@@ -1,12 +1,10 @@
 """The ``nvfp4`` Marlin backend on a CUDA GPU: same layout as vLLM's stock compressed-tensors path, correct
 GEMMs, reloads into the same buffers. Skipped (with the reason) where there is no CUDA device.
 
-    python -m pytest tests/vllm_ext/test_quant_gpu.py -q      # on the GPU machine
+    python -m pytest tests/vllm_ext/test_nvfp4_backends_gpu.py -q      # on the GPU machine
 """
 
 from __future__ import annotations
-
-import socket
 
 import pytest
 
@@ -14,19 +12,13 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from nvfp4_layers import QKV_MAP, free_port  # noqa: E402
 
 from qerl_plugin import nvfp4  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-QKV_MAP = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 HIDDEN, HEAD, NH, NKV, INTER = 256, 64, 4, 2, 512  # Marlin-friendly (multiples of 64/128)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +33,7 @@ def cfg():
     config = VllmConfig()
     with set_current_vllm_config(config):
         if not torch.distributed.is_initialized():
-            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{_free_port()}", 0, backend="gloo")
+            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{free_port()}", 0, backend="gloo")
         if not model_parallel_is_initialized():
             initialize_model_parallel(1, 1)
     return config

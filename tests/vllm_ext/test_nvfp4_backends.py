@@ -1,0 +1,37 @@
+"""``vllm_ext.nvfp4_backends``: backend options and the refusals where Marlin cannot run (CPU; the Marlin
+kernel itself is tested in ``test_nvfp4_backends_gpu.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from nvfp4_layers import make_qkv, nvfp4_config  # noqa: E402
+from vllm.config import DeviceConfig, VllmConfig  # noqa: E402
+
+from qerl_plugin.nvfp4 import NVFP4Error  # noqa: E402
+
+
+def test_backend_options_from_additional_config(cpu_config, monkeypatch):
+    ok = VllmConfig(device_config=DeviceConfig(device="cpu"), additional_config={"qerl_nvfp4": {"backend": "emulation"}})
+    assert make_qkv(ok, nvfp4_config(ct=False)).quant_method.backend.name == "emulation"
+    bad = VllmConfig(device_config=DeviceConfig(device="cpu"), additional_config={"qerl_nvfp4": {"backend": "bogus"}})
+    with pytest.raises(NVFP4Error, match="backend='bogus'.*expected auto, marlin or emulation"):
+        make_qkv(bad, nvfp4_config(ct=False))
+    monkeypatch.setenv("QERL_NVFP4_BACKEND", "marlin")  # no CUDA here: a clear error, not a crash later
+    with pytest.raises(NVFP4Error, match="needs an NVIDIA GPU"):
+        make_qkv(cpu_config, nvfp4_config(ct=False))
+
+
+def test_gpu_below_marlin_requirement_is_refused(monkeypatch):
+    """A Volta-class GPU (7.0): a clear error when the layer is built, naming the requirement and the fix."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    from vllm_ext.nvfp4_backends import MarlinBackend
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda *a: True)
+    monkeypatch.setattr(type(current_platform), "get_device_capability", classmethod(lambda cls, device_id=0: DeviceCapability(7, 0)))
+    with pytest.raises(NVFP4Error, match=r"compute capability >= 7\.5.*this GPU is 7\.0.*without --quantization"):
+        MarlinBackend()

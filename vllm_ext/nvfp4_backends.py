@@ -1,0 +1,246 @@
+"""How a layer's NVFP4 weight is run: the backends of the ``nvfp4`` method and how one is chosen.
+
+A backend turns the NVFP4 triple (packed E2M1 bytes, FP8 group scales, FP32 global scale) into the layer's
+kernel tensors (``install``; flagged so reloads copy into them instead of replacing them) and runs the GEMM
+(``apply``). ``marlin``: vLLM's Marlin FP4 kernel, CUDA with compute capability >= 7.5. ``emulation``:
+dequantize + ``F.linear``, used where there is no CUDA (CPU tests) or when forced to debug; its kernel
+``weight`` is the compressed-tensors packed tensor, so tests can read the bytes back.
+
+Options come from vLLM's ``additional_config={"qerl_nvfp4": {...}}`` (part of the compile-cache key), else the
+environment: ``backend`` / ``QERL_NVFP4_BACKEND`` (auto | marlin | emulation) and ``fp32_reduce`` /
+``QERL_NVFP4_FP32_REDUCE`` (true, vLLM's choice | false: Marlin reduces split-K partials in BF16).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn import Parameter
+from vllm.platforms import current_platform
+
+from qerl_plugin import nvfp4
+from qerl_plugin.nvfp4 import GROUP_SIZE, NVFP4Error
+from vllm_ext.quant import MIN_CAPABILITY
+
+__all__ = [
+    "BACKEND_ENV",
+    "CONFIG_KEY",
+    "FP32_REDUCE_ENV",
+    "KERNEL_FLAG",
+    "Backend",
+    "EmulationBackend",
+    "MarlinBackend",
+    "is_nvfp4_layer",
+    "kernel_tensors",
+    "select_backend",
+    "warn_once",
+]
+
+logger = logging.getLogger("qerl.vllm.nvfp4")
+
+CONFIG_KEY = "qerl_nvfp4"
+BACKEND_ENV = "QERL_NVFP4_BACKEND"
+FP32_REDUCE_ENV = "QERL_NVFP4_FP32_REDUCE"
+KERNEL_FLAG = "_qerl_kernel"
+_warned: set[str] = set()
+
+
+def warn_once(key: str, msg: str, *args: Any) -> None:
+    """Log a warning the first time ``key`` is seen in this process."""
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg, *args)
+
+
+
+
+def _option(name: str, env: str, default: str) -> str:
+    """``additional_config["qerl_nvfp4"][name]`` of the current vLLM config, else ``$env``, else default."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        extra = get_current_vllm_config().additional_config
+    except Exception:  # no current config (layers built directly, e.g. in tests)
+        extra = None
+    opts = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+    if isinstance(opts, dict) and name in opts:
+        return str(opts[name]).strip().lower()
+    return os.environ.get(env, default).strip().lower()
+
+
+def select_backend() -> Backend:
+    """The backend the options name; ``auto`` is Marlin on CUDA, emulation elsewhere (with a warning)."""
+    choice = _option("backend", BACKEND_ENV, "auto")
+    if choice not in ("auto", "marlin", "emulation"):
+        raise NVFP4Error(f"nvfp4 option backend={choice!r} ({BACKEND_ENV} or additional_config): expected auto, marlin or emulation")
+    if choice == "emulation":
+        return EmulationBackend()
+    if choice == "auto" and not current_platform.is_cuda():
+        warn_once(
+            "emulation",
+            "nvfp4: no CUDA device; NVFP4 layers run in emulation (dequantize + BF16 matmul on every call) "
+            "- fine for tests, far too slow to serve"
+        )
+        return EmulationBackend()
+    return MarlinBackend()
+
+
+def is_nvfp4_layer(layer: torch.nn.Module) -> bool:
+    """True when ``layer`` holds installed NVFP4 kernel tensors."""
+    return bool(getattr(layer._parameters.get("weight"), KERNEL_FLAG, False)) if hasattr(layer, "_parameters") else False
+
+
+def kernel_tensors(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The installed kernel tensors of an NVFP4 layer (``weight``, ``weight_scale``, ... and ``bias``)."""
+    return {n: p for n, p in layer._parameters.items() if p is not None and getattr(p, KERNEL_FLAG, False)}
+
+
+def _set_kernel(layer: torch.nn.Module, name: str, value: torch.Tensor) -> Parameter:
+    """Install ``value`` as kernel tensor ``name``: copied into the existing buffer when there is one."""
+    current = layer._parameters.get(name)
+    if current is not None and getattr(current, KERNEL_FLAG, False):
+        if current.shape != value.shape or current.dtype != value.dtype:
+            raise NVFP4Error(
+                f"{layer.qerl_nvfp4.prefix}.{name}: the reloaded weights give a {value.dtype} "
+                f"{tuple(value.shape)} kernel tensor, the running one is {current.dtype} {tuple(current.shape)}; "
+                "CUDA graphs hold the old buffer, so shapes cannot change - restart the engine"
+            )
+        current.data.copy_(value)
+        return current
+    if name in layer._parameters:
+        delattr(layer, name)
+    param = Parameter(value, requires_grad=False)
+    setattr(param, KERNEL_FLAG, True)
+    layer.register_parameter(name, param)
+    return param
+
+
+class Backend:
+    """How one layer's NVFP4 weight is stored for its kernel and run."""
+
+    name = "?"
+
+    def install(self, layer, packed, scale, gscale, raw_bias) -> None:  # noqa: ANN001
+        """Install the kernel tensors of the triple ``packed`` uint8 [N, K/2], ``scale`` fp8 [N, K/16],
+        ``gscale`` fp32 [1] (and ``raw_bias`` [N] or None); into the existing buffers when installed."""
+        raise NotImplementedError
+
+    def refresh_bias(self, layer: torch.nn.Module, raw_bias: torch.Tensor) -> None:
+        """Copy a reloaded natural-order bias into the kernel's bias."""
+        raise NotImplementedError
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class EmulationBackend(Backend):
+    """Kernel tensors = the compressed-tensors triple (``weight`` = packed uint8); dequantize per call."""
+
+    name = "emulation"
+
+    def install(self, layer, packed, scale, gscale, raw_bias) -> None:  # noqa: ANN001
+        _set_kernel(layer, "weight", packed)
+        _set_kernel(layer, "weight_scale", scale)
+        _set_kernel(layer, "weight_global_scale", gscale.reshape(1).to(torch.float32))
+        if raw_bias is not None:
+            _set_kernel(layer, "bias", raw_bias)
+
+    def refresh_bias(self, layer: torch.nn.Module, raw_bias: torch.Tensor) -> None:
+        _set_kernel(layer, "bias", raw_bias)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w = nvfp4.dequantize(layer.weight, layer.weight_scale, layer.weight_global_scale, dtype=x.dtype)
+        return F.linear(x, w.to(x.device), bias)
+
+
+class MarlinBackend(Backend):
+    """vLLM's Marlin FP4 layout (``prepare_fp4_layer_for_marlin``) and GEMM (``apply_fp4_marlin_linear``)."""
+
+    name = "marlin"
+
+    def __init__(self, fp32_reduce: bool | None = None):
+        if not current_platform.is_cuda():
+            raise NVFP4Error(
+                "nvfp4's Marlin FP4 kernel needs an NVIDIA GPU (compute capability >= 7.5); this platform is "
+                f"{getattr(current_platform, 'device_name', '?')!r}. Serve the BF16 checkpoint without "
+                f"--quantization, or set {BACKEND_ENV}=emulation for a (slow) functional check"
+            )
+        cap = current_platform.get_device_capability()
+        if cap is not None and cap.to_int() < MIN_CAPABILITY:
+            raise NVFP4Error(
+                f"nvfp4's Marlin FP4 kernel needs compute capability >= {MIN_CAPABILITY / 10:.1f} (Turing or "
+                f"newer, tuned for Hopper); this GPU is {cap.major}.{cap.minor}. Serve the BF16 checkpoint "
+                "without --quantization on this GPU"
+            )
+        if fp32_reduce is None:
+            value = _option("fp32_reduce", FP32_REDUCE_ENV, "1")
+            if value not in ("1", "0", "true", "false"):
+                raise NVFP4Error(f"nvfp4 option fp32_reduce={value!r}: expected true/false (or 1/0)")
+            fp32_reduce = value in ("1", "true")
+        self.fp32_reduce = fp32_reduce
+
+    @staticmethod
+    def _marlin(layer, packed, scale, gscale, raw_bias) -> torch.nn.Module:  # noqa: ANN001
+        from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import prepare_fp4_layer_for_marlin
+
+        scratch = torch.nn.Module()
+        scratch.weight = Parameter(packed, requires_grad=False)
+        scratch.weight_scale = Parameter(scale, requires_grad=False)
+        # compressed-tensors stores the divisor 448*6/amax; Marlin takes its inverse (as vLLM's CT scheme).
+        scratch.weight_global_scale = Parameter(1.0 / gscale.max().to(torch.float32), requires_grad=False)
+        scratch.bias = None if raw_bias is None else Parameter(raw_bias.clone(), requires_grad=False)
+        scratch.params_dtype = layer.params_dtype
+        scratch.output_size_per_partition = layer.output_size_per_partition
+        scratch.input_size_per_partition = layer.input_size_per_partition
+        prepare_fp4_layer_for_marlin(scratch)
+        return scratch
+
+    @staticmethod
+    def _fused_bias(layer: torch.nn.Module) -> bool:
+        # Marlin adds a bias in its own (permuted) order. A layer with skip_bias_add returns its bias to the
+        # caller, who adds it in natural order: keep that one raw and out of the GEMM.
+        return not getattr(layer, "skip_bias_add", False)
+
+    def install(self, layer, packed, scale, gscale, raw_bias) -> None:  # noqa: ANN001
+        fused = raw_bias is not None and self._fused_bias(layer)
+        m = self._marlin(layer, packed, scale, gscale, raw_bias if fused else None)
+        _set_kernel(layer, "weight", m.weight.data)
+        _set_kernel(layer, "weight_scale", m.weight_scale.data)
+        _set_kernel(layer, "weight_global_scale", m.weight_global_scale.data)
+        if raw_bias is not None:
+            _set_kernel(layer, "bias", m.bias.data if fused else raw_bias)
+        if getattr(layer, "workspace", None) is None:
+            layer.workspace = m.workspace  # plain attribute: kept (not re-created) across reloads
+
+    def refresh_bias(self, layer: torch.nn.Module, raw_bias: torch.Tensor) -> None:
+        from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+            marlin_pad_dim,
+            marlin_padded_nk,
+            marlin_permute_bias,
+        )
+
+        if not self._fused_bias(layer):
+            _set_kernel(layer, "bias", raw_bias)
+            return
+        n = layer.output_size_per_partition
+        padded_n, _ = marlin_padded_nk(n, layer.input_size_per_partition, GROUP_SIZE)
+        _set_kernel(layer, "bias", marlin_permute_bias(marlin_pad_dim(raw_bias, n, padded_n)))
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import apply_fp4_marlin_linear
+
+        return apply_fp4_marlin_linear(
+            input=x,
+            weight=layer.weight,
+            weight_scale=layer.weight_scale,
+            weight_global_scale=layer.weight_global_scale,
+            workspace=layer.workspace,
+            size_n=layer.output_size_per_partition,
+            size_k=layer.input_size_per_partition,
+            bias=bias,
+            use_fp32_reduce=self.fp32_reduce,
+        )
