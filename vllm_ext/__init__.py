@@ -4,10 +4,14 @@ vLLM calls :func:`register` in every process it starts (front end, engine core, 
 cheap and idempotent, so this module imports neither torch nor vllm at the top. The data path:
 
 * ``vllm_ext.quant``             the ``nvfp4`` quantization method: config, checkpoint detection, registration
-* ``vllm_ext.nvfp4_linear``      its linear layers: load/quantize (BF16 or NVFP4A16 source), Marlin repack, reloads
+* ``vllm_ext.nvfp4_linear``      its linear method and which layers get it
+* ``vllm_ext.nvfp4_load``        tensor checks while loading; the NVFP4 triple from a BF16 or NVFP4A16 source
+* ``vllm_ext.nvfp4_backends``    how a layer's NVFP4 weight is run: Marlin FP4 or emulation, and the choice
+* ``vllm_ext.nvfp4_reload``      base-weight reloads into the installed kernel buffers (verl's weight sync)
 * ``vllm_ext.noisy_norm``        the out-of-tree RMSNorm that carries AQN noise
 * ``vllm_ext.worker_extension``  RPCs the trainer calls through ``collective_rpc``
-* ``vllm_ext.bench``             ``qerl bench rollout`` (decode throughput/memory of BF16/NVFP4 x LoRA x AQN)
+* ``vllm_ext.bench``             ``qerl bench rollout|kernels``: shapes, matrix (configs x variants), runner and
+  child (one engine per process), report, kernels (per-layer microbenchmark), lora_configs (Triton configs)
 """
 
 from __future__ import annotations
