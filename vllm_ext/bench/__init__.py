@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="CUDA-graph capture sizes: exactly --batches (fast start) or vLLM's default list")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine before it is killed")
     p.add_argument("--mp", action="store_true", help="use vLLM's engine subprocess (default: in-process engine, "
-                   "VLLM_ENABLE_V1_MULTIPROCESSING=0, which avoided a LoRA start-up hang)")
+                   "VLLM_ENABLE_V1_MULTIPROCESSING=0, which avoids a LoRA start-up hang)")
     p.add_argument("--out", default=None, help="output folder for results and logs (default $OUT or ./.out)")
     p.add_argument("--work", default=None, help="folder for the generated model configs and LoRA adapter "
                    "(hundreds of MB for large shapes; default <tmp>/qerl-bench, reused across runs)")
