@@ -3,6 +3,7 @@
     from helpers import make_tiny_qwen2, file_hashes   # tests/conftest.py puts tests/ on sys.path
     src = make_tiny_qwen2(tmp_path / "tiny")            # bf16 Qwen2, 2 layers, tokenizer included
     src = make_tiny_qwen2(tmp_path / "s", max_shard_size="20KB", num_hidden_layers=3)
+    model, cfg = tiny_qwen2_model(layers=1)            # in memory, bf16 values held in fp32
 
 Every dimension is a multiple of 16 so every Linear can be stored as NVFP4.
 """
@@ -90,6 +91,24 @@ def make_tiny_qwen2(
     return make_tiny_model(
         path, cfg, Qwen2ForCausalLM, dtype=dtype, seed=seed, max_shard_size=max_shard_size, tokenizer=tokenizer
     )
+
+
+def tiny_qwen2_model(layers: int = 2, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """``(model, config)``: an in-memory random ``Qwen2ForCausalLM`` (hidden 64, intermediate 96, 4 heads / 2 kv
+    heads, vocab 64, untied lm_head) whose values are those of a bf16 checkpoint, held in ``dtype``."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    return model.to(torch.bfloat16).to(dtype), cfg
+
+
+# A ground truth whose comparison with a small answer runs far past any test's time limit (sympy evaluates it).
+SLOW_GOLD = "10^{10^{10}}"
 
 
 def file_hashes(root: str | Path) -> dict[str, str]:

@@ -10,23 +10,12 @@ import pytest
 import torch
 import torch.nn as nn
 
+from helpers import tiny_qwen2_model as tiny_qwen2
 from qerl_plugin import nvfp4
 from verl_ext.nvfp4_linear import NVFP4Linear
 from verl_ext.nvfp4_replace import DEFAULT_FUSED_GROUPS, nvfp4_modules, replace_linears_with_nvfp4
 
 PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def tiny_qwen2(layers=2, seed=0, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    cfg = Qwen2Config(
-        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
-    return model.to(torch.bfloat16).to(dtype), cfg  # values of a bf16 checkpoint
 
 
 # ---------------------------------------------------------------------------------------------------------
