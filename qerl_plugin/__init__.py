@@ -4,7 +4,11 @@ Imports neither vLLM nor verl. The data path:
 
 * ``qerl_plugin.nvfp4``     E2M1/FP8 codec, bit-compatible with compressed-tensors ``nvfp4-pack-quantized``
 * ``qerl_plugin.format``    the NVFP4A16 ``quantization_config`` (built from compressed-tensors' own classes)
-* ``qerl_plugin.quantize``  streaming HF checkpoint -> NVFP4A16 checkpoint (``qerl quantize``)
+* ``qerl_plugin.aqn``       the AQN sigma schedule and the per-norm noise vectors, the same in vLLM and the actor
+* ``qerl_plugin.source``    ``qerl quantize``'s input: a local directory or a Hub id, its config and tensor headers
+* ``qerl_plugin.plan``      what each tensor becomes (quantized, kept, why), read from the headers; ``--dry-run``
+* ``qerl_plugin.shards``    the output's files (huggingface_hub's shard split) and index
+* ``qerl_plugin.quantize``  streaming HF checkpoint -> NVFP4A16 checkpoint; ``quantize_cli`` is ``qerl quantize``
 * ``qerl_plugin.doctor``    environment report (``qerl doctor``)
 * ``qerl_plugin.cli``       the ``qerl`` command
 

@@ -2,7 +2,8 @@
 
 Jobs and what they need:
 
-* ``quantize``  (CPU)  Python 3.10-3.12, torch, safetensors, compressed-tensors: ``qerl quantize`` runs.
+* ``quantize``  (CPU)  Python 3.10-3.12, torch, safetensors, compressed-tensors, huggingface-hub, tqdm:
+                       ``qerl quantize`` runs.
 * ``rollout``          a CUDA GPU of compute capability >= 7.5 (vLLM's own test for its Marlin FP4 kernel),
                        vLLM importable with its compiled ops ``torch.ops._C.marlin_gemm`` /
                        ``gptq_marlin_repack``, and our ``vllm.general_plugins`` entry point ``qerl``.
@@ -290,7 +291,10 @@ def collect(probe: dict | None = None) -> dict[str, Check]:
 
 # job -> (required checks, recommended checks)
 REQUIREMENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "quantize": (("python", "torch", "safetensors", "compressed-tensors", "qerl_plugin.quantize"), ("huggingface-hub", "tqdm")),
+    "quantize": (
+        ("python", "torch", "safetensors", "compressed-tensors", "huggingface-hub", "tqdm", "qerl_plugin.quantize"),
+        (),
+    ),
     "rollout": (
         ("python", "torch", "CUDA GPU", "GPU capability", "vllm import", "Marlin FP4 op", "vllm entry point", "vllm plugin loads"),
         ("compressed-tensors",),

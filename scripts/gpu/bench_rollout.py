@@ -37,10 +37,11 @@ def _stale_install_warning() -> None:
     if installed == checkout.resolve() or not checkout.is_dir():
         return
     differ = []
-    for f in sorted(checkout.glob("*.py")):
-        other = installed / f.name
+    for f in sorted(checkout.rglob("*.py")):  # subpackages too (vllm_ext.bench)
+        rel = f.relative_to(checkout)
+        other = installed / rel
         if not other.exists() or hashlib.sha256(other.read_bytes()).digest() != hashlib.sha256(f.read_bytes()).digest():
-            differ.append(f.name)
+            differ.append(str(rel))
     if differ:
         print(f"WARNING: installed vllm_ext ({installed}) differs from this checkout in {differ}; the engines use "
               "the installed copy. Reinstall the project first (see --help).", file=sys.stderr, flush=True)

@@ -51,6 +51,9 @@ def test_real_plugin_loading_registers_nvfp4_once_and_lazily():
         load_general_plugins()
         heavy = [m for m in (
             "vllm_ext.nvfp4_linear",
+            "vllm_ext.nvfp4_load",
+            "vllm_ext.nvfp4_backends",
+            "vllm_ext.nvfp4_reload",
             "vllm.model_executor.layers.linear",
             "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
             "vllm.model_executor.layers.quantization.utils.marlin_utils_fp4",
