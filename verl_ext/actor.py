@@ -16,11 +16,11 @@ Three wrappers (:mod:`verl_ext.patches`) put the NVFP4 base in between:
     BF16 checkpoint: verl's own build. NVFP4 checkpoint (compressed-tensors ``nvfp4-pack-quantized``):
     :func:`build_from_nvfp4_checkpoint` builds the model with meta parameters (``quantization_config``
     hidden from transformers, so no compressed-tensors modules), then
-    :func:`verl_ext.nvfp4_linear.load_nvfp4_checkpoint_into` puts every quantized projection in an
+    :func:`verl_ext.nvfp4_checkpoint.load_nvfp4_checkpoint_into` puts every quantized projection in an
     :class:`~verl_ext.nvfp4_linear.NVFP4Linear` holding the checkpoint's bytes and loads the rest; then
     verl's post-build steps (monkey patches, dtype, gradient checkpointing).
 ``FSDPEngine._build_lora_module``
-    BF16 checkpoint: :func:`~verl_ext.nvfp4_linear.replace_linears_with_nvfp4` quantizes the decoder's
+    BF16 checkpoint: :func:`~verl_ext.nvfp4_replace.replace_linears_with_nvfp4` quantizes the decoder's
     ``*_proj`` layers (on the GPU when there is one) exactly as vLLM's load-time quantization does, so the
     actor decodes the bytes the rollout runs; then verl's PEFT step wraps those NVFP4Linear layers with
     ordinary ``lora.Linear`` (NVFP4Linear subclasses ``nn.Linear``, so ``target_modules: all-linear``
@@ -72,7 +72,7 @@ def build_from_nvfp4_checkpoint(engine):
     """verl's ``FSDPEngine._build_module`` for an NVFP4 checkpoint, without ever materialising dense weights.
 
     The HF model is built from its config with parameters on the meta device (buffers such as rotary
-    ``inv_freq`` are real), :func:`~verl_ext.nvfp4_linear.load_nvfp4_checkpoint_into` swaps each quantized
+    ``inv_freq`` are real), :func:`~verl_ext.nvfp4_checkpoint.load_nvfp4_checkpoint_into` swaps each quantized
     projection for an NVFP4Linear with the checkpoint's bytes and loads every other tensor; then the steps
     verl's build applies after ``from_pretrained``: its model monkey patches, the cast to the training dtype
     (NVFP4 buffers keep their dtypes), gradient checkpointing. (Calling verl's build instead would allocate a
