@@ -526,18 +526,20 @@ def make_synthetic_arithmetic(
     seed: int = 0,
     difficulty: int | str = 2,
     overwrite: bool = False,
+    instruction: str = GSM8K_INSTRUCTION,
 ) -> dict[str, Any]:
     """Write ``out_dir/train.parquet`` and ``out_dir/test.parquet`` of synthetic problems (test questions
-    never repeat train questions)."""
+    never repeat train questions); ``instruction`` follows each question in the prompt."""
     out_dir = Path(out_dir)
     targets = {split: out_dir / f"{split}.parquet" for split in SPLITS}
     if not overwrite:
         existing = [str(p) for p in targets.values() if p.exists()]
         if existing:
             raise FileExistsError(f"{existing} exist; pass --overwrite to replace them")
-    train = synthetic_rows(n_train, seed=seed, difficulty=difficulty, split="train")
+    train = synthetic_rows(n_train, seed=seed, difficulty=difficulty, split="train", instruction=instruction)
     test = synthetic_rows(
-        n_test, seed=seed, difficulty=difficulty, split="test", exclude=(r["extra_info"]["question"] for r in train)
+        n_test, seed=seed, difficulty=difficulty, split="test", instruction=instruction,
+        exclude=(r["extra_info"]["question"] for r in train),
     )
     write_parquet(train, targets["train"], overwrite=overwrite)
     write_parquet(test, targets["test"], overwrite=overwrite)

@@ -32,12 +32,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="test problems, none repeating a train one (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--difficulty", default="2", help="1, 2, 3 or easy, medium, hard (default 2)")
+    parser.add_argument("--instruction", default=data.GSM8K_INSTRUCTION,
+                        help="text after each question (default: GSM8K's step-by-step instruction)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing train/test parquet files")
     args = parser.parse_args(argv)
     try:
         result = data.make_synthetic_arithmetic(
             args.out_dir, n_train=args.n_train, n_test=args.n_test, seed=args.seed,
             difficulty=args.difficulty, overwrite=args.overwrite,
+            instruction=args.instruction,
         )
     except (data.DataError, FileExistsError) as exc:
         print(f"make_synthetic_arithmetic: error: {exc}", file=sys.stderr)

@@ -274,6 +274,16 @@ def test_synthetic_train_and_test_do_not_overlap(tmp_path):
     assert {r["data_source"] for r in train + test} == {"qerl/synthetic_arithmetic"}
 
 
+def test_synthetic_instruction_follows_each_question(tmp_path):
+    out = data.make_synthetic_arithmetic(tmp_path, n_train=20, n_test=5, difficulty=1, instruction="Reply with only the final number.")
+    default = data.synthetic_rows(20, difficulty=1)
+    for row, ref in zip(_rows(out["train"]), default):
+        question = ref["extra_info"]["question"]
+        assert row["extra_info"]["question"] == question
+        assert row["prompt"][0]["content"] == question + " Reply with only the final number."
+        assert ref["prompt"][0]["content"] == question + " " + data.GSM8K_INSTRUCTION
+
+
 def test_synthetic_bad_arguments(tmp_path):
     with pytest.raises(data.DataError, match="difficulty must be 1, 2, 3"):
         data.synthetic_rows(5, difficulty=4)
@@ -371,6 +381,9 @@ def test_scripts_run_and_report(tmp_path):
     assert _rows(tmp_path / "syn" / "train.parquet") == data.synthetic_rows(30, seed=7, difficulty=1)
     res = _script("make_synthetic_arithmetic.py", tmp_path / "syn")
     assert res.returncode == 2 and "--overwrite" in res.stderr
+    res = _script("make_synthetic_arithmetic.py", tmp_path / "syn2", "--n-train", 3, "--n-test", 1, "--instruction", "Just the number.")
+    assert res.returncode == 0, res.stderr
+    assert all(r["prompt"][0]["content"].endswith("? Just the number.") for r in _rows(tmp_path / "syn2" / "train.parquet"))
 
     src = _hf_layout(tmp_path / "gsm8k")
     res = _script("prepare_gsm8k.py", src, tmp_path / "rl")
