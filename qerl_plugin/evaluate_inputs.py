@@ -290,7 +290,7 @@ def check_adapter_fits(adapter: AdapterInfo, model: ModelInfo) -> None:
     for key, shape in sorted(adapter.shapes.items()):
         for marker, want in ((".lora_A", "in"), (".lora_B", "out"), (".lora_embedding_A", "rows"), (".lora_embedding_B", "cols")):
             if marker + "." in key or key.endswith(marker):
-                module = key.split(marker)[0]
+                module, part = key.split(marker)[0], marker[1:]
                 break
         else:
             continue
@@ -314,7 +314,7 @@ def check_adapter_fits(adapter: AdapterInfo, model: ModelInfo) -> None:
         if not ok:
             raise EvalError(
                 f"--adapter {adapter.path}: {made_for}, not for MODEL {model.path}: module {module} is "
-                f"{list(bshape)} ([out, in]) in MODEL but the adapter's {key.split('.')[-2]} is {list(shape)}; {fix}"
+                f"{list(bshape)} ([out, in]) in MODEL but the adapter's {part} is {list(shape)}; {fix}"
             )
 
 

@@ -18,7 +18,7 @@ from qerl_plugin import nvfp4
 from qerl_plugin.cli import main
 from qerl_plugin.evaluate import EvalConfig, choose_backend, encode_prompts, load_tokenizer, run_eval, summary_path
 from qerl_plugin.evaluate_hf import HFBackend, load_model
-from qerl_plugin.evaluate_inputs import EvalError, Example, inspect_adapter, inspect_model, read_examples
+from qerl_plugin.evaluate_inputs import AdapterInfo, EvalError, Example, check_adapter_fits, inspect_adapter, inspect_model, read_examples
 from qerl_plugin.evaluate_metrics import Completion, Scored, pass_at_k, report_ks, summarize
 
 DS = "qerl/synthetic_arithmetic"
@@ -349,6 +349,22 @@ def test_adapter_for_a_module_the_base_lacks(chat_model, adapter, data, tmp_path
     save_file(tensors, bad / "adapter_model.safetensors")
     with pytest.raises(EvalError, match=r"LoRA weights for module model\.layers\.7\.\S+, which MODEL .* does not have"):
         run_eval(EvalConfig(model=str(chat_model), data=str(data), adapter=str(bad), out=str(tmp_path / "o.jsonl")))
+
+
+def test_embedding_lora_shapes(chat_model, tmp_path):
+    """lora_embedding_A is [r, vocab] and lora_embedding_B [dim, r] for an embedding [vocab, dim]."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(chat_model)
+    get_peft_model(model, LoraConfig(r=4, target_modules=["embed_tokens", "o_proj"])).save_pretrained(tmp_path / "emb")
+    good = inspect_adapter(tmp_path / "emb")
+    assert good.shapes["model.embed_tokens.lora_embedding_A"] == (4, 320)
+    info = inspect_model(chat_model)
+    check_adapter_fits(good, info)
+    bad = AdapterInfo(good.path, good.config, {**good.shapes, "model.embed_tokens.lora_embedding_A": (4, 999)}, good.rank)
+    with pytest.raises(EvalError, match=r"module model\.embed_tokens is \[320, 64\] .* lora_embedding_A is \[4, 999\]"):
+        check_adapter_fits(bad, info)
 
 
 def test_not_an_adapter(chat_model, data, tmp_path, no_backend):
