@@ -112,6 +112,39 @@ def test_completion_from_vllm_output():
     assert ve.to_completion(cut).truncated and ve.to_completion(cut).num_tokens == 8
 
 
+def test_generate_passes_token_ids_params_and_the_adapter(bf16, tmp_path):
+    """``VLLMBackend.generate`` around a stand-in for ``vllm.LLM`` (the engine itself needs a GPU)."""
+    from types import SimpleNamespace
+
+    from vllm.outputs import CompletionOutput
+
+    calls = []
+
+    class FakeLLM:
+        def generate(self, prompts, params, *, lora_request=None, use_tqdm=True):
+            calls.append(dict(prompts=prompts, params=params, lora=lora_request, use_tqdm=use_tqdm))
+            return [
+                SimpleNamespace(outputs=[
+                    CompletionOutput(index=j, text=f"p{i}s{j}", token_ids=[5] * (j + 1), cumulative_logprob=None,
+                                     logprobs=None, finish_reason="length" if j else "stop")
+                    for j in range(params.n)
+                ])
+                for i in range(len(prompts))
+            ]  # fmt: skip
+
+    backend = object.__new__(ve.VLLMBackend)
+    backend.llm, backend.progress, backend.lora = FakeLLM(), False, ve.lora_request(_adapter(bf16, tmp_path, 8))
+    out = backend.generate([[1, 2], [3]], n=2, temperature=0.5, max_new_tokens=9, eos_ids=[0])
+    (call,) = calls
+    assert call["prompts"] == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
+    assert (call["params"].n, call["params"].temperature, call["params"].max_tokens) == (2, 0.5, 9)
+    assert call["lora"] is backend.lora and call["use_tqdm"] is False
+    assert out == [
+        [ve.Completion("p0s0", 1, False), ve.Completion("p0s1", 2, True)],
+        [ve.Completion("p1s0", 1, False), ve.Completion("p1s1", 2, True)],
+    ]
+
+
 def test_backend_needs_cuda(bf16, tmp_path, monkeypatch):
     import torch
 
