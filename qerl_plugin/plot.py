@@ -14,7 +14,8 @@ step_time      ``timing_s/step``
 =============  ==================================================================================
 
 ``--keys`` picks quantities by these names or any metric key (``*`` wildcards allowed). Runs are
-labelled by ``--labels`` or their file's folder name; runs sharing a label (seeds) are drawn as their
+labelled by ``--labels`` or their file's folder name (the file name when files share a folder, as in
+verl's ``<project>/<experiment>.jsonl``); runs sharing a label (seeds) are drawn as their
 mean with a min-max band (``--group``; automatic when labels repeat, ``--no-group`` to draw each).
 """
 
@@ -196,6 +197,12 @@ def plot_metrics(
     if smooth < 1:
         raise PlotError(f"--smooth {smooth}: the window must be at least 1 point (1 = no smoothing)")
     runs = [read_metrics(p, labels[i] if labels else None) for i, p in enumerate(paths)]
+    if labels is None:
+        # verl's default layout puts every experiment of a project in one folder: name those by file
+        folders = [r.path.resolve().parent for r in runs]
+        for r, folder in zip(runs, folders):
+            if folders.count(folder) > 1:
+                r.label = r.path.stem
     quantities = _select(runs, keys)
     order = list(dict.fromkeys(r.label for r in runs))
     if group is None:
@@ -272,7 +279,7 @@ def plot_metrics(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("metrics", metavar="METRICS.jsonl", nargs="+", help="verl file-logger output, one file per run")
     parser.add_argument("-o", "--out", required=True, metavar="FILE.png", help="image to write (.png, .pdf, .svg)")
-    parser.add_argument("--labels", nargs="+", metavar="LABEL", help="one label per file (default: the file's folder name)")
+    parser.add_argument("--labels", nargs="+", metavar="LABEL", help="one label per file (default: the file's folder name, or its name when files share a folder)")
     parser.add_argument(
         "--keys", nargs="+", metavar="KEY",
         help=f"what to draw: quantities ({', '.join(_BY_NAME)}) or metric keys, '*' wildcards allowed (default: every quantity present)",

@@ -103,6 +103,15 @@ def test_repeated_labels_draw_mean_and_min_max_band(tmp_path):
     assert len(fig.axes[0].get_lines()) == 4 and not fig.axes[0].collections
 
 
+def test_files_sharing_a_folder_are_labelled_by_file_name(tmp_path):
+    """verl's default file logger path is <root>/<project>/<experiment>.jsonl."""
+    a = _write_run(tmp_path / "qerl" / "bf16_lr1e-5.jsonl")
+    b = _write_run(tmp_path / "qerl" / "nvfp4_lr1e-5.jsonl")
+    fig = plot_metrics([a, b], tmp_path / "p.png", keys=["reward"])
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["bf16_lr1e-5", "nvfp4_lr1e-5"]
+    assert len(fig.axes[0].get_lines()) == 2 and not fig.axes[0].collections  # not grouped
+
+
 def test_keys_by_metric_name_and_wildcard(tmp_path):
     a = _write_run(tmp_path / "a" / "metrics.jsonl")
     fig = plot_metrics([a], tmp_path / "k.png", keys=["entropy", "response_length/*"])
