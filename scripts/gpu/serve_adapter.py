@@ -12,6 +12,10 @@ and given a random PEFT adapter (r16, all projections, non-zero B). The server r
 default; the script waits for /health, lists /v1/models, sends one completion for the adapter and one for the
 base model (temperature 0), prints them, and kills the server (also on errors / Ctrl-C).
 
+With --eval-data (verl RL rows, e.g. examples/smollm2/prepare.py's data/test.parquet) it also scores greedy chat
+completions of every row through the adapter and through the base with the project's reward (the last step of
+train -> export -> serve -> eval).
+
 Writes $OUT/serve_adapter.json (requests, responses, timings) and $OUT/serve_adapter/server.log.
 """
 
@@ -121,6 +125,34 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
+def served_accuracy(base: str, model_name: str, data: Path, max_tokens: int) -> dict:
+    """Greedy chat completions of every row through ``model_name`` on the server, scored with the project's reward."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pandas as pd
+
+    from verl_ext.reward import compute_score
+
+    rows = pd.read_parquet(data)
+
+    def one(row) -> tuple[float, str | None]:
+        body = {"model": model_name, "messages": [dict(m) for m in row["prompt"]], "max_tokens": max_tokens,
+                "temperature": 0.0}
+        status, resp = _http("POST", f"{base}/v1/chat/completions", body, timeout=120)
+        if status != 200 or not isinstance(resp, dict):
+            return 0.0, None
+        text = resp["choices"][0]["message"]["content"]
+        return compute_score(row["data_source"], text, row["reward_model"]["ground_truth"])["score"], text
+
+    t0 = time.time()
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, [r for _, r in rows.iterrows()]))
+    correct = sum(score for score, _ in results)
+    return {"rows": len(results), "answered": sum(t is not None for _, t in results), "correct": correct,
+            "accuracy": correct / max(len(results), 1), "seconds": round(time.time() - t0, 1),
+            "examples": [t for _, t in results[:5]]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="NVFP4A16 checkpoint (default: build a tiny one)")
@@ -134,6 +166,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server to be healthy")
     ap.add_argument("--eager", action="store_true", help="--enforce-eager (faster start)")
     ap.add_argument("--extra", default="", help="extra `vllm serve` arguments (one string)")
+    ap.add_argument("--eval-data", help="verl RL rows (parquet): greedy accuracy through the adapter and the base")
+    ap.add_argument("--eval-max-tokens", type=int, default=64)
     args = ap.parse_args()
 
     out = Path(os.environ.get("OUT", ".out")).expanduser().resolve()
@@ -161,11 +195,12 @@ def main() -> int:
         cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "bfloat16", "--enable-lora", "--max-loras", "1",
                "--max-lora-rank", str(args.max_lora_rank or max(args.rank, 8)),
-               "--lora-modules", f"{ADAPTER_NAME}={adapter}", "--max-model-len", "512", "--max-num-seqs", "4",
+               "--lora-modules", f"{ADAPTER_NAME}={adapter}", "--max-model-len", "512", "--max-num-seqs", "32" if args.eval_data else "4",
                "--gpu-memory-utilization", "0.3"]
         if args.quantization and args.quantization != "none":
             cmd += ["--quantization", args.quantization]
-        cmd += ["--enforce-eager"] if args.eager else ["--compilation-config", json.dumps({"cudagraph_capture_sizes": [1, 2, 4]})]
+        cmd += ["--enforce-eager"] if args.eager else [
+            "--compilation-config", json.dumps({"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32] if args.eval_data else [1, 2, 4]})]
         cmd += args.extra.split()
         report["command"] = cmd
         log_path = work / "server.log"
@@ -208,6 +243,12 @@ def main() -> int:
             differ = answers[ADAPTER_NAME] != answers[str(model)]
             step("adapter changes the answer", differ, "adapter and base completions differ" if differ else
                  "adapter and base gave the same text (a zero or inactive adapter?)")
+        if args.eval_data:
+            for name, label in ((ADAPTER_NAME, "adapter"), (str(model), "base model")):
+                acc = served_accuracy(base, name, Path(args.eval_data), args.eval_max_tokens)
+                report.setdefault("eval", {})[label] = acc
+                step(f"accuracy ({label})", acc["answered"] == acc["rows"],
+                     f"{acc['correct']}/{acc['rows']} = {acc['accuracy']:.3f} greedy through the server", eval=acc)
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - report, then stop the server in finally

@@ -83,6 +83,24 @@ run_step() {
     v7_build) step v7_build 400 bash scripts/gpu/verl_7b_memory_step.sh build --out "$work/verl_7b" ;;
     v7_nvfp4) step v7_nvfp4 580 bash scripts/gpu/verl_7b_memory_step.sh nvfp4 summary --out "$work/verl_7b" ${V7_ARGS:-} ;;
     v7_bf16) step v7_bf16 580 bash scripts/gpu/verl_7b_memory_step.sh bf16 summary --out "$work/verl_7b" ${V7_ARGS:-} ;;
+    # --- the learning study on SmolLM2-135M-Instruct (docs/learning.md): model, step time, demo, study, entropy
+    smol)  # the GGUF travels in parts (/tmp/stage_smol); prepare writes /tmp/qerl_smollm2/{bf16,nvfp4,data}
+        step smol 300 bash -c 'cat /tmp/stage_smol/gguf.part* > /tmp/smol.gguf && python3 examples/smollm2/prepare.py /tmp/qerl_smollm2 --gguf /tmp/smol.gguf --nvfp4 --overwrite' ;;
+    steptime_bf16)  # the demo's settings on the BF16 base, alone on the GPU, 12 steps without validation
+        step steptime_bf16 420 python3 scripts/gpu/learning.py launch --runs bf16:0 --work "$work/steptime" --override trainer.total_training_steps=12 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 && python3 scripts/gpu/learning.py wait --work "$work/steptime" --timeout 400 --every 20 ;;
+    demo)  # the demo (NVFP4 + LoRA + AQN, seed 0) alone; later calls watch it
+        step demo 60 python3 scripts/gpu/learning.py launch --runs aqn:0 --work "$work/learn" ;;
+    study)  # the other eight runs of the study, side by side, once the demo has 10 steps alone
+        step study 400 python3 scripts/gpu/learning.py launch --work "$work/learn" --after aqn-s0:10 --lean --stagger 15 --runs bf16:0,nvfp4:0,aqn:1,bf16:1,nvfp4:1,aqn:2,bf16:2,nvfp4:2 ;;
+    watch)  # status of the runs until they end or the call's time is nearly up
+        step watch 580 python3 scripts/gpu/learning.py wait --work "$work/learn" --timeout $((deadline - SECONDS - 40)) ;;
+    entropy) step entropy 400 python3 scripts/gpu/entropy_sigma.py --model /tmp/qerl_smollm2/bf16 --data /tmp/qerl_smollm2/data/test.parquet ;;
+    export)  # the demo's final checkpoint -> PEFT adapter (comes back in $OUT)
+        step export 120 bash -c 'ck=$(ls -d '"$work"'/learn/aqn-s0/checkpoints/global_step_* | sort -V | tail -1) && python3 -m qerl_plugin.cli export "$ck/actor" '"$work"'/adapter --overwrite && cp -r '"$work"'/adapter "'"$final"'/adapter"' ;;
+    eval_adapter)  # greedy pass@1 and pass@8 on the test split: the NVFP4 base with and without the demo's adapter (vLLM)
+        step eval_adapter 420 bash -c 'python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --n 8 --max-new-tokens 64 --out '"$work"'/eval_adapter/base.jsonl --gpu-memory-utilization 0.1 && python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --adapter '"$work"'/adapter --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --n 8 --max-new-tokens 64 --out '"$work"'/eval_adapter/adapter.jsonl --gpu-memory-utilization 0.1' ;;
+    serve_demo)  # vllm serve the NVFP4 checkpoint with the demo's adapter; greedy accuracy through the server
+        step serve_demo 300 python3 scripts/gpu/serve_adapter.py --model /tmp/qerl_smollm2/nvfp4 --adapter "$work/adapter" --eval-data /tmp/qerl_smollm2/data/test.parquet ;;
     *) echo "unknown step $1" ;;
     esac
 }
