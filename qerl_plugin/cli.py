@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "doctor": ("qerl_plugin.doctor", "report what this environment has and lacks for each job", "nothing beyond qerl-plugin"),
     "bench": ("vllm_ext.bench", "benchmark NVFP4 + LoRA rollouts in vLLM", "vLLM and a CUDA GPU"),
     "train": ("verl_ext.train", "run QeRL training (verl GRPO/DAPO with NVFP4 + LoRA + AQN)", "verl, vLLM and a CUDA GPU"),
+    "export": ("verl_ext.export", "turn a verl FSDP checkpoint of the NVFP4 + LoRA actor into a PEFT adapter directory", "verl, peft"),
     "eval": ("qerl_plugin.evaluate", "greedy pass@1 and sampled pass@k of a model (+ LoRA adapter) with the project's reward", "transformers (CPU) or vLLM and a CUDA GPU"),
     "plot": ("qerl_plugin.plot", "plot reward, accuracy, entropy, AQN sigma, KL and step time from verl metrics.jsonl files", "matplotlib"),
 }

@@ -163,9 +163,10 @@ def test_real_table_points_at_the_agreed_modules():
         "doctor": "qerl_plugin.doctor",
         "bench": "vllm_ext.bench",
         "train": "verl_ext.train",
+        "export": "verl_ext.export",
         "eval": "qerl_plugin.evaluate",
         "plot": "qerl_plugin.plot",
     }
-    for name in ("quantize", "doctor", "eval", "plot"):
+    for name in ("quantize", "doctor", "eval", "plot", "export"):
         mod = cli._load(name)
         assert callable(mod.add_arguments) and callable(mod.run), name
