@@ -9,6 +9,8 @@ Imports neither vLLM nor verl. The data path:
 * ``qerl_plugin.plan``      what each tensor becomes (quantized, kept, why), read from the headers; ``--dry-run``
 * ``qerl_plugin.shards``    the output's files (huggingface_hub's shard split) and index
 * ``qerl_plugin.quantize``  streaming HF checkpoint -> NVFP4A16 checkpoint; ``quantize_cli`` is ``qerl quantize``
+* ``qerl_plugin.options``   names shared by the packages (method, format, engine options), one bool parser
+* ``qerl_plugin.upstream``  every vLLM/verl name qerl wraps, overrides or reads, with the pinned versions
 * ``qerl_plugin.doctor``    environment report (``qerl doctor``)
 * ``qerl_plugin.cli``       the ``qerl`` command
 

@@ -76,16 +76,25 @@ from typing import Any, Mapping
 
 import torch
 
+from qerl_plugin.options import parse_bool
+
 __all__ = [
+    "AQN_SKIPPED_NORMS",
+    "PEFT_PREFIX",
+    "WRAPPER_FRAGMENTS",
     "AQNConfig",
     "AQNSchedule",
     "NoiseSetting",
     "RESAMPLE_MODES",
     "SCHEDULES",
     "apply_noise_fp32",
+    "is_aqn_target",
     "noise_seed",
     "noise_vector",
+    "noisy_weight",
     "normalize_module_name",
+    "rms_normalize",
+    "strip_wrappers",
 ]
 
 SCHEDULES = ("exponential", "linear", "cosine", "log")
@@ -135,16 +144,6 @@ def _as_int(name: str, value: Any) -> int:
     return value
 
 
-def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
-        return value.strip().lower() in ("true", "1", "yes")
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ValueError(f"AQNConfig.{name}: expected true or false, got {value!r}")
-
-
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value.strip().lower() not in choices:
         close = difflib.get_close_matches(str(value).lower(), choices, n=1)
@@ -178,7 +177,7 @@ class AQNConfig:
         set_(self, "num_stages", _as_int("num_stages", self.num_stages))
         set_(self, "schedule", _choice("schedule", self.schedule, SCHEDULES))
         set_(self, "seed", _as_int("seed", self.seed))
-        set_(self, "noise_free_first_stage", _as_bool("noise_free_first_stage", self.noise_free_first_stage))
+        set_(self, "noise_free_first_stage", parse_bool(self.noise_free_first_stage, "AQNConfig.noise_free_first_stage"))
         set_(self, "resample", _choice("resample", self.resample, RESAMPLE_MODES))
         if self.total_steps is not None:
             set_(self, "total_steps", _as_int("total_steps", self.total_steps))
@@ -433,13 +432,30 @@ class AQNSchedule:
 # names and noise
 
 # Wrapper fragments that frameworks insert between an HF module path's parts.
-_WRAPPER_FRAGMENTS = (
+WRAPPER_FRAGMENTS = (
     "_fsdp_wrapped_module.",  # FSDP1 (use_orig_params) and verl's FSDP wrappers
     "_orig_mod.",  # torch.compile
     "_checkpoint_wrapped_module.",  # activation checkpointing wrapper
     "_offload_wrapped_module.",
 )
+# What PEFT puts in front of the wrapped model's module names.
+PEFT_PREFIX = "base_model.model."
 _PEFT_MODULES_TO_SAVE = re.compile(r"\.(?:modules_to_save\.[^.]+|original_module)(?=\.|$)")
+# Last name part of the RMSNorms AQN leaves alone: per-head q/k norms scale attention logits and feed no
+# linear projection.
+AQN_SKIPPED_NORMS = frozenset({"q_norm", "k_norm"})
+
+
+def strip_wrappers(name: str) -> str:
+    """``name`` without the FSDP / torch.compile / checkpoint wrapper fragments (:data:`WRAPPER_FRAGMENTS`)."""
+    for frag in WRAPPER_FRAGMENTS:
+        name = name.replace(frag, "")
+    return name
+
+
+def is_aqn_target(name: str) -> bool:
+    """AQN perturbs the norm called ``name`` (any form of its module name) unless it is a per-head q/k norm."""
+    return name.rsplit(".", 1)[-1] not in AQN_SKIPPED_NORMS
 
 
 def normalize_module_name(name: str) -> str:
@@ -455,14 +471,14 @@ def normalize_module_name(name: str) -> str:
     if not isinstance(name, str) or not name:
         raise ValueError(f"module name must be a non-empty string, got {name!r}")
     n = name
-    for frag in _WRAPPER_FRAGMENTS:
+    for frag in WRAPPER_FRAGMENTS:
         n = n.replace(frag, "")
         if n.endswith(frag[:-1]):
             n = n[: -len(frag)]  # a trailing wrapper fragment without its dot
     n = _PEFT_MODULES_TO_SAVE.sub("", n)
     while True:  # leading wrappers, possibly nested (DDP around PEFT)
-        if n.startswith("base_model.model."):
-            n = n[len("base_model.model.") :]
+        if n.startswith(PEFT_PREFIX):
+            n = n[len(PEFT_PREFIX) :]
         elif n.startswith("module."):
             n = n[len("module.") :]
         else:
@@ -514,6 +530,19 @@ def noise_vector(
     return z.mul_(sigma).to(device=out_device, dtype=torch.float32)
 
 
+def rms_normalize(h: torch.Tensor, eps: float, variance_size: int | None = None) -> torch.Tensor:
+    """``h / rms(h)`` for a float32 ``h``, as vLLM's and Hugging Face's RMSNorm compute it (the mean of squares
+    over the first ``variance_size`` channels, all when None)."""
+    h_var = h if variance_size is None else h[..., :variance_size]
+    return h * torch.rsqrt(h_var.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def noisy_weight(weight: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The effective norm weight ``weight.float() + noise`` in float32, without checks (it runs inside
+    vLLM's compiled graphs); :func:`apply_noise_fp32` is the checked form."""
+    return weight.float() + noise
+
+
 def apply_noise_fp32(weight: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
     """The effective norm weight ``weight.float() + noise``, in float32 (bf16 would round 1e-4 away).
 
@@ -528,4 +557,4 @@ def apply_noise_fp32(weight: torch.Tensor, noise: torch.Tensor | None) -> torch.
         )
     if noise.dtype != torch.float32:
         raise ValueError(f"AQN noise must be float32 (got {noise.dtype}): noise_vector returns float32")
-    return weight.float() + noise.to(weight.device)
+    return noisy_weight(weight, noise.to(weight.device))

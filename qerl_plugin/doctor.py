@@ -10,9 +10,9 @@ Jobs and what they need:
 * ``serve``            as rollout (the plugin is only recommended: stock vLLM serves NVFP4 + LoRA).
 * ``train``            rollout, plus verl, peft, transformers and our ``verl.plugins`` entry point ``qerl``.
 
-Versions that differ from the pins (vllm 0.24.0, verl 0.9.1, compressed-tensors 0.17.0, torch 2.11.0,
-transformers 5.9.0) are warnings, not failures. vLLM and verl are imported in a child process, so a
-broken install cannot take this report down, and this module itself imports neither.
+Versions that differ from the pins (:data:`qerl_plugin.upstream.PINS`) are warnings, not failures. vLLM and
+verl are imported in a child process, so a broken install cannot take this report down, and this module
+itself imports neither.
 
 Exit status: with ``--job`` (repeatable), 1 if any named job cannot run; without it every job is
 reported and the status is 1 only if ``quantize`` (the CPU job, the one every machine should run)
@@ -29,20 +29,12 @@ import sys
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 
+from qerl_plugin.upstream import MARLIN_FP4_MIN_CAPABILITY, PINS
+
 HELP = "report what this environment has and lacks for each job (quantize, rollout, train, serve)"
 
-PINS = {
-    "torch": "2.11.0",
-    "vllm": "0.24.0",
-    "verl": "0.9.1",
-    "compressed-tensors": "0.17.0",
-    "transformers": "5.9.0",
-    "peft": "0.21.2",
-}
 PACKAGES = ("torch", "safetensors", "compressed-tensors", "transformers", "huggingface-hub", "tqdm", "vllm", "verl", "peft")
 JOBS = ("quantize", "rollout", "train", "serve")
-# vLLM 0.24: marlin_utils_fp4.is_fp4_marlin_supported() == is_cuda() and has_device_capability(75)
-MARLIN_FP4_MIN_CAPABILITY = (7, 5)
 MARLIN_OPS = ("marlin_gemm", "gptq_marlin_repack")
 # the compiled library that registers torch.ops._C: vLLM 0.24 CUDA wheels ship the first, older ones the second
 VLLM_OPS_LIBS = ("vllm._C_stable_libtorch", "vllm._C")

@@ -1,29 +1,16 @@
-"""The NVFP4A16 checkpoint format: the ``quantization_config`` vLLM reads, and which projections fuse.
+"""The NVFP4A16 checkpoint format: the ``quantization_config`` vLLM reads, which projections fuse, and the
+check that a config read back from disk is NVFP4A16.
 
-A checkpoint written by ``qerl quantize`` is a plain compressed-tensors checkpoint, the same shape as
-what llmcompressor writes for ``QuantizationModifier(scheme="NVFP4A16", targets="Linear",
-ignore=["lm_head"])``:
-
-* one config group ``group_0`` targeting ``Linear`` with compressed-tensors' ``NVFP4A16`` preset
-  (4-bit float weights, ``tensor_group`` strategy, 16-element groups, FP8-E4M3 group scales, no
-  activation quantization), format ``nvfp4-pack-quantized``, status ``compressed``;
-* an ``ignore`` list naming every Linear kept in high precision (``lm_head`` always);
-* per quantized module the tensors ``weight_packed`` / ``weight_scale`` / ``weight_global_scale``.
-
-vLLM fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``. Its NVFP4 layers keep one global
-scale per fused layer (the largest of the parts, with a warning when they differ), so the parts of a
-fused layer share one global scale, as llmcompressor makes them share; and vLLM refuses a fused layer
-whose parts are not all quantized or all ignored, so the ignore list covers whole groups.
-
-The config objects come from compressed-tensors itself (``QuantizationConfig``, the ``NVFP4A16`` preset,
-``CompressionFormat``); this module adds only what compressed-tensors does not describe: the fused
-groups and the checks on configs read back from disk.
+A ``qerl quantize`` checkpoint is a plain compressed-tensors checkpoint, the same as llmcompressor's
+``NVFP4A16`` preset writes: one config group targeting ``Linear``, format ``nvfp4-pack-quantized``, an
+``ignore`` list that always holds ``lm_head`` and covers whole fused groups (vLLM refuses a fused layer whose
+parts differ). The config objects are compressed-tensors' own; see docs/design.md, "Checkpoint format".
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Sequence
 
 from compressed_tensors.base import (
     COMPRESSION_VERSION_NAME,
@@ -38,11 +25,11 @@ from compressed_tensors.quantization import (
     QuantizationConfig,
     QuantizationScheme,
     QuantizationStatus,
-    QuantizationStrategy,
-    QuantizationType,
     preset_name_to_scheme,
 )
 from compressed_tensors.utils.match import match_name
+
+from qerl_plugin import options
 
 __all__ = [
     "CONFIG_GROUP",
@@ -55,6 +42,7 @@ __all__ = [
     "fused_partners",
     "is_ignored",
     "is_nvfp4a16_config",
+    "nvfp4a16_problem",
     "nvfp4a16_quantization_config",
     "nvfp4a16_scheme",
     "parse_quantization_config",
@@ -64,7 +52,7 @@ __all__ = [
 
 SCHEME = "NVFP4A16"
 CONFIG_GROUP = "group_0"
-FORMAT = CompressionFormat.nvfp4_pack_quantized.value  # "nvfp4-pack-quantized"
+FORMAT = CompressionFormat(options.FORMAT).value  # "nvfp4-pack-quantized", known to compressed-tensors
 TARGETS = ("Linear",)
 ALWAYS_IGNORED = ("lm_head",)
 # The tensors that replace ``<module>.weight`` (compressed-tensors' NVFP4PackedCompressor, symmetric, A16).
@@ -76,7 +64,6 @@ FUSED_GROUPS: tuple[tuple[str, ...], ...] = (
     ("q_proj", "k_proj", "v_proj"),
     ("gate_proj", "up_proj"),
 )
-_FUSED_BY_LEAF = {leaf: group for group in FUSED_GROUPS for leaf in group}
 
 
 def nvfp4a16_scheme(targets: Iterable[str] = TARGETS) -> QuantizationScheme:
@@ -132,27 +119,58 @@ def parse_quantization_config(data: dict[str, Any]) -> QuantizationConfig:
     return QuantizationConfig.model_validate(fields)
 
 
+# What NVFP4A16 quantizes a weight as; every group of an NVFP4A16 config says exactly this, symmetric.
+_NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+
+
+def nvfp4a16_problem(quant_cfg: Any) -> str | None:
+    """``None`` if ``quant_cfg`` (``config.json``'s ``quantization_config`` dict) is a compressed-tensors
+    NVFP4A16 config, the weight-only NVFP4 that vLLM runs on its Marlin FP4 kernel; else what is wrong.
+
+    Plain dict code: vLLM's front end checks a checkpoint with it before any layer exists. Attention-only
+    groups (KV-cache quantization) are skipped, as vLLM skips them.
+    """
+    if not isinstance(quant_cfg, Mapping):
+        return f"is a {type(quant_cfg).__name__}, not a JSON object"
+    method = quant_cfg.get(QUANTIZATION_METHOD_NAME)
+    if method != QUANTIZATION_METHOD:
+        return f"has quant_method {method!r}, not a compressed-tensors NVFP4A16 config"
+    groups = quant_cfg.get("config_groups") or {}
+    if not isinstance(groups, Mapping) or not groups:
+        return "has no config_groups (nothing is quantized)"
+    checked = 0
+    for name, group in groups.items():
+        if not isinstance(group, Mapping):
+            return f"config group {name!r} is a {type(group).__name__}, not a JSON object"
+        targets = group.get("targets") or []
+        if len(targets) == 1 and str(targets[0]).endswith("Attention"):
+            continue
+        weights = group.get("weights") or {}
+        if not isinstance(weights, Mapping):
+            return f"config group {name!r} has weights={weights!r}, not a JSON object"
+        got = {k: weights.get(k) for k in _NVFP4_WEIGHTS}
+        if got != _NVFP4_WEIGHTS or weights.get("symmetric", True) is not True:
+            return (
+                f"config group {name!r} quantizes weights as {got} (symmetric={weights.get('symmetric')}); "
+                f"NVFP4 is {_NVFP4_WEIGHTS}, symmetric"
+            )
+        if group.get("input_activations"):
+            return (
+                f"config group {name!r} also quantizes input activations (NVFP4 W4A4); "
+                "nvfp4 runs weight-only NVFP4 with BF16 activations (NVFP4A16)"
+            )
+        fmt = group.get("format") or quant_cfg.get("format")
+        if fmt not in (None, FORMAT):
+            return f"config group {name!r} is stored as {fmt!r}, expected {FORMAT!r}"
+        checked += 1
+    if checked == 0:
+        return "only quantizes attention (KV cache); no linear weights are NVFP4"
+    return None
+
+
 def is_nvfp4a16_config(config: QuantizationConfig) -> bool:
-    """True when every config group is NVFP4 weight-only (what vLLM runs on its Marlin FP4 kernel)."""
-    if not config.config_groups:
-        return False
-    for scheme in config.config_groups.values():
-        if not isinstance(scheme, QuantizationScheme) or scheme.weights is None:
-            return False
-        w = scheme.weights
-        if not (
-            w.num_bits == 4
-            and w.type == QuantizationType.FLOAT
-            and w.strategy == QuantizationStrategy.TENSOR_GROUP
-            and w.group_size == 16
-            and w.symmetric
-        ):
-            return False
-        if scheme.input_activations is not None:
-            return False
-        if (scheme.format or config.format) != FORMAT:
-            return False
-    return True
+    """:func:`nvfp4a16_problem` of a parsed compressed-tensors ``QuantizationConfig`` finds nothing."""
+    return nvfp4a16_problem(config.model_dump(mode="json")) is None
 
 
 def is_ignored(module_name: str, ignore: Iterable[str]) -> bool:
@@ -160,19 +178,21 @@ def is_ignored(module_name: str, ignore: Iterable[str]) -> bool:
     return any(match_name(module_name, entry) for entry in ignore)
 
 
-def fused_partners(module_name: str) -> tuple[str, ...]:
+def fused_partners(module_name: str, groups: Sequence[Sequence[str]] = FUSED_GROUPS) -> tuple[str, ...]:
     """All module names of the fused layer ``module_name`` belongs to (itself included), in group order.
 
     ``model.layers.0.self_attn.k_proj`` -> the q/k/v names; a module outside any group -> ``(module_name,)``.
     """
     prefix, _, leaf = module_name.rpartition(".")
-    group = _FUSED_BY_LEAF.get(leaf)
+    group = next((g for g in groups if leaf in g), None)
     if group is None:
         return (module_name,)
     return tuple(f"{prefix}.{part}" if prefix else part for part in group)
 
 
-def expand_fused_ignores(ignored_modules: Iterable[str], present_modules: Iterable[str]) -> tuple[set[str], dict[str, str]]:
+def expand_fused_ignores(
+    ignored_modules: Iterable[str], present_modules: Iterable[str], groups: Sequence[Sequence[str]] = FUSED_GROUPS
+) -> tuple[set[str], dict[str, str]]:
     """Grow a set of ignored modules to whole fused groups.
 
     Returns the grown set and, for each module added, the ignored partner that pulled it in (so callers
@@ -182,7 +202,7 @@ def expand_fused_ignores(ignored_modules: Iterable[str], present_modules: Iterab
     ignored = set(ignored_modules)
     added: dict[str, str] = {}
     for name in sorted(ignored):
-        for partner in fused_partners(name):
+        for partner in fused_partners(name, groups):
             if partner in present and partner not in ignored:
                 ignored.add(partner)
                 added[partner] = name

@@ -34,6 +34,7 @@ __all__ = [
     "GROUP_SIZE",
     "NVFP4Error",
     "NVFP4Weight",
+    "check_finite",
     "check_weight",
     "dequantize",
     "e2m1_codes",
@@ -53,6 +54,8 @@ GROUP_SIZE = 16
 ZERO_SCALE_REPLACEMENT = 0.125
 # Rows processed at once when quantizing; bounds the float32 temporaries to ~ROW_CHUNK * in * 12 bytes.
 ROW_CHUNK = 2048
+# Elements checked at once for NaN/Inf (bounds the float8 upcast to 64 MB).
+FINITE_CHUNK = 1 << 24
 
 
 class NVFP4Error(ValueError):
@@ -103,10 +106,30 @@ def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
             f"{name}: input dimension {cols} is not divisible by the NVFP4 group size {GROUP_SIZE}; "
             "add the module to the ignore list (e.g. --ignore '<module name>') to keep it unquantized"
         )
-    if weight.numel() and not bool(torch.isfinite(weight).all()):
-        bad = (~torch.isfinite(weight)).nonzero()[0].tolist()
+    check_finite(weight, name)
+
+
+def check_finite(tensor: torch.Tensor, name: str = "tensor", note: str = "") -> None:
+    """Raise :class:`NVFP4Error` if the floating ``tensor`` holds NaN or Inf, naming the first one (and ``note``).
+
+    A min/max reduction per chunk (NaN propagates through it) finds a bad chunk without temporaries; only that
+    chunk is searched for the index.
+    """
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), FINITE_CHUNK):
+        chunk = flat[start : start + FINITE_CHUNK]
+        if chunk.element_size() == 1:  # torch has no min/max or isfinite for float8
+            chunk = chunk.float()
+        lo, hi = torch.aminmax(chunk)
+        if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            continue
+        first = start + int((~torch.isfinite(chunk)).nonzero()[0])
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), tensor.shape))
+        noted = f" ({note})" if note else ""
         raise NVFP4Error(
-            f"{name}: contains NaN/Inf (first at index {tuple(bad)}); the source checkpoint is corrupt or "
+            f"{name}: contains NaN/Inf (first at index {index}){noted}; the source checkpoint is corrupt or "
             "was saved after a diverged update: re-export it from a healthy state"
         )
 

@@ -44,7 +44,6 @@ __all__ = [
     "QuantizePlan",
     "QuantizeResult",
     "TensorEntry",
-    "check_finite",
     "format_plan",
     "human_size",
     "parse_size",
@@ -52,9 +51,6 @@ __all__ = [
     "quantize_checkpoint",
     "resolve_source",
 ]
-
-# Elements checked at once for NaN/Inf in a kept tensor (bounds the float8 upcast to 64 MB).
-FINITE_CHUNK = 1 << 24
 
 
 @dataclass
@@ -96,31 +92,6 @@ class _Readers:
 
     def close(self) -> None:
         self._handles.clear()
-
-
-def check_finite(tensor: torch.Tensor, name: str, kept_as: str = "") -> None:
-    """Raise :class:`QuantizeError` if the floating tensor ``name`` holds NaN or Inf, naming the first one.
-
-    For the tensors written unquantized; the quantized ones are checked by :func:`nvfp4.check_weight`.
-    A min/max reduction per chunk (NaN propagates through it) finds a bad chunk without temporaries.
-    """
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        return
-    flat = tensor.reshape(-1)
-    for start in range(0, flat.numel(), FINITE_CHUNK):
-        chunk = flat[start : start + FINITE_CHUNK]
-        if chunk.element_size() == 1:  # torch has no min/max or isfinite for float8
-            chunk = chunk.float()
-        lo, hi = torch.aminmax(chunk)
-        if bool(torch.isfinite(lo) & torch.isfinite(hi)):
-            continue
-        first = start + int((~torch.isfinite(chunk)).nonzero()[0])
-        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), tensor.shape))
-        kept = f" (kept unquantized: {kept_as})" if kept_as else ""
-        raise QuantizeError(
-            f"{name}: contains NaN/Inf (first at index {index}){kept}; the source checkpoint is corrupt or "
-            "was saved after a diverged update: re-export it from a healthy state"
-        )
 
 
 def _check_dst(src: Path, dst: Path, overwrite: bool) -> None:
@@ -222,7 +193,11 @@ def quantize_checkpoint(
                     for key, value in q.tensors(module).items():
                         out[key] = value.cpu()
                 else:
-                    check_finite(tensor, label(entry), plan.kept_reason.get(entry.name, ""))
+                    kept_as = plan.kept_reason.get(entry.name, "")
+                    try:
+                        nvfp4.check_finite(tensor, label(entry), f"kept unquantized: {kept_as}" if kept_as else "")
+                    except nvfp4.NVFP4Error as exc:
+                        raise QuantizeError(str(exc)) from None
                     out[entry.name] = tensor
                 del tensor
                 done += 1

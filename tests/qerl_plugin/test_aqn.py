@@ -16,6 +16,7 @@ from qerl_plugin.aqn import (
     AQNConfig,
     AQNSchedule,
     apply_noise_fp32,
+    is_aqn_target,
     noise_seed,
     noise_vector,
     normalize_module_name,
@@ -356,3 +357,11 @@ def test_fp32_application_keeps_small_noise():
         apply_noise_fp32(w, z[:10])
     with pytest.raises(ValueError, match="float32"):
         apply_noise_fp32(w, z.double())
+
+
+def test_is_aqn_target():
+    assert is_aqn_target("model.layers.0.input_layernorm")
+    assert is_aqn_target("model.norm")
+    assert is_aqn_target("model.layers.0.self_attn.q_a_layernorm")  # DeepSeek: feeds q_b_proj
+    assert not is_aqn_target("model.layers.0.self_attn.q_norm")
+    assert not is_aqn_target("model.layers.0.self_attn.k_norm")

@@ -259,6 +259,25 @@ def test_rejects_input_dim_not_divisible_by_16():
         nvfp4.quantize(torch.randn(4, 20), name="model.layers.0.mlp.down_proj")
 
 
+def test_check_finite_finds_the_first_bad_value_in_any_chunk(monkeypatch):
+    monkeypatch.setattr(nvfp4, "FINITE_CHUNK", 7)
+    t = torch.zeros(4, 6, dtype=torch.bfloat16)
+    t[2, 3], t[3, 0] = float("-inf"), float("nan")  # flat index 15: the third chunk
+    with pytest.raises(NVFP4Error, match=r"^w: contains NaN/Inf \(first at index \(2, 3\)\); .*re-export"):
+        nvfp4.check_finite(t, "w")
+    for value in (float("nan"), float("inf"), float("-inf")):  # alone, in the second chunk
+        t = torch.zeros(4, 6, dtype=torch.float16)
+        t[1, 2] = value
+        with pytest.raises(NVFP4Error, match=r"first at index \(1, 2\)"):
+            nvfp4.check_finite(t, "w")
+    nvfp4.check_finite(torch.zeros(4, 6), "w")
+    nvfp4.check_finite(torch.full((3,), 7, dtype=torch.int64), "ids")  # integers are always finite
+    with pytest.raises(NVFP4Error, match=r"f8: contains NaN/Inf \(first at index \(1,\)\)"):
+        nvfp4.check_finite(torch.tensor([1.0, float("nan")]).to(torch.float8_e4m3fn), "f8")
+    with pytest.raises(NVFP4Error, match=r"scalar: contains NaN/Inf \(first at index \(\)\)"):
+        nvfp4.check_finite(torch.tensor(float("nan")), "scalar")
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_rejects_non_finite_weights_naming_the_tensor_and_index(bad):
     w = torch.randn(4, 32)

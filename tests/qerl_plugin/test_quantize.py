@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from qerl_plugin import format as fmt
 from qerl_plugin import nvfp4
 from qerl_plugin import quantize
-from qerl_plugin.quantize import QuantizeError, check_finite, quantize_checkpoint
+from qerl_plugin.quantize import QuantizeError, quantize_checkpoint
 from helpers import TINY_QWEN2, file_hashes, make_tiny_model, make_tiny_qwen2, read_safetensors_dir
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -147,7 +147,7 @@ def test_config_json(quantized, tiny_qwen2_dir):
     assert group.targets == ["Linear"] and group.input_activations is None and group.format == "nvfp4-pack-quantized"
     assert group.weights.num_bits == 4 and group.weights.group_size == 16 and group.weights.strategy == "tensor_group"
     assert group.weights.scale_dtype == torch.float8_e4m3fn
-    assert fmt.is_nvfp4a16_config(fmt.parse_quantization_config(qc))
+    assert fmt.nvfp4a16_problem(qc) is None and fmt.is_nvfp4a16_config(fmt.parse_quantization_config(qc))
 
 
 def test_vllm_parses_the_config_and_picks_the_marlin_nvfp4a16_scheme(quantized):
@@ -353,22 +353,3 @@ def test_nan_found_after_some_files_were_written_leaves_nothing(tiny_qwen2_shard
     monkeypatch.setattr(safetensors.torch, "save_file", lambda tensors, path, **kw: (written.append(path), save_file(tensors, path, **kw)))
     assert_refused(src, tmp_path, r"model\.norm\.weight in .*: contains NaN/Inf.*kept unquantized: norm", max_shard_size="3kB")
     assert len(written) > 1, "the NaN should be found after some output files were written"
-
-
-def test_check_finite_finds_the_first_bad_value_in_any_chunk(monkeypatch):
-    monkeypatch.setattr(quantize, "FINITE_CHUNK", 7)
-    t = torch.zeros(4, 6, dtype=torch.bfloat16)
-    t[2, 3], t[3, 0] = float("-inf"), float("nan")  # flat index 15: the third chunk
-    with pytest.raises(QuantizeError, match=r"^w: contains NaN/Inf \(first at index \(2, 3\)\); .*re-export"):
-        check_finite(t, "w")
-    for value in (float("nan"), float("inf"), float("-inf")):  # alone, in the second chunk
-        t = torch.zeros(4, 6, dtype=torch.float16)
-        t[1, 2] = value
-        with pytest.raises(QuantizeError, match=r"first at index \(1, 2\)"):
-            check_finite(t, "w")
-    check_finite(torch.zeros(4, 6), "w")
-    check_finite(torch.full((3,), 7, dtype=torch.int64), "ids")  # integers are always finite
-    with pytest.raises(QuantizeError, match=r"f8: contains NaN/Inf \(first at index \(1,\)\)"):
-        check_finite(torch.tensor([1.0, float("nan")]).to(torch.float8_e4m3fn), "f8")
-    with pytest.raises(QuantizeError, match=r"scalar: contains NaN/Inf \(first at index \(\)\)"):
-        check_finite(torch.tensor(float("nan")), "scalar")

@@ -1,0 +1,102 @@
+"""The names qerl's packages share, and the options a vLLM engine takes from its ``additional_config``.
+
+One definition of each: ``vllm_ext`` (inside vLLM), ``verl_ext`` (inside verl) and ``qerl_plugin`` import
+them from here. Nothing here imports torch, vLLM or verl, so vLLM's plugin entry point reads it for free.
+
+Engine options are keys of vLLM's ``additional_config``, which is part of vLLM's compile-cache key (an
+engine built with AQN never reuses a graph compiled without it)::
+
+    {"qerl_aqn": true}                                          AQN: every RMSNorm gets a noise buffer
+    {"qerl_nvfp4": {"backend": "emulation", "fp32_reduce": false}}   how nvfp4 layers run
+
+    vllm serve MODEL --quantization nvfp4 --additional-config '{"qerl_aqn": true}'
+    LLM(MODEL, quantization="nvfp4", additional_config={"qerl_aqn": True})
+
+Under verl, :mod:`verl_ext.rollout` writes ``qerl_aqn`` into the engine arguments when the run enables AQN.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+__all__ = [
+    "AQN_KEY",
+    "FORMAT",
+    "METHOD",
+    "NVFP4_BACKENDS",
+    "NVFP4_KEY",
+    "VERL_WORKER_EXTENSION",
+    "WORKER_EXTENSION",
+    "aqn_enabled",
+    "engine_config",
+    "nvfp4_options",
+    "parse_bool",
+]
+
+# vLLM's ``--quantization nvfp4`` (vllm_ext.quant) and verl's ``rollout.quantization: nvfp4``.
+METHOD = "nvfp4"
+# compressed-tensors' CompressionFormat.nvfp4_pack_quantized: how an NVFP4A16 checkpoint stores its weights.
+FORMAT = "nvfp4-pack-quantized"
+# additional_config keys (see the module docstring).
+AQN_KEY = "qerl_aqn"
+NVFP4_KEY = "qerl_nvfp4"
+NVFP4_BACKENDS = ("auto", "marlin", "emulation")
+# vLLM worker extensions: qerl's RPCs alone, and verl's extension with qerl's RPCs (what verl_ext starts).
+WORKER_EXTENSION = "vllm_ext.worker_extension.QerlWorkerExtension"
+VERL_WORKER_EXTENSION = "verl_ext.worker_extension.QerlVerlWorkerExtension"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def parse_bool(value: Any, what: str) -> bool:
+    """``value`` as a bool: a bool, 0/1, or true/false, yes/no, on/off, 1/0 in any case; else ValueError naming ``what``."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    raise ValueError(f"{what}: expected true or false, got {value!r}")
+
+
+def engine_config(*, aqn: bool) -> dict[str, Any]:
+    """The ``additional_config`` entries of an engine for a run with (or without) AQN."""
+    return {AQN_KEY: True} if aqn else {}
+
+
+def aqn_enabled(additional_config: Mapping[str, Any] | None) -> bool:
+    """Whether an engine with this ``additional_config`` builds its RMSNorms with AQN noise buffers."""
+    if not additional_config or AQN_KEY not in additional_config:
+        return False
+    return parse_bool(additional_config[AQN_KEY], f"additional_config[{AQN_KEY!r}]")
+
+
+def nvfp4_options(additional_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``additional_config["qerl_nvfp4"]``, checked: ``backend`` (one of :data:`NVFP4_BACKENDS`) and
+    ``fp32_reduce`` (bool), each present only when given."""
+    opts = (additional_config or {}).get(NVFP4_KEY) or {}
+    what = f"additional_config[{NVFP4_KEY!r}]"
+    if not isinstance(opts, Mapping):
+        raise ValueError(f"{what}: expected a mapping such as {{'backend': 'marlin'}}, got {opts!r}")
+    unknown = sorted(set(opts) - {"backend", "fp32_reduce"})
+    if unknown:
+        raise ValueError(f"{what}: unknown key(s) {unknown}; the keys are backend and fp32_reduce")
+    out: dict[str, Any] = {}
+    if "backend" in opts:
+        out["backend"] = parse_backend(opts["backend"], f"{what} backend")
+    if "fp32_reduce" in opts:
+        out["fp32_reduce"] = parse_bool(opts["fp32_reduce"], f"{what} fp32_reduce")
+    return out
+
+
+def parse_backend(value: Any, what: str) -> str:
+    """An nvfp4 backend name (auto, marlin, emulation), any case; else ValueError naming ``what``."""
+    choice = str(value).strip().lower()
+    if choice not in NVFP4_BACKENDS:
+        raise ValueError(f"{what}={value!r}: expected {', '.join(NVFP4_BACKENDS[:-1])} or {NVFP4_BACKENDS[-1]}")
+    return choice
