@@ -1,61 +1,9 @@
 """AQN inside vLLM: an out-of-tree RMSNorm whose weight carries a per-norm fp32 noise vector.
 
-QeRL's Adaptive Quantization Noise perturbs every RMSNorm that feeds a linear projection:
-``out = normalize(x) * (w + z)`` with ``z ~ N(0, sigma^2)`` per channel, one vector per norm, resampled per
-stage. This module swaps vLLM's ``RMSNorm`` for :class:`NoisyRMSNorm` through vLLM's own
-``CustomOp.register_oot`` lookup (no patching: ``RMSNorm(...)`` anywhere in vLLM returns our class).
-
-Switch (fixed per engine, before graph capture)
-    AQN is on for an engine when ``additional_config={"qerl_aqn": true}`` (``vllm serve
-    --additional-config '{"qerl_aqn": true}'``), or, when that key is absent, when the environment variable
-    ``QERL_AQN=1`` is set in the worker process. The flag is read when the norm is constructed (during model
-    build); with ``QERL_AQN`` set and the key absent, the key is written into the engine's
-    ``additional_config`` so that it enters vLLM's compile-cache hash: without this an engine with AQN could
-    load a torch.compile/AOT artifact traced without it (vLLM drops Dynamo guards), and noise would silently
-    do nothing.
-
-Trade-off chosen (bit-identity at sigma = 0 versus noise under torch.compile and CUDA graphs)
-    * AQN off (default): every method is vLLM's own (``super().forward_*``), nothing else is traced and no
-      buffer exists, so the engine is stock vLLM, bit for bit, with zero overhead.
-    * AQN on: the noisy expression is always traced; noise lives in registered buffers (``qerl_noise``, fp32,
-      one value per channel, and ``qerl_active``, one bool), non-persistent, so invisible to checkpoints and
-      dummy init, and rewritten in place with ``copy_`` by :func:`set_noise`. The compiled graph and every
-      CUDA-graph replay read that storage, so a resample needs no recompilation, no recapture and no new
-      Parameter. There is no Python branch on values.
-    * The layer computes both vLLM's native expression (``x.to(w.dtype) * w``, cast for cast) and the noisy
-      one, ``normalize(x) * (w.float() + z)`` in fp32 with a single final rounding, and selects with
-      ``torch.where(qerl_active, noisy, stock)``. Cleared (sigma = 0) the output is vLLM's native RMSNorm bit
-      for bit in eager mode, and under Inductor it is the same expression vLLM itself compiles (vLLM lowers
-      ``rms_norm`` to its native form whenever Inductor is on, the default), equal up to Inductor's choice of
-      reduction schedule for the fused kernel (checked on the GPU by scripts/gpu/check_aqn_vllm.py). With
-      noise on, ``normalize(x)`` is not rounded to bf16 before the weight multiply (the stock eager path does
-      round it; Inductor does not): rounding first would swallow a 1e-4 perturbation of any weight that is a
-      power of two, such as the 1.0 of a freshly initialised norm. So in eager mode, switching noise on moves
-      some outputs by one ulp even at a tiny sigma; under Inductor (no rounding there in vLLM's expression
-      either) it does not.
-    * What is *not* promised: an AQN engine at sigma = 0 is not bit-identical to the stock ``vllm_c`` CUDA
-      kernel that runs when compilation is off (``enforce_eager``); its reduction order differs (results
-      agree to about one bf16 ulp). For exact stock output there, run the engine with AQN off.
-    * Cost of AQN on: one extra fp32 vector and a flag read per norm, a multiply and a select, all inside the
-      same fused kernel under Inductor; vLLM's IR fusions that match ``rms_norm`` (fp8 quant fusion, TP
-      all-reduce fusion) do not fire on AQN norms.
-    * Because ``w + z`` is formed in fp32 and rounded once, sigma down to 1e-4 changes bf16 outputs: each
-      output moves by one ulp in the direction of ``normalize(x) * z`` for roughly ``sigma / ulp`` of the
-      elements (bf16 weights ``w + z`` would round a 1e-4 change of a weight near 1 away entirely).
-
-Which norms get noise
-    Every ``RMSNorm`` in the model is replaced; AQN applies to those that feed linear projections (QeRL
-    perturbs the norms in front of Wq/Wk/Wv and Wgate/Wup; its reference code also perturbs the final norm
-    in front of ``lm_head``): ``input_layernorm``, ``post_attention_layernorm``, the final ``norm`` and
-    norms such as DeepSeek's ``q_a_layernorm``. Per-head ``q_norm``/``k_norm`` (Qwen3) are skipped: they
-    scale attention logits, not the input of a projection. See :func:`is_aqn_target`.
-
-Names and seeds
-    Each noisy norm is keyed by the Hugging Face module name of the same norm in the trainer's model
-    (``model.layers.3.input_layernorm``); vLLM names are mapped back through the model's
-    ``hf_to_vllm_mapper`` (identity for Qwen2/Qwen3/Llama). The vector is
-    ``qerl_plugin.aqn.noise_vector(hf_name, hidden_size, sigma, seed, stage)``: the same on every rank (norm
-    weights are replicated under tensor parallelism) and the same as the trainer's.
+:class:`NoisyRMSNorm` replaces vLLM's ``RMSNorm`` through ``CustomOp.register_oot`` (no patching). An engine
+built with ``additional_config={"qerl_aqn": true}`` gives every norm fp32 noise buffers that
+:func:`set_noise` rewrites in place (CUDA graphs and compiled code read them), computing
+``normalize(x) * (w + z)``; any other engine runs vLLM's own RMSNorm code. Design: docs/design.md, "AQN".
 """
 
 from __future__ import annotations
@@ -63,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -71,15 +18,10 @@ import torch
 from torch import nn
 from vllm.model_executor.layers.layernorm import RMSNorm
 
+from qerl_plugin import options
+from qerl_plugin.aqn import is_aqn_target, noisy_weight, rms_normalize
+
 logger = logging.getLogger("qerl.vllm.aqn")
-
-ENV_FLAG = "QERL_AQN"
-CONFIG_KEY = "qerl_aqn"
-# Last name component of RMSNorms that AQN leaves alone (they do not feed a linear projection).
-AQN_SKIPPED_NORMS = frozenset({"q_norm", "k_norm"})
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"", "0", "false", "no", "off"})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -87,47 +29,14 @@ _FALSE = frozenset({"", "0", "false", "no", "off"})
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _parse_flag(value: Any, source: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError(
-        f"{source}={value!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off"
-    )
-
-
 def aqn_enabled(vllm_config: Any = None) -> bool:
-    """Whether norms built now carry AQN noise.
-
-    ``additional_config["qerl_aqn"]`` of ``vllm_config`` (default: vLLM's current config, if one is set)
-    wins; without it the environment variable ``QERL_AQN`` decides. When the environment turns AQN on, the
-    key is recorded in the config so that it enters vLLM's compile-cache hash.
-    """
+    """Whether norms built now carry AQN noise: ``additional_config["qerl_aqn"]`` of ``vllm_config``
+    (default: vLLM's current config, if one is set)."""
     if vllm_config is None:
-        try:
-            from vllm.config import get_current_vllm_config_or_none
+        from vllm.config import get_current_vllm_config_or_none
 
-            vllm_config = get_current_vllm_config_or_none()
-        except ImportError:  # pragma: no cover - older vLLM
-            vllm_config = None
-    extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and CONFIG_KEY in extra:
-        return _parse_flag(extra[CONFIG_KEY], f"additional_config[{CONFIG_KEY!r}]")
-    enabled = _parse_flag(os.environ.get(ENV_FLAG, ""), ENV_FLAG)
-    if enabled and isinstance(extra, dict):
-        extra[CONFIG_KEY] = True
-    return enabled
-
-
-def is_aqn_target(hf_name: str) -> bool:
-    """AQN applies to the norm called ``hf_name`` (HF module name) unless it is a per-head q/k norm."""
-    return hf_name.rsplit(".", 1)[-1] not in AQN_SKIPPED_NORMS
+        vllm_config = get_current_vllm_config_or_none()
+    return options.aqn_enabled(getattr(vllm_config, "additional_config", None))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -185,12 +94,10 @@ class NoisyRMSNorm(RMSNorm):
         if residual is not None:
             h = h + residual.to(torch.float32)
             new_residual = h.to(orig_dtype)
-        h_var = h if self.variance_size_override is None else h[..., : self.variance_size_override]
-        variance = h_var.pow(2).mean(dim=-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.variance_epsilon)
+        h = rms_normalize(h, self.variance_epsilon, self.variance_size_override)
         weight = self.weight.data
         stock = (h.to(weight.dtype) * weight).to(orig_dtype)
-        noisy = (h * (weight.to(torch.float32) + self.qerl_noise)).to(orig_dtype)
+        noisy = (h * noisy_weight(weight, self.qerl_noise)).to(orig_dtype)
         out = torch.where(self.qerl_active, noisy, stock)
         if residual is None:
             return out
@@ -315,7 +222,8 @@ def set_noise(model: nn.Module, sigma: Any, seed: Any, stage: Any) -> dict:
             return {"norms": 0, "sigma": 0.0, "seed": seed_i, "stage": stage_i, "checksum": 0.0, "enabled": False}
         raise RuntimeError(
             f"no AQN norm in {type(model).__name__}: the engine was started without AQN. Start it with "
-            f"additional_config={{'{CONFIG_KEY}': True}} (or {ENV_FLAG}=1 in the worker environment)"
+            f"additional_config={{'{options.AQN_KEY}': True}} (vllm serve --additional-config "
+            f"'{{\"{options.AQN_KEY}\": true}}')"
         )
     if sigma_f == 0.0:
         vectors = [None] * len(norms)

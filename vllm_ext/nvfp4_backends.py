@@ -1,14 +1,9 @@
 """How a layer's NVFP4 weight is run: the backends of the ``nvfp4`` method and how one is chosen.
 
-A backend turns the NVFP4 triple (packed E2M1 bytes, FP8 group scales, FP32 global scale) into the layer's
-kernel tensors (``install``; flagged so reloads copy into them instead of replacing them) and runs the GEMM
-(``apply``). ``marlin``: vLLM's Marlin FP4 kernel, CUDA with compute capability >= 7.5. ``emulation``:
-dequantize + ``F.linear``, used where there is no CUDA (CPU tests) or when forced to debug; its kernel
-``weight`` is the compressed-tensors packed tensor, so tests can read the bytes back.
-
-Options come from vLLM's ``additional_config={"qerl_nvfp4": {...}}`` (part of the compile-cache key), else the
-environment: ``backend`` / ``QERL_NVFP4_BACKEND`` (auto | marlin | emulation) and ``fp32_reduce`` /
-``QERL_NVFP4_FP32_REDUCE`` (true, vLLM's choice | false: Marlin reduces split-K partials in BF16).
+A backend installs the NVFP4 triple as the layer's kernel tensors (flagged, so reloads copy into them) and
+runs the GEMM: ``marlin`` (vLLM's Marlin FP4 kernel, CUDA sm75+) or ``emulation`` (dequantize + ``F.linear``;
+where there is no CUDA, or forced to debug). Options: ``additional_config={"qerl_nvfp4": {"backend": ...,
+"fp32_reduce": ...}}`` (:mod:`qerl_plugin.options`), else ``QERL_NVFP4_BACKEND`` / ``QERL_NVFP4_FP32_REDUCE``.
 """
 
 from __future__ import annotations
@@ -22,13 +17,12 @@ import torch.nn.functional as F
 from torch.nn import Parameter
 from vllm.platforms import current_platform
 
-from qerl_plugin import nvfp4
+from qerl_plugin import nvfp4, options
 from qerl_plugin.nvfp4 import GROUP_SIZE, NVFP4Error
 from vllm_ext.quant import MIN_CAPABILITY
 
 __all__ = [
     "BACKEND_ENV",
-    "CONFIG_KEY",
     "FP32_REDUCE_ENV",
     "KERNEL_FLAG",
     "Backend",
@@ -42,7 +36,6 @@ __all__ = [
 
 logger = logging.getLogger("qerl.vllm.nvfp4")
 
-CONFIG_KEY = "qerl_nvfp4"
 BACKEND_ENV = "QERL_NVFP4_BACKEND"
 FP32_REDUCE_ENV = "QERL_NVFP4_FP32_REDUCE"
 KERNEL_FLAG = "_qerl_kernel"
@@ -56,27 +49,28 @@ def warn_once(key: str, msg: str, *args: Any) -> None:
         logger.warning(msg, *args)
 
 
-
-
-def _option(name: str, env: str, default: str) -> str:
-    """``additional_config["qerl_nvfp4"][name]`` of the current vLLM config, else ``$env``, else default."""
+def _configured() -> dict[str, Any]:
+    """The checked ``additional_config["qerl_nvfp4"]`` of the current vLLM config (empty without one)."""
     try:
         from vllm.config import get_current_vllm_config
 
         extra = get_current_vllm_config().additional_config
     except Exception:  # no current config (layers built directly, e.g. in tests)
         extra = None
-    opts = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
-    if isinstance(opts, dict) and name in opts:
-        return str(opts[name]).strip().lower()
-    return os.environ.get(env, default).strip().lower()
+    try:
+        return options.nvfp4_options(extra if isinstance(extra, dict) else None)
+    except ValueError as exc:
+        raise NVFP4Error(f"nvfp4: {exc}") from None
 
 
 def select_backend() -> Backend:
     """The backend the options name; ``auto`` is Marlin on CUDA, emulation elsewhere (with a warning)."""
-    choice = _option("backend", BACKEND_ENV, "auto")
-    if choice not in ("auto", "marlin", "emulation"):
-        raise NVFP4Error(f"nvfp4 option backend={choice!r} ({BACKEND_ENV} or additional_config): expected auto, marlin or emulation")
+    choice = _configured().get("backend")
+    if choice is None:
+        try:
+            choice = options.parse_backend(os.environ.get(BACKEND_ENV, "auto"), BACKEND_ENV)
+        except ValueError as exc:
+            raise NVFP4Error(f"nvfp4: {exc}") from None
     if choice == "emulation":
         return EmulationBackend()
     if choice == "auto" and not current_platform.is_cuda():
@@ -177,10 +171,12 @@ class MarlinBackend(Backend):
                 "without --quantization on this GPU"
             )
         if fp32_reduce is None:
-            value = _option("fp32_reduce", FP32_REDUCE_ENV, "1")
-            if value not in ("1", "0", "true", "false"):
-                raise NVFP4Error(f"nvfp4 option fp32_reduce={value!r}: expected true/false (or 1/0)")
-            fp32_reduce = value in ("1", "true")
+            fp32_reduce = _configured().get("fp32_reduce")
+        if fp32_reduce is None:
+            try:
+                fp32_reduce = options.parse_bool(os.environ.get(FP32_REDUCE_ENV, "1"), FP32_REDUCE_ENV)
+            except ValueError as exc:
+                raise NVFP4Error(f"nvfp4: {exc}") from None
         self.fp32_reduce = fp32_reduce
 
     @staticmethod

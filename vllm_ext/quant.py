@@ -1,11 +1,8 @@
 """vLLM quantization method ``nvfp4``: NVFP4 weights, BF16 activations on Marlin FP4, LoRA on top.
 
-It serves a compressed-tensors NVFP4A16 checkpoint (``qerl quantize``) as stored, and quantizes a BF16/FP16
-checkpoint while loading to the same bytes. :meth:`NVFP4Config.override_quantization_method` claims an
-NVFP4A16 checkpoint when ``--quantization nvfp4`` is given and refuses any other quantized one.
-
-This module holds only the config and its registration (cheap: :func:`register` runs in every vLLM
-process); the layer code, :mod:`vllm_ext.nvfp4_linear`, is imported when the first layer is built.
+It serves a compressed-tensors NVFP4A16 checkpoint as stored and quantizes a BF16/FP16 checkpoint while
+loading to the same bytes. This module is the config and its registration, cheap because :func:`register`
+runs in every vLLM process; the layer code (:mod:`vllm_ext.nvfp4_linear`) loads with the first layer.
 """
 
 from __future__ import annotations
@@ -23,6 +20,9 @@ from vllm.model_executor.layers.quantization.base_config import (
     QuantizeMethodBase,
 )
 
+from qerl_plugin import options
+from qerl_plugin.upstream import MARLIN_FP4_MIN_CAPABILITY
+
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig,
@@ -32,10 +32,8 @@ __all__ = ["METHOD_NAME", "MIN_CAPABILITY", "NVFP4Config", "NVFP4ConfigError", "
 
 logger = logging.getLogger("qerl.vllm.quant")
 
-METHOD_NAME = "nvfp4"
-# Marlin FP4 (W4A16) needs Turing or newer (vllm is_fp4_marlin_supported); it is tuned for Ampere/Hopper.
-MIN_CAPABILITY = 75
-NVFP4_FORMAT = "nvfp4-pack-quantized"
+METHOD_NAME = options.METHOD
+MIN_CAPABILITY = 10 * MARLIN_FP4_MIN_CAPABILITY[0] + MARLIN_FP4_MIN_CAPABILITY[1]  # Marlin FP4 (W4A16): sm75+
 # Keys accepted in a ``quantization_config`` that names ``quant_method: nvfp4`` (BF16 checkpoint, online).
 _ONLINE_KEYS = {"quant_method", "ignore"}
 
@@ -48,41 +46,10 @@ class NVFP4ConfigError(ValueError):
 # checkpoint config inspection (pure dict code: runs in vLLM's front end before any layer exists)
 
 
-def nvfp4a16_problem(quant_cfg: dict[str, Any]) -> str | None:
-    """``None`` if ``quant_cfg`` is a compressed-tensors NVFP4A16 (weight-only) config, else what is wrong."""
-    method = quant_cfg.get("quant_method")
-    if method != "compressed-tensors":
-        return f"has quant_method {method!r}, not a compressed-tensors NVFP4A16 config"
-    groups = quant_cfg.get("config_groups") or {}
-    if not groups:
-        return "has no config_groups (nothing is quantized)"
-    global_format = quant_cfg.get("format")
-    checked = 0
-    for name, group in groups.items():
-        targets = group.get("targets") or []
-        # vLLM drops attention-only groups (KV-cache quantization); so do we.
-        if len(targets) == 1 and str(targets[0]).endswith("Attention"):
-            continue
-        weights = group.get("weights") or {}
-        wanted = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
-        got = {k: weights.get(k) for k in wanted}
-        if got != wanted or weights.get("symmetric", True) is not True:
-            return (
-                f"config group {name!r} quantizes weights as {got} (symmetric={weights.get('symmetric')}); "
-                f"NVFP4 is {wanted}, symmetric"
-            )
-        if group.get("input_activations"):
-            return (
-                f"config group {name!r} also quantizes input activations (NVFP4 W4A4); "
-                "nvfp4 runs weight-only NVFP4 with BF16 activations (NVFP4A16)"
-            )
-        fmt = group.get("format") or global_format
-        if fmt not in (None, NVFP4_FORMAT):
-            return f"config group {name!r} is stored as {fmt!r}, expected {NVFP4_FORMAT!r}"
-        checked += 1
-    if checked == 0:
-        return "only quantizes attention (KV cache); no linear weights are NVFP4"
-    return None
+def _nvfp4a16_problem(quant_cfg: dict[str, Any]) -> str | None:
+    from qerl_plugin.format import nvfp4a16_problem  # compressed-tensors loads only when a checkpoint is read
+
+    return nvfp4a16_problem(quant_cfg)
 
 
 def _online_config_problem(quant_cfg: dict[str, Any]) -> str | None:
@@ -168,7 +135,7 @@ class NVFP4Config(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> NVFP4Config:
         method = config.get("quant_method")
         if method == "compressed-tensors":
-            problem = nvfp4a16_problem(config)
+            problem = _nvfp4a16_problem(config)
             if problem is not None:
                 raise NVFP4ConfigError(f"The checkpoint's quantization_config {problem}. " + _fix_hint(method))
             from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
@@ -199,7 +166,7 @@ class NVFP4Config(QuantizationConfig):
         if method == METHOD_NAME:
             problem = _online_config_problem(hf_quant_cfg)
         else:
-            problem = nvfp4a16_problem(hf_quant_cfg)
+            problem = _nvfp4a16_problem(hf_quant_cfg)
         if problem is None:
             return METHOD_NAME
         raise NVFP4ConfigError(

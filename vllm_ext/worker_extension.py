@@ -1,44 +1,16 @@
 """RPCs the trainer calls on vLLM's workers: AQN noise, in-memory LoRA adapters, memory.
 
 Pass ``worker_extension_cls="vllm_ext.worker_extension.QerlWorkerExtension"`` to ``LLM(...)`` /
-``vllm serve --worker-extension-cls ...``; vLLM mixes the class into its worker, and the methods become
-reachable through ``collective_rpc`` (every TP/PP rank runs them):
+``vllm serve --worker-extension-cls ...``; every TP/PP rank then runs these through ``collective_rpc``:
 
     llm.collective_rpc("qerl_set_noise", args=(1e-2, seed, stage))    # -> one dict per rank
     llm.collective_rpc("qerl_clear_noise")
     llm.collective_rpc("qerl_add_lora_from_tensors", args=(name, int_id, tensors, peft_config))
     llm.collective_rpc("qerl_memory_report")
 
-AQN needs the engine to be built with AQN on (``additional_config={"qerl_aqn": True}`` or ``QERL_AQN=1``,
-see :mod:`vllm_ext.noisy_norm`); ``qerl_set_noise`` on an engine without it raises instead of silently
-doing nothing.
-
-Sleep mode: the noise buffers are allocated with the weights, so a level-1 sleep (verl's setting with LoRA)
-backs them up and restores them; after a level-2 sleep (weights discarded) they hold garbage until the next
-``qerl_set_noise``/``qerl_clear_noise``: re-send the current noise after every such wake-up (the call is
-idempotent for the same arguments).
-
-Combining with verl: vLLM accepts a single ``worker_extension_cls``, and verl 0.9.1 passes its own
-(``verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension``, from
-``vLLMHttpServer._get_worker_extension_cls``). :class:`QerlWorkerExtension` is a plain mixin — no
-``__init__``/``__new__``, no state until first use, every attribute prefixed ``qerl_``/``_qerl_`` (vLLM
-asserts that extension attributes do not shadow the worker's) — so verl_ext can define, in an importable
-module::
-
-    class QerlVerlWorkerExtension(QerlWorkerExtension, vLLMColocateWorkerExtension):
-        pass
-
-and return its qualified name from ``_get_worker_extension_cls``. verl's ``__new__`` still runs (MRO), and
-its own LoRA sync (``TensorLoRARequest`` + its class-level ``_load_adapter`` hijack) keeps working; ours
-does not depend on that hijack.
-
-In-memory LoRA: the adapter is validated (rank against ``max_lora_rank``, every module against the modules
-vLLM wrapped for LoRA, tensor shapes) before the engine is touched, then built with vLLM's own
-``LoRAModel.from_lora_tensors`` and handed to vLLM's ``LRUCacheWorkerLoRAManager.add_adapter`` (LRU
-eviction, in-place replacement of the same ``lora_int_id``, activation) by shadowing that manager's
-``_load_adapter`` on the instance for the one call. Requests then name the adapter with any
-``LoRARequest(lora_name, lora_int_id, lora_path=...)`` of the same id; it stays loaded until evicted
-(``max_cpu_loras``) or replaced.
+Noise needs an engine started with ``additional_config={"qerl_aqn": True}``. The class is a plain mixin
+(no ``__init__``, every attribute ``qerl_``-prefixed), so verl_ext combines it with verl's own extension.
+Design (sleep mode, how an in-memory adapter reaches vLLM's LoRA manager): docs/design.md.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ build    train a small Qwen2 (hidden 256, 4 layers, vocab 512; ~300 AdamW steps,
          bf16 safetensors with the prompts. A trained model sits near a loss minimum, where norm noise
          raises the predictive entropy on average (a random-weight model has no such direction).
 stock    vLLM without this plugin (VLLM_PLUGINS = vLLM's own plugins only): vLLM's RMSNorm everywhere.
-aqn      the plugin with AQN on (QERL_AQN=1 in the environment, or --aqn-switch config for
-         additional_config={"qerl_aqn": true}) and worker_extension_cls=QerlWorkerExtension.
+aqn      the plugin with AQN on (additional_config={"qerl_aqn": true}) and
+         worker_extension_cls=QerlWorkerExtension.
 stock7b / aqn7b (--big; run them in their own invocation, ~3-4 min each): Qwen2.5-7B shapes,
          load_format=dummy: decode timing, and the sigma = 0 exactness of (1) at hidden size 3584 (8 prompts;
          dummy weights make the logprobs meaningless but still deterministic).
@@ -68,9 +68,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from qerl_plugin import options  # noqa: E402
+
 NAME = "check_aqn_vllm"
 VLLM_OWN_PLUGINS = "lora_filesystem_resolver,lora_hf_hub_resolver"  # vLLM's general plugins, not ours
-EXTENSION = "vllm_ext.worker_extension.QerlWorkerExtension"
+EXTENSION = options.WORKER_EXTENSION
 TOP_K = 20
 LORA_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -88,8 +90,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of build, stock, aqn, entropy32, stock7b, aqn7b (default build,stock,aqn,entropy32)")
     p.add_argument("--big", action="store_true", help="append stock7b,aqn7b to --phases")
     p.add_argument("--phase-timeout", type=int, default=420, help="seconds per phase subprocess")
-    p.add_argument("--aqn-switch", choices=("env", "config"), default="env",
-                   help="turn AQN on with QERL_AQN=1 (env) or additional_config (config)")
     g = p.add_argument_group("model (build phase)")
     g.add_argument("--hidden", type=int, default=256)
     g.add_argument("--layers", type=int, default=4)
@@ -231,8 +231,8 @@ def make_llm(args, model_dir: Path, *, aqn: bool, big: bool, dtype: str = "bfloa
         kwargs.update(enable_lora=True, max_lora_rank=16, max_loras=2, max_cpu_loras=4)
     if big:
         kwargs["load_format"] = "dummy"
-    if aqn and args.aqn_switch == "config":
-        kwargs["additional_config"] = {"qerl_aqn": True}
+    if aqn:
+        kwargs["additional_config"] = options.engine_config(aqn=True)
     return LLM(**kwargs)
 
 
@@ -641,13 +641,10 @@ def run_phase(args, workdir: Path, phase: str) -> None:
 
 def launch(args, workdir: Path, phase: str) -> dict:
     env = dict(os.environ)
-    env.pop("QERL_AQN", None)
     if phase.startswith("stock"):
         env["VLLM_PLUGINS"] = VLLM_OWN_PLUGINS
     elif phase.startswith("aqn") or phase == "entropy32":
         env.pop("VLLM_PLUGINS", None)
-        if args.aqn_switch == "env":
-            env["QERL_AQN"] = "1"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_phase", phase] + [a for a in sys.argv[1:]]
     log = workdir / f"phase_{phase}.log"
     t0 = time.perf_counter()

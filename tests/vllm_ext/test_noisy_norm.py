@@ -130,7 +130,7 @@ def test_vllm_plugin_loader_installs_the_noisy_norm_in_a_fresh_process():
         }))
         """
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "QERL_AQN")}
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -157,23 +157,18 @@ def test_register_twice_is_a_no_op_and_refuses_a_foreign_replacement(monkeypatch
         noisy_norm.register()
 
 
-def test_switch_reads_additional_config_then_env_and_enters_the_compile_hash(monkeypatch):
-    monkeypatch.delenv("QERL_AQN", raising=False)
+def test_switch_is_additional_config_only_and_enters_the_compile_hash(monkeypatch):
+    monkeypatch.setenv("QERL_AQN", "1")  # an environment variable switches nothing
     assert not make_norm(8, aqn=None).qerl_aqn
     assert make_norm(8, aqn=True).qerl_aqn
-    monkeypatch.setenv("QERL_AQN", "1")
-    assert not make_norm(8, aqn=False).qerl_aqn  # an explicit config value wins over the environment
-    cfg, off = _config(None), _config(None)
-    with set_current_vllm_config(cfg):
-        norm = RMSNorm(8)
-    assert norm.qerl_aqn and cfg.additional_config == {"qerl_aqn": True}
+    assert not make_norm(8, aqn=False).qerl_aqn
+    on, off = _config(True), _config(None)
     # vLLM keys its torch.compile / AOT caches on this hash: AQN and stock graphs must not share a cache.
-    assert cfg.compute_hash() != off.compute_hash()
-    with set_current_vllm_config(_config(None)):
+    assert on.compute_hash() != off.compute_hash()
+    with set_current_vllm_config(on):
         assert not RMSNorm(8, has_weight=False).qerl_aqn  # nothing to perturb
-    monkeypatch.setenv("QERL_AQN", "maybe")
-    with pytest.raises(ValueError, match="QERL_AQN='maybe'"):
-        make_norm(8, aqn=None)
+    with pytest.raises(ValueError, match=r"additional_config\['qerl_aqn'\]: expected true or false, got 'maybe'"):
+        make_norm(8, aqn="maybe")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -395,14 +390,6 @@ def test_vllm_names_map_back_to_hf_names_through_the_weights_mapper():
     assert "model.language_model.layers.0.input_layernorm" in names
     assert "model.language_model.norm" in names and len(names) == 5
     assert noisy_norm.hf_module_name("model.layers.0.input_layernorm", tiny_model()) == "model.layers.0.input_layernorm"
-
-
-def test_is_aqn_target():
-    assert noisy_norm.is_aqn_target("model.layers.0.input_layernorm")
-    assert noisy_norm.is_aqn_target("model.norm")
-    assert noisy_norm.is_aqn_target("model.layers.0.self_attn.q_a_layernorm")  # DeepSeek: feeds q_b_proj
-    assert not noisy_norm.is_aqn_target("model.layers.0.self_attn.q_norm")
-    assert not noisy_norm.is_aqn_target("model.layers.0.self_attn.k_norm")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -206,7 +206,7 @@ def test_bad_noise_arguments_leave_the_engine_state_alone(model, args, message):
 
 def test_noise_on_an_engine_without_aqn_is_an_error_naming_the_switch(vllm_parallel):
     host = Host(build_model(aqn=False))
-    with pytest.raises(RuntimeError, match="qerl_aqn.*QERL_AQN=1"):
+    with pytest.raises(RuntimeError, match=r"additional_config=\{.qerl_aqn.: True\} \(vllm serve --additional-config"):
         host.qerl_set_noise(1e-2, 0, 1)
     assert host.qerl_clear_noise()["norms"] == 0
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qerl_plugin import options
 from vllm_ext.bench.matrix import CONFIGS, applies, parse_variant
 from vllm_ext.bench.report import format_table, summarize
 from vllm_ext.bench.shapes import model_dims, write_adapter, write_shape
@@ -87,15 +88,15 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
             if cfg.lora:
                 engine.update(enable_lora=True, max_loras=1, max_lora_rank=args.lora_rank)
             if cfg.aqn:
-                additional["qerl_aqn"] = True
-                engine["worker_extension_cls"] = "vllm_ext.worker_extension.QerlWorkerExtension"
+                additional.update(options.engine_config(aqn=True))
+                engine["worker_extension_cls"] = options.WORKER_EXTENSION
             compilation: dict[str, Any] = {}
             if args.capture_sizes == "batches":
                 compilation["cudagraph_capture_sizes"] = sorted(set(args.batches))
             engine.update(variant.engine)  # LoRA-only switches reach LoRA configs only (applies)
             compilation.update(variant.compilation)
             if variant.nvfp4 and cfg.quant == "nvfp4":
-                additional["qerl_nvfp4"] = dict(variant.nvfp4)
+                additional[options.NVFP4_KEY] = dict(variant.nvfp4)
             if compilation:
                 engine["compilation_config"] = compilation
             if additional:
