@@ -7,10 +7,12 @@ installs :mod:`verl_ext.patches`' import hook, which patches verl's modules as t
 
 The data path, one concern per module:
 
-* :mod:`verl_ext.config`           ``rollout.quantization: nvfp4`` and ``rollout.custom.qerl.aqn``: parse,
-                                    validate (errors name the key and the fix), normalise; ``qerl train --check``
-* :mod:`verl_ext.patches`          the table of every verl callable qerl wraps, applied on import, idempotent
-* :mod:`verl_ext.rollout`          vLLM server: route ``nvfp4`` to vLLM, AQN switch, qerl's worker extension
+* :mod:`verl_ext.config`           ``rollout.quantization: nvfp4`` and ``rollout.custom.qerl``: the driver's checks
+                                    (errors name the key and the fix), normalisation; ``qerl train --check``
+* :mod:`verl_ext.settings`         those keys parsed once per process into ``QerlSettings``
+* :mod:`verl_ext.patches`          applies the verl wrappers of :mod:`qerl_plugin.upstream` on import, idempotent
+* :mod:`verl_ext.rollout`          vLLM server: route ``nvfp4`` to vLLM, engine options (additional_config),
+                                    qerl's worker extension
 * :mod:`verl_ext.worker_extension` inside vLLM: verl's extension + qerl's RPCs, adapter-only sync checks
 * :mod:`verl_ext.adapter_sync`     actor -> vLLM adapter: extraction by name (the FSDP1 fix), key checks
 * :mod:`verl_ext.actor`            actor build: NVFP4 base (:mod:`verl_ext.nvfp4_linear`) under PEFT LoRA

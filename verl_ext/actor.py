@@ -11,7 +11,7 @@ Three wrappers (:mod:`verl_ext.patches`) put the NVFP4 base in between:
 
 ``ActorRolloutRefWorker.init_model``
     reads this worker's ``rollout.quantization`` and ``rollout.custom.qerl`` before anything is built and
-    makes them the process's settings (:func:`verl_ext.config.activate`); the engine has no rollout config.
+    makes them the process's settings (:func:`verl_ext.settings.activate`); the engine has no rollout config.
 ``FSDPEngine._build_module``
     BF16 checkpoint: verl's own build. NVFP4 checkpoint (compressed-tensors ``nvfp4-pack-quantized``):
     :func:`build_from_nvfp4_checkpoint` builds the model with meta parameters (``quantization_config``
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 
-from verl_ext.config import activate, current, settings_from
+from verl_ext.settings import activate, current, settings_of
 
 logger = logging.getLogger("qerl.verl.actor")
 
@@ -47,7 +47,7 @@ def wrap_init_model(original, target: str):
         cfg = getattr(self, "config", None)
         rollout = cfg.get("rollout") if cfg is not None and hasattr(cfg, "get") else None
         model = cfg.get("model") if cfg is not None and hasattr(cfg, "get") else None
-        settings = settings_from(rollout, model) if rollout is not None else None
+        settings = settings_of(self, rollout, model) if rollout is not None else None
         activate(settings)
         if settings is not None and settings.active:
             logger.info(

@@ -37,12 +37,13 @@ import re
 from collections import OrderedDict
 from typing import Any, Iterable, Mapping
 
+from qerl_plugin.aqn import PEFT_PREFIX, strip_wrappers
+
 logger = logging.getLogger("qerl.verl.adapter_sync")
 
 ADAPTER_NAME = "default"
-_LORA_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
-_WRAPPER_FRAGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "_offload_wrapped_module.")
-_PEFT_PREFIX = "base_model.model."
+# PEFT's LoRA sub-modules: their tensors are the adapter.
+LORA_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
 
 class AdapterSyncError(RuntimeError):
@@ -53,14 +54,8 @@ class AdapterSyncError(RuntimeError):
 # naming
 
 
-def strip_wrappers(name: str) -> str:
-    for frag in _WRAPPER_FRAGMENTS:
-        name = name.replace(frag, "")
-    return name
-
-
 _LORA_KEY = re.compile(
-    r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
+    rf"^(?P<module>.+)\.(?P<part>{'|'.join(LORA_PARTS)})"
     r"(?:\.(?P<adapter>[^.]+))?(?P<tail>\.weight)?$"
 )
 
@@ -95,8 +90,8 @@ def normalize_adapter_keys(tensors: Mapping[str, Any]) -> "OrderedDict[str, Any]
         cleaned = adapter_key(key)
         if cleaned is not None:
             key = cleaned
-        if not key.startswith(_PEFT_PREFIX) and not key.startswith("base_model."):
-            key = _PEFT_PREFIX + key
+        if not key.startswith(PEFT_PREFIX) and not key.startswith("base_model."):
+            key = PEFT_PREFIX + key
         if key in out:
             raise AdapterSyncError(f"two adapter tensors map to the same name {key!r} (one of them is {name!r})")
         out[key] = t
@@ -198,6 +193,7 @@ def check_adapter_for_vllm(
 ) -> dict[str, list[str]]:
     """Parse every name with vLLM's ``parse_fine_tuned_lora_name``; raise :class:`AdapterSyncError` unless every
     tensor lands on an accepted module and every module has both A and B. Returns ``{module: [names]}``."""
+    from vllm.lora.lora_model import LoRAModel
     from vllm.lora.utils import is_base_embedding_weights, parse_fine_tuned_lora_name
 
     if not tensors:
@@ -206,14 +202,14 @@ def check_adapter_for_vllm(
             "FSDP1 without qerl's collect_lora_params fix; is qerl-plugin installed in the actor's environment?)"
         )
     accepted = set(accepted_modules)
-    skip = tuple(skip_prefixes or ())
+    skip = list(skip_prefixes or ())
     by_module: dict[str, list[str]] = {}
     halves: dict[str, set[bool]] = {}
     unparsed, unknown = [], []
     for name in tensors:
         if is_base_embedding_weights(name):
             continue
-        if skip and any(f".{p}" in name or name.startswith(p) for p in skip):
+        if skip and LoRAModel._should_skip_module(name, skip):
             continue
         try:
             module, is_a = parse_fine_tuned_lora_name(name, weights_mapper)

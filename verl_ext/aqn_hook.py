@@ -41,13 +41,11 @@ import logging
 import time
 from typing import Any
 
-from verl_ext.config import QerlSettings, current, get, settings_from
+from qerl_plugin.aqn import AQNSchedule, is_aqn_target, noise_vector, noisy_weight, normalize_module_name, rms_normalize
+from verl_ext.config import get
+from verl_ext.settings import QerlSettings, current, settings_from, settings_of
 
 logger = logging.getLogger("qerl.verl.aqn")
-
-# Norms that AQN leaves alone (per-head q/k norms scale attention logits, they feed no projection); the same
-# set as vllm_ext.noisy_norm.AQN_SKIPPED_NORMS (tests/verl_ext/test_aqn_hook.py checks they agree).
-AQN_SKIPPED_NORMS = frozenset({"q_norm", "k_norm"})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -56,8 +54,6 @@ AQN_SKIPPED_NORMS = frozenset({"q_norm", "k_norm"})
 
 def schedule_for(settings: QerlSettings, total_steps: Any):
     """The AQNSchedule of a run: ``aqn.total_steps`` if set, else the run's ``total_steps``."""
-    from qerl_plugin.aqn import AQNSchedule
-
     cfg = settings.aqn
     if cfg is None:
         return None
@@ -81,8 +77,7 @@ def rollout_setting(schedule, global_steps: int):
 
 
 def is_aqn_norm(name: str, module) -> bool:
-    leaf = name.rsplit(".", 1)[-1]
-    return type(module).__name__.endswith("RMSNorm") and leaf not in AQN_SKIPPED_NORMS and hasattr(module, "weight")
+    return type(module).__name__.endswith("RMSNorm") and is_aqn_target(name) and hasattr(module, "weight")
 
 
 class ActorNoise:
@@ -103,22 +98,18 @@ class ActorNoise:
         z = self.noise.get(id(module))
         if z is None:
             return output
-        import torch
-
         x = inputs[0]
         eps = getattr(module, "variance_epsilon", None)
         if eps is None:
             eps = getattr(module, "eps", 1e-6)
-        xf = x.float()
-        xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        xn = rms_normalize(x.float(), eps)
         w = module.weight
         w = w.full_tensor() if hasattr(w, "full_tensor") else w
-        out = xn.to(x.dtype).float() * (w.float() + z.to(w.device))
+        # HF rounds normalize(x) to the input dtype before the weight multiply; so does this hook
+        out = xn.to(x.dtype).float() * noisy_weight(w, z.to(w.device))
         return out.to(output.dtype)
 
     def set(self, setting) -> int:
-        from qerl_plugin.aqn import normalize_module_name, noise_vector
-
         self.setting = setting
         self.noise.clear()
         if setting is None or not setting.active:
@@ -149,11 +140,11 @@ def _worker_total_steps(worker) -> Any:
 def _worker_state(worker) -> dict:
     state = getattr(worker, "_qerl_aqn", None)
     if state is None:
-        settings = current()
-        if not settings.aqn_enabled:
-            cfg = getattr(worker, "config", None)
-            if cfg is not None and get(cfg, "rollout") is not None:
-                settings = settings_from(get(cfg, "rollout"), get(cfg, "model"))
+        cfg = getattr(worker, "config", None)
+        if cfg is not None and get(cfg, "rollout") is not None:
+            settings = settings_of(worker, get(cfg, "rollout"), get(cfg, "model"))  # init_model parsed them
+        else:
+            settings = current()
         state = {"settings": settings, "schedule": None, "actor_noise": None, "last": None}
         worker._qerl_aqn = state
     return state

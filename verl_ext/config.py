@@ -1,57 +1,34 @@
-"""qerl's keys in a verl 0.9.1 config: what they are, where they live, and the checks run before any GPU work.
+"""qerl's keys in a verl 0.9.1 config, and the checks run before any GPU work.
 
-Where the keys live (both accepted by verl's own config classes, so nothing in verl has to change):
-
-* ``actor_rollout_ref.rollout.quantization: nvfp4`` -- verl's own field (``RolloutConfig.quantization``, a
-  free string). verl 0.9.1's vLLM server raises on ``nvfp4``; :mod:`verl_ext.rollout` routes it instead.
-* ``actor_rollout_ref.rollout.custom.qerl`` -- ``RolloutConfig.custom`` is verl's "extension point for
-  custom configurations" (``Optional[dict]``), so ``omega_conf_to_dataclass`` keeps our block as is and it
-  reaches every process that sees the rollout config: the driver, the actor/rollout workers and the vLLM
-  servers. A top-level ``qerl:`` block would reach only the driver.
-
-::
+The keys are ``actor_rollout_ref.rollout.quantization: nvfp4`` (verl's own field) and the block
+``actor_rollout_ref.rollout.custom.qerl`` (``RolloutConfig.custom``, verl's extension point, which reaches the
+driver, the workers and the vLLM servers)::
 
     actor_rollout_ref:
       rollout:
-        quantization: nvfp4            # NVFP4 base (BF16 checkpoint quantized at load, or an NVFP4 checkpoint)
+        quantization: nvfp4
         custom:
           qerl:
-            aqn:
-              enable: true
-              sigma_start: 1.0e-2      # defaults: NVlabs/QeRL's released training scripts
-              sigma_end: 1.0e-4
-              num_stages: 10
-              schedule: exponential    # linear | cosine | log
-              seed: 0
-              total_steps: null        # null: the run's total training steps
-              noise_free_first_stage: true
-              resample: stage          # stage | step
-              apply_to_actor: false    # also perturb the actor's norms (log-probs under the rollout's noise)
+            aqn: {enable: true, sigma_start: 1.0e-2, sigma_end: 1.0e-4, num_stages: 10, schedule: exponential,
+                  seed: 0, total_steps: null, noise_free_first_stage: true, resample: stage, apply_to_actor: false}
 
-On the command line, keys that the YAML does not have yet need verl/Hydra's ``+``:
-``+actor_rollout_ref.rollout.custom.qerl.aqn.enable=true``; the example YAMLs spell every key out, so
-there a plain ``actor_rollout_ref.rollout.custom.qerl.aqn.sigma_start=5e-3`` works.
-
-:func:`validate` runs in the driver inside verl's ``validate_config`` (wrapped by :mod:`verl_ext.patches`)
-and raises :class:`QerlConfigError` naming the key and the fix for: unknown keys in the ``qerl`` block, bad
-AQN values (``sigma_end > sigma_start``, ``num_stages < 1``, unknown schedule, ...), ``nvfp4`` without LoRA
-(``lora_rank: 0``) or with merged LoRA, ``nvfp4`` together with verl's own NVFP4 QAT
-(``fsdp_config.qat.enable``), a rollout engine other than vLLM, a checkpoint engine other than ``naive``,
-a non-FSDP actor, and a ``model.path`` whose checkpoint quantization does not match ``quantization``. It
-also normalises one key: ``rollout.load_format: dummy`` becomes ``auto`` under ``nvfp4`` (the NVFP4 base is
-loaded by vLLM from ``model.path`` and never sent through the weight sync), with a printed notice.
+:func:`validate` runs in the driver inside verl's ``validate_config`` and raises :class:`QerlConfigError`
+naming the key and the fix; :mod:`verl_ext.settings` parses the keys. This module imports nothing from verl
+at the top: ``import verl`` resolves :func:`wrap_validate_config` from here. Design: docs/design.md, "Settings".
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from qerl_plugin import options
+
+if TYPE_CHECKING:  # pragma: no cover
+    from verl_ext.settings import QerlSettings
 
 logger = logging.getLogger("qerl.verl.config")
 
@@ -60,7 +37,7 @@ MODEL = "actor_rollout_ref.model"
 ACTOR = "actor_rollout_ref.actor"
 QERL_KEY = f"{ROLLOUT}.custom.qerl"
 AQN_KEY = f"{QERL_KEY}.aqn"
-NVFP4 = "nvfp4"
+NVFP4 = options.METHOD
 
 QERL_BLOCK_KEYS = ("aqn",)
 # keys of the aqn block that are ours, not qerl_plugin.aqn.AQNConfig's
@@ -76,7 +53,7 @@ class QerlConfigError(ValueError):
 # reading config trees (omegaconf DictConfig, plain dicts, verl's BaseConfig dataclasses)
 
 
-def _to_plain(value: Any) -> Any:
+def to_plain(value: Any) -> Any:
     try:
         from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -85,7 +62,7 @@ def _to_plain(value: Any) -> Any:
     except ImportError:  # pragma: no cover
         pass
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     return value
 
 
@@ -103,146 +80,6 @@ def get(cfg: Any, dotted: str, default: Any = None) -> Any:
         else:
             node = getattr(node, part, None)
     return default if node is None else node
-
-
-# ---------------------------------------------------------------------------------------------------------
-# settings
-
-
-@dataclass(frozen=True)
-class QerlSettings:
-    """What one run asked of qerl, read from its verl config.
-
-    ``aqn`` is a :class:`qerl_plugin.aqn.AQNConfig` (without ``total_steps`` until the run knows it) or
-    None when AQN is off.
-    """
-
-    quantization: str | None = None
-    aqn: Any = None
-    aqn_apply_to_actor: bool = False
-    model_path: str | None = None
-    model_quant: str = "unknown"  # "bf16" | "nvfp4" | "other:<method>" | "unknown" (remote / unreadable path)
-
-    @property
-    def nvfp4(self) -> bool:
-        return self.quantization == NVFP4
-
-    @property
-    def aqn_enabled(self) -> bool:
-        return self.aqn is not None
-
-    @property
-    def active(self) -> bool:
-        """Whether any qerl behaviour is on (otherwise every wrapper passes straight through to verl)."""
-        return self.nvfp4 or self.aqn_enabled
-
-    @property
-    def nvfp4_checkpoint(self) -> bool:
-        return self.model_quant == "nvfp4"
-
-
-def _near(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _parse_bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-        return value.strip().lower() in ("true", "1", "yes", "on")
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise QerlConfigError(f"{key}: expected true or false, got {value!r}")
-
-
-def parse_qerl_block(block: Any) -> tuple[Any, bool]:
-    """(AQNConfig or None, apply_to_actor) from the ``custom.qerl`` block; raises QerlConfigError."""
-    block = _to_plain(block)
-    if block is None:
-        return None, False
-    if not isinstance(block, Mapping):
-        raise QerlConfigError(f"{QERL_KEY}: expected a mapping with the key 'aqn', got {type(block).__name__} {block!r}")
-    unknown = [k for k in block if k not in QERL_BLOCK_KEYS]
-    if unknown:
-        hints = ", ".join(f"{k!r}{_near(str(k), QERL_BLOCK_KEYS)}" for k in unknown)
-        raise QerlConfigError(
-            f"{QERL_KEY}: unknown key(s) {hints}; the qerl block takes only {', '.join(QERL_BLOCK_KEYS)} "
-            "(the quantization itself is actor_rollout_ref.rollout.quantization)"
-        )
-    aqn = block.get("aqn")
-    if aqn is None:
-        return None, False
-    if not isinstance(aqn, Mapping):
-        raise QerlConfigError(f"{AQN_KEY}: expected a mapping of AQN settings, got {type(aqn).__name__} {aqn!r}")
-    enable = _parse_bool(f"{AQN_KEY}.enable", aqn.get("enable", False))
-    apply_to_actor = _parse_bool(f"{AQN_KEY}.apply_to_actor", aqn.get("apply_to_actor", False))
-    fields = {k: v for k, v in aqn.items() if k not in AQN_EXTRA_KEYS}
-    from qerl_plugin.aqn import AQNConfig
-
-    try:
-        cfg = AQNConfig.from_dict(fields)
-    except ValueError as e:
-        msg = str(e).replace("AQNConfig.from_dict: ", "").replace("AQNConfig: ", "").replace("AQNConfig.", "")
-        if "unknown key" in msg:
-            msg += f", plus {', '.join(AQN_EXTRA_KEYS)}"
-        raise QerlConfigError(f"{AQN_KEY}: {msg}") from None
-    if not enable:
-        return None, False
-    return cfg, apply_to_actor
-
-
-def checkpoint_quantization(model_path: str | None) -> str:
-    """What ``model_path``'s ``config.json`` says: ``bf16`` (no quantization_config), ``nvfp4``
-    (compressed-tensors NVFP4A16), ``other:<description>``, or ``unknown`` (not a local directory)."""
-    if not model_path:
-        return "unknown"
-    path = Path(os.path.expanduser(str(model_path)))
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        return "unknown"
-    try:
-        data = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError):
-        return "unknown"
-    qc = data.get("quantization_config")
-    if not qc:
-        return "bf16"
-    method = qc.get("quant_method", "?") if isinstance(qc, Mapping) else "?"
-    if method == "compressed-tensors":
-        try:
-            from qerl_plugin.format import is_nvfp4a16_config, parse_quantization_config
-
-            if is_nvfp4a16_config(parse_quantization_config(dict(qc))):
-                return "nvfp4"
-        except Exception:
-            pass
-        formats = {qc.get("format")} | {
-            g.get("format") for g in (qc.get("config_groups") or {}).values() if isinstance(g, Mapping)
-        }
-        formats.discard(None)
-        return f"other:compressed-tensors {'/'.join(sorted(formats)) or '(no format)'}"
-    return f"other:{method}"
-
-
-def settings_from(rollout: Any, model: Any = None) -> QerlSettings:
-    """Settings from a rollout config (DictConfig, dict or verl's RolloutConfig) and a model config.
-
-    Parses without the cross-key checks of :func:`validate` (workers and vLLM servers call this; the driver
-    already validated).
-    """
-    quant = get(rollout, "quantization")
-    quant = str(quant).strip().lower() if quant is not None else None
-    quant = NVFP4 if quant == NVFP4 else quant
-    aqn, apply_to_actor = parse_qerl_block(get(rollout, "custom.qerl"))
-    path = (get(model, "local_path") or get(model, "path")) if model is not None else None
-    return QerlSettings(
-        quantization=quant,
-        aqn=aqn,
-        aqn_apply_to_actor=apply_to_actor,
-        model_path=str(path) if path is not None else None,
-        model_quant=checkpoint_quantization(path) if quant == NVFP4 else "unknown",
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -277,6 +114,8 @@ def validate(cfg: Any, normalize: bool = True) -> tuple[QerlSettings, list[str]]
     place (``load_format: dummy`` -> ``auto`` under nvfp4). Does nothing (and returns inactive settings)
     when the config asks for no qerl feature.
     """
+    from verl_ext.settings import checkpoint_quantization, settings_from
+
     notes: list[str] = []
     rollout = get(cfg, ROLLOUT)
     raw_quant = get(cfg, f"{ROLLOUT}.quantization")
@@ -438,21 +277,6 @@ def wrap_validate_config(original, target: str):
         return original(config, use_reference_policy, use_critic, *args, **kwargs)
 
     return validate_config
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the settings of this process (set by the actor/rollout worker before it builds the model)
-
-_current: QerlSettings | None = None
-
-
-def activate(settings: QerlSettings | None) -> None:
-    global _current
-    _current = settings
-
-
-def current() -> QerlSettings:
-    return _current if _current is not None else QerlSettings()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from qerl_plugin import format as fmt
 from qerl_plugin.nvfp4 import NVFP4Error
 from verl_ext.nvfp4_linear import PACKED_BUFFERS, NVFP4Linear
 from verl_ext.nvfp4_replace import ReplaceReport, _dense_bytes, _set_submodule
@@ -44,10 +45,9 @@ def _check_quant_config(path: Path) -> None:
     qc = json.loads(cfg_file.read_text()).get("quantization_config")
     if qc is None:
         raise NVFP4Error(f"{path}: config.json has no quantization_config; quantize it first with `qerl quantize`")
-    formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)}
-    formats.discard(None)
-    if formats and formats != {"nvfp4-pack-quantized"}:
-        raise NVFP4Error(f"{path}: quantization format {sorted(formats)}, expected nvfp4-pack-quantized (NVFP4A16)")
+    problem = fmt.nvfp4a16_problem(qc)
+    if problem is not None:
+        raise NVFP4Error(f"{path}: config.json's quantization_config {problem}; expected an NVFP4A16 checkpoint (`qerl quantize`)")
 
 
 def load_nvfp4_checkpoint_into(

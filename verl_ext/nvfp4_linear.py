@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qerl_plugin import format as fmt
 from qerl_plugin import nvfp4
 from qerl_plugin.nvfp4 import GROUP_SIZE, NVFP4Error
 from verl_ext import kernels
@@ -23,7 +24,7 @@ from verl_ext import kernels
 __all__ = ["NVFP4Linear"]
 
 # compressed-tensors' names of a layer's three NVFP4 tensors, NVFP4Linear's buffers of the same names
-PACKED_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
+PACKED_BUFFERS = fmt.PARAM_NAMES
 _BUFFER_DTYPES = {"weight_packed": torch.uint8, "weight_scale": torch.float8_e4m3fn, "weight_global_scale": torch.float32}
 
 

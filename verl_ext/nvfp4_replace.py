@@ -19,57 +19,36 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn as nn
 
+from qerl_plugin import format as fmt
 from qerl_plugin import nvfp4
+from qerl_plugin.aqn import normalize_module_name
+from verl_ext.adapter_sync import LORA_PARTS
 from verl_ext.nvfp4_linear import NVFP4Linear, _in_quant_dtype
 
-__all__ = ["DEFAULT_FUSED_GROUPS", "ReplaceReport", "nvfp4_modules", "replace_linears_with_nvfp4"]
+__all__ = ["ReplaceReport", "nvfp4_modules", "replace_linears_with_nvfp4"]
 
 logger = logging.getLogger("qerl.verl.nvfp4_replace")
 
-# Projections that vLLM fuses (qkv_proj, gate_up_proj) and that therefore share one global scale; the same
-# table as qerl_plugin.format.FUSED_GROUPS (a test checks they agree).
-DEFAULT_FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # Which nn.Linear modules are quantized: the ``*_proj`` linears of the decoder layers, as ``qerl quantize``.
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.\d+\.")
-_LORA_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+_PEFT_PARTS = LORA_PARTS + ("lora_magnitude_vector",)
 
 
 def _is_target(name: str, module: nn.Module) -> bool:
     if not isinstance(module, nn.Linear) or isinstance(module, NVFP4Linear):
         return False
-    if any(p in _LORA_PARTS for p in name.split(".")) or not _LAYER_RE.search(name):
+    if any(p in _PEFT_PARTS for p in name.split(".")) or not _LAYER_RE.search(name):
         return False
-    return _leaf(name).endswith("_proj")
+    return _hf_name(name).endswith("_proj")
 
 
-def _matches(name: str, patterns: Sequence[str]) -> bool:
-    """compressed-tensors-style ignore entries: ``re:<regex>`` (search), an exact name, or a name's last part(s)."""
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.search(p[3:], name):
-                return True
-        elif name == p or name.endswith("." + p):
-            return True
-    return False
-
-
-def _fused_key(name: str, groups: Sequence[Sequence[str]]) -> tuple[str, tuple[str, ...]] | None:
-    parts = name.split(".")
-    leaf = _leaf(name)
-    prefix = ".".join(parts[:-2] if parts[-1] == "base_layer" else parts[:-1])
-    for g in groups:
-        if leaf in g:
-            return prefix, tuple(g)
-    return None
+def _hf_name(name: str) -> str:
+    """The Hugging Face module name of a linear (PEFT's ``base_model.model.`` and ``.base_layer`` removed)."""
+    return normalize_module_name(name.removesuffix(".base_layer"))
 
 
 def _dense_bytes(linear: nn.Linear) -> int:
     return sum(t.numel() * t.element_size() for t in (linear.weight, linear.bias) if t is not None)
-
-
-def _leaf(name: str) -> str:
-    parts = name.split(".")
-    return parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -101,7 +80,7 @@ class ReplaceReport:
 def replace_linears_with_nvfp4(
     model: nn.Module,
     ignore: Iterable[str] = ("lm_head",),
-    fused_groups: Sequence[Sequence[str]] = DEFAULT_FUSED_GROUPS,
+    fused_groups: Sequence[Sequence[str]] = fmt.FUSED_GROUPS,
     quant_dtype: torch.dtype | None = torch.bfloat16,
     device: torch.device | str | None = None,
 ) -> ReplaceReport:
@@ -109,38 +88,29 @@ def replace_linears_with_nvfp4(
 
     Targets: ``nn.Linear`` modules inside ``layers.<i>.`` whose name ends in ``_proj`` (HF Qwen2/Qwen3/Llama/
     Mistral naming; also ``<proj>.base_layer`` under an existing PEFT wrapper, never LoRA's own linears),
-    minus ``ignore`` (exact names, trailing name parts, or ``re:<regex>``). An ignored member of a fused
+    minus ``ignore``: compressed-tensors' entries (a Hugging Face module name, or ``re:<regex>`` that
+    ``re.match``-es it), as in a checkpoint's ``quantization_config``. An ignored member of a fused
     group (q/k/v, gate/up) takes its whole group with it, as vLLM quantizes fused layers together. Each
     fused group is quantized with one shared global scale, in ``quant_dtype`` (see
     :meth:`NVFP4Linear.from_linear`). Quantization runs where the weight is (or on ``device``); the dense
     weights are dropped as each layer is replaced. Meta-device layers become empty meta NVFP4Linears (for
     FSDP's ``sync_module_states``). Returns a :class:`ReplaceReport`.
     """
-    ignore = tuple(ignore)
+    ignore = fmt.validate_ignore_entries(ignore)
     targets = {n: m for n, m in model.named_modules() if _is_target(n, m)}
-    ignored = {n for n in targets if _matches(n, ignore)}
-    # grow ignores to whole fused groups
-    groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
-    for n in targets:
-        key = _fused_key(n, fused_groups)
-        if key is not None:
-            groups.setdefault(key, []).append(n)
-    for members in groups.values():
-        if any(m in ignored for m in members):
-            pulled = [m for m in members if m not in ignored]
-            if pulled:
-                logger.info("NVFP4: also keeping %s unquantized (fused with an ignored module)", ", ".join(pulled))
-            ignored.update(members)
+    module_of = {_hf_name(n): n for n in targets}  # HF name -> this model's module name
+    ignored_hf = {h for h in module_of if fmt.is_ignored(h, ignore)}
+    ignored_hf, pulled = fmt.expand_fused_ignores(ignored_hf, module_of, fused_groups)
+    if pulled:
+        logger.info("NVFP4: also keeping %s unquantized (fused with an ignored module)", ", ".join(sorted(pulled)))
+    ignored = {module_of[h] for h in ignored_hf}
 
     report = ReplaceReport(ignored=sorted(ignored))
     for name in list(targets):  # named_modules order: layer by layer, one group's dense weights at a time
         if name in ignored or name not in targets:
             continue
-        key = _fused_key(name, fused_groups)
-        members = [name]
-        if key is not None:
-            order = {leaf: i for i, leaf in enumerate(key[1])}
-            members = sorted(groups[key], key=lambda n: order[_leaf(n)])
+        parts = fmt.fused_partners(_hf_name(name), fused_groups)
+        members = [module_of[h] for h in parts if h in module_of]
         mods = [targets.pop(m) for m in members]  # drop our references: the dense weights die with the swap
         weights = []
         for member, mod in zip(members, mods):

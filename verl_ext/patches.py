@@ -1,38 +1,12 @@
-"""Every change qerl-plugin makes to verl's behaviour at run time, in one table: :data:`_PATCH_TARGETS`.
+"""Applies qerl's wrappers of verl callables: the ``wraps`` entries of :data:`qerl_plugin.upstream.SURFACE`.
 
-Targets **verl 0.9.1** (and through it vLLM 0.24.0). Nothing on disk is edited: each entry names a verl
-function or method (``module:qualname``, the form :func:`pkgutil.resolve_name` reads), the parameters it
-is expected to have, and the ``verl_ext`` factory that wraps it. Every wrapper calls the original
-unchanged unless the run asked for qerl (``rollout.quantization: nvfp4`` or an enabled AQN block), with
-one exception: the LoRA-adapter extraction fix (``collect_lora_params``) is on for every LoRA run,
-because verl 0.9.1's own extraction returns an empty adapter under FSDP1 (see
-:mod:`verl_ext.adapter_sync`).
-
-How they get applied, cheaply
-    ``import verl`` imports ``verl_ext`` (the ``verl.plugins`` entry point) in every process: the driver,
-    the Ray workers, the vLLM server actors. :func:`install` (called by ``verl_ext/__init__``) imports
-    nothing from verl or vLLM; it puts a finder on ``sys.meta_path`` that waits for the target modules.
-    When one of them is imported, its patches are applied right after the module body has run, before
-    anybody else sees the module; targets in modules that are already imported are patched at once. The
-    finder removes itself when everything it waits for has been patched.
-
-Idempotent
-    A wrapper carries ``__qerl_patch__`` (the target string) and ``__wrapped__`` (the original);
-    applying a patch whose target already carries our wrapper does nothing, so :func:`apply_all` and a
-    second :func:`install` are harmless.
-
-Failing loudly, but not at ``import verl``
-    A target that cannot be resolved or wrapped is recorded in :data:`STATUS` and logged at WARNING (verl's
-    plugin loader would hide an exception at DEBUG). :func:`require` raises a clear error listing them;
-    the config check calls it when a run asks for qerl, before any GPU work.
-    ``tests/verl_ext/test_patches.py`` resolves every target and checks its signature, so an upstream
-    change fails CI instead of a training run.
-
-One scoped patch lives outside the table, listed in :data:`_SCOPED_TARGETS`: while
-:class:`verl_ext.worker_extension.QerlVerlWorkerExtension` runs verl's extension ``__new__`` for an engine
-on qerl's ``nvfp4`` method, ``verl.utils.qat.apply_qat_patches`` is a no-op (restored right after).
-
-Opt out: ``QERL_VERL_PATCHES=0`` in the environment installs nothing.
+Nothing on disk is edited. :func:`install` (run by ``verl_ext/__init__`` on every ``import verl``) imports
+nothing from verl or vLLM: it puts a finder on ``sys.meta_path`` that patches each target module right after
+its body runs (modules already imported are patched at once). Applying is idempotent (a wrapper carries
+``__qerl_patch__``); a target that cannot be wrapped is recorded in :data:`STATUS` and logged, and
+:func:`require` (called by the config check of a qerl run) raises listing them. ``QERL_VERL_PATCHES=0``
+installs nothing. Every wrapper passes straight through to verl unless the run asked for qerl, except the
+LoRA-adapter extraction fix (``collect_lora_params``), which is on for every LoRA run.
 """
 
 from __future__ import annotations
@@ -46,123 +20,18 @@ import os
 import pkgutil
 import sys
 import threading
-from dataclasses import dataclass
+
+from qerl_plugin import upstream
+from qerl_plugin.options import parse_bool
+from qerl_plugin.upstream import Upstream
 
 logger = logging.getLogger("qerl.verl.patches")
 
-VERL_VERSION = "0.9.1"
-VLLM_VERSION = "0.24.0"
 ENV_DISABLE = "QERL_VERL_PATCHES"
 
-_ASR = "verl.workers.rollout.vllm_rollout.vllm_async_server"
-_FSDP = "verl.workers.engine.fsdp.transformer_impl"
-_WORKERS = "verl.workers.engine_workers"
-
-
-@dataclass(frozen=True)
-class PatchTarget:
-    """One verl callable we wrap.
-
-    ``target``: ``"module:Qualified.name"``. ``factory``: ``"verl_ext.x:wrap_y"``, called as
-    ``factory(original, target)`` and returning the wrapper. ``params``: the leading parameter names the
-    original must have (checked by the tests). ``why``: what the wrapper does.
-    """
-
-    target: str
-    factory: str
-    params: tuple[str, ...]
-    why: str
-
-    @property
-    def module(self) -> str:
-        return self.target.split(":", 1)[0]
-
-    @property
-    def qualname(self) -> str:
-        return self.target.split(":", 1)[1]
-
-
-_PATCH_TARGETS: tuple[PatchTarget, ...] = (
-    PatchTarget(
-        "verl.utils.config:validate_config",
-        "verl_ext.config:wrap_validate_config",
-        ("config", "use_reference_policy", "use_critic"),
-        "check the qerl keys and normalise the config in the driver, before Ray starts anything",
-    ),
-    PatchTarget(
-        f"{_ASR}:vLLMHttpServer._apply_quantization",
-        "verl_ext.rollout:wrap_apply_quantization",
-        ("self",),
-        "accept quantization=nvfp4 (verl 0.9.1 raises on it) and route vLLM to qerl's 'nvfp4' method; "
-        "switch the engine's AQN norms on (QERL_AQN=1) when AQN is enabled",
-    ),
-    PatchTarget(
-        f"{_ASR}:vLLMHttpServer._get_worker_extension_cls",
-        "verl_ext.rollout:wrap_get_worker_extension_cls",
-        ("self",),
-        "start vLLM workers with verl_ext.worker_extension.QerlVerlWorkerExtension (verl's extension + qerl's "
-        "noise and adapter RPCs) when qerl is on",
-    ),
-    PatchTarget(
-        f"{_FSDP}:collect_lora_params",
-        "verl_ext.adapter_sync:wrap_collect_lora_params",
-        ("module", "layered_summon", "base_sync_done"),
-        "extract the LoRA adapter by parameter name: PEFT 0.21 matches FSDP1's wrapped module names against "
-        "clean state-dict keys and returns nothing, which vLLM's add_lora then fails on (StopIteration)",
-    ),
-    PatchTarget(
-        "verl.utils.fsdp_utils:collect_lora_params",
-        "verl_ext.adapter_sync:wrap_collect_lora_params",
-        ("module", "layered_summon", "base_sync_done"),
-        "the same fix for callers that import it from verl.utils.fsdp_utils",
-    ),
-    PatchTarget(
-        f"{_FSDP}:FSDPEngine._build_module",
-        "verl_ext.actor:wrap_build_module",
-        ("self",),
-        "for an NVFP4 checkpoint: build the HF model without compressed-tensors and load the packed bytes "
-        "into NVFP4Linear layers",
-    ),
-    PatchTarget(
-        f"{_FSDP}:FSDPEngine._build_lora_module",
-        "verl_ext.actor:wrap_build_lora_module",
-        ("self", "module"),
-        "for a BF16 checkpoint: quantize the decoder projections to NVFP4Linear before PEFT wraps them",
-    ),
-    PatchTarget(
-        f"{_WORKERS}:ActorRolloutRefWorker.init_model",
-        "verl_ext.actor:wrap_init_model",
-        ("self",),
-        "read the qerl settings of this worker's config before the actor is built",
-    ),
-    PatchTarget(
-        f"{_WORKERS}:ActorRolloutRefWorker.update_weights",
-        "verl_ext.aqn_hook:wrap_update_weights",
-        ("self", "global_steps", "mode"),
-        "after each adapter sync, set the rollout engine's AQN noise for the next step (qerl_set_noise RPC)",
-    ),
-    PatchTarget(
-        "verl.utils.tracking:Tracking.__init__",
-        "verl_ext.aqn_hook:wrap_tracking_init",
-        ("self", "project_name", "experiment_name", "default_backend", "config"),
-        "remember the run's AQN schedule in the driver's logger",
-    ),
-    PatchTarget(
-        "verl.utils.tracking:Tracking.log",
-        "verl_ext.aqn_hook:wrap_tracking_log",
-        ("self", "data", "step"),
-        "add qerl/aqn_sigma and qerl/aqn_stage of each step to verl's metrics",
-    ),
-)
-
-# (target, where, why): replaced only inside a ``with`` block, never left in place.
-_SCOPED_TARGETS: tuple[tuple[str, str, str], ...] = (
-    (
-        "verl.utils.qat:apply_qat_patches",
-        "verl_ext.worker_extension:_without_verl_qat_patches",
-        "verl's extension would apply its NVFP4 QAT vLLM patches (2 of 3 targets gone in vLLM 0.24) to qerl's engine",
-    ),
-)
+# The callables wrapped at import; each entry names the target, the parameters the wrapper relies on and
+# the factory that builds the wrapper (``factory(original, target)``).
+_PATCH_TARGETS: tuple[Upstream, ...] = upstream.wrapped()
 
 # target -> "applied" | "pending" | "failed: <reason>" | "disabled"
 STATUS: dict[str, str] = {t.target: "pending" for t in _PATCH_TARGETS}
@@ -187,7 +56,7 @@ def is_patched(obj) -> bool:
     return getattr(obj, "__qerl_patch__", None) is not None
 
 
-def _apply(target: PatchTarget, module) -> None:
+def _apply(target: Upstream, module) -> None:
     owner, attr = _owner_and_attr(module, target.qualname)
     raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
     if raw is None:
@@ -197,11 +66,11 @@ def _apply(target: PatchTarget, module) -> None:
     if is_patched(raw):
         STATUS[target.target] = "applied"
         return
-    factory = pkgutil.resolve_name(target.factory)
+    factory = pkgutil.resolve_name(target.wrapper)
     wrapper = factory(raw, target.target)
     functools.update_wrapper(wrapper, raw)  # keeps verl's @register attributes (__dict__) and __wrapped__
     if inspect.iscoroutinefunction(raw) and not inspect.iscoroutinefunction(wrapper):
-        raise TypeError(f"{target.factory} returned a plain function for the async {target.target}")
+        raise TypeError(f"{target.wrapper} returned a plain function for the async {target.target}")
     wrapper.__qerl_patch__ = target.target
     setattr(owner, attr, wrapper)
     STATUS[target.target] = "applied"
@@ -223,7 +92,7 @@ def _apply_module(name: str, module) -> None:
                     t.target,
                     type(e).__name__,
                     e,
-                    VERL_VERSION,
+                    upstream.VERL_VERSION,
                 )
         _forget_if_done()
 
@@ -282,13 +151,21 @@ def _forget_if_done() -> None:
         _finder = None
 
 
+def _enabled() -> bool:
+    try:
+        return parse_bool(os.environ.get(ENV_DISABLE, "1"), ENV_DISABLE)
+    except ValueError as e:  # never break ``import verl``: an unreadable value leaves the patches on
+        logger.warning("qerl-plugin: %s; the verl patches stay installed", e)
+        return True
+
+
 def install() -> bool:
     """Arrange for every target to be patched when (or, if already imported, as soon as) its module loads.
 
     Cheap: imports nothing from verl or vLLM. Returns False when disabled by ``QERL_VERL_PATCHES=0``.
     """
     global _finder
-    if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not _enabled():
         for t in _PATCH_TARGETS:
             if STATUS.get(t.target) == "pending":
                 STATUS[t.target] = "disabled"
@@ -346,5 +223,5 @@ def require(what: str = "qerl") -> None:
         lines = "\n".join(f"  {k}: {v}" for k, v in bad.items())
         raise RuntimeError(
             f"{what} needs qerl-plugin's verl patches, and these could not be applied:\n{lines}\n"
-            f"qerl-plugin targets verl {VERL_VERSION} / vLLM {VLLM_VERSION}; install those versions."
+            f"qerl-plugin targets verl {upstream.VERL_VERSION} / vLLM {upstream.VLLM_VERSION}; install those versions."
         )

@@ -1,25 +1,10 @@
 """The vLLM worker extension verl's rollout uses when qerl is on: verl's own plus qerl's RPCs and checks.
 
-``vLLMHttpServer`` passes ``worker_extension_cls`` to ``vllm serve``; vLLM appends that class to its GPU
-worker's bases, so the methods below run inside each vLLM worker process and are reachable with
-``collective_rpc``. :mod:`verl_ext.rollout` swaps verl's ``vLLMColocateWorkerExtension`` for
-:class:`QerlVerlWorkerExtension` when the run asks for ``quantization: nvfp4`` or AQN; it inherits:
-
-* from :class:`vllm_ext.worker_extension.QerlWorkerExtension`: ``qerl_set_noise(sigma, seed, stage)``,
-  ``qerl_clear_noise()``, ``qerl_add_lora_from_tensors(...)``, ``qerl_memory_report()``;
-* from verl's ``vLLMColocateWorkerExtension``: the colocated IPC weight receiver
-  (``update_weights_from_ipc``), the logits patch, LoRA-from-tensors loading.
-
-What it changes for an adapter sync (``peft_config`` given, base already loaded): the received names are
-normalised to PEFT checkpoint keys, checked against the LoRA modules vLLM actually built
-(:func:`verl_ext.adapter_sync.check_adapter_for_vllm`: an empty or unrecognised adapter is an error that
-lists the names, not vLLM's bare ``StopIteration``), then loaded under verl's adapter id
-(``VLLM_LORA_INT_ID``) so that verl's ``generate`` finds it. Under ``quantization: nvfp4`` a base-weight
-sync is refused with a clear error (the NVFP4 base is loaded once, from ``model.path``).
-
-verl's QAT detection (``quant_format == "nvfp4-pack-quantized"`` on the engine's quant config) would send
-adapter syncs down verl's QAT reload path and apply verl's QAT vLLM patches (two of whose three targets no
-longer exist in vLLM 0.24); for qerl's ``nvfp4`` method both are switched off here.
+:class:`QerlVerlWorkerExtension` combines verl's ``vLLMColocateWorkerExtension`` (IPC weight receiver,
+logits patch) with :class:`vllm_ext.worker_extension.QerlWorkerExtension` (noise and adapter RPCs). An
+adapter sync is checked against the LoRA modules vLLM built and loaded in memory under verl's adapter id; a
+base-weight sync under ``quantization: nvfp4`` is refused; verl's NVFP4 QAT detection and patches stay off
+for qerl's ``nvfp4`` engines. Design: docs/design.md, "Weight sync".
 """
 
 from __future__ import annotations
@@ -30,11 +15,10 @@ import time
 
 from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID, VLLM_LORA_NAME, vLLMColocateWorkerExtension
 
+from qerl_plugin import options
 from verl_ext.adapter_sync import AdapterSyncError, check_adapter_for_vllm, expected_lora_modules, normalize_adapter_keys
 
 logger = logging.getLogger("qerl.verl.worker_extension")
-
-QUANT_METHOD = "nvfp4"
 
 try:
     from vllm_ext.worker_extension import QerlWorkerExtension as _QerlBase
@@ -59,7 +43,7 @@ except Exception as _e:  # the vLLM-side helper's module is missing or broken: s
 
 def _is_qerl_quant(vllm_config) -> bool:
     model_config = getattr(vllm_config, "model_config", None)
-    return getattr(model_config, "quantization", None) == QUANT_METHOD
+    return getattr(model_config, "quantization", None) == options.METHOD
 
 
 @contextlib.contextmanager

@@ -60,7 +60,7 @@ def _engine(path: Path, model_dtype: str = "fp32"):
 
 @pytest.fixture
 def qerl_nvfp4(tiny_bf16):
-    from verl_ext.config import activate, settings_from
+    from verl_ext.settings import activate, settings_from
 
     def use(path):
         activate(settings_from({"quantization": "nvfp4"}, {"path": str(path)}))
@@ -108,7 +108,7 @@ def test_bf16_checkpoint_becomes_nvfp4_base_under_lora(fsdp_engine, tiny_bf16, q
 def test_nvfp4_checkpoint_loads_packed_bytes_without_dense_weights(fsdp_engine, tiny_nvfp4, qerl_nvfp4):
     from safetensors.torch import load_file
 
-    from verl_ext.config import current
+    from verl_ext.settings import current
     from verl_ext.nvfp4_linear import NVFP4Linear
 
     qerl_nvfp4(tiny_nvfp4)
@@ -136,7 +136,7 @@ def test_nvfp4_checkpoint_loads_packed_bytes_without_dense_weights(fsdp_engine, 
 
 
 def test_bf16_run_is_untouched(fsdp_engine, tiny_bf16):
-    from verl_ext.config import activate
+    from verl_ext.settings import activate
     from verl_ext.nvfp4_linear import NVFP4Linear
 
     activate(None)
@@ -149,7 +149,7 @@ def test_init_model_wrapper_reads_the_workers_rollout_config(tiny_bf16):
     from omegaconf import OmegaConf
 
     from verl_ext.actor import wrap_init_model
-    from verl_ext.config import activate, current
+    from verl_ext.settings import activate, current
 
     cfg = OmegaConf.create(
         {

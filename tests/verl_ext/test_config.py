@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_ext.config import QerlConfigError, check, checkpoint_quantization, compose, settings_from, validate
+from verl_ext.config import QerlConfigError, check, compose, validate
+from verl_ext.settings import checkpoint_quantization, settings_from
 
 pytest.importorskip("verl")
 

@@ -10,10 +10,11 @@ import torch
 import torch.nn as nn
 
 from helpers import tiny_qwen2_model as tiny_qwen2
+from qerl_plugin import format as fmt
 from qerl_plugin import nvfp4
 from qerl_plugin.nvfp4 import NVFP4Error
 from verl_ext.nvfp4_checkpoint import load_nvfp4_checkpoint_into
-from verl_ext.nvfp4_replace import DEFAULT_FUSED_GROUPS, replace_linears_with_nvfp4
+from verl_ext.nvfp4_replace import replace_linears_with_nvfp4
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -32,7 +33,7 @@ def write_nvfp4_checkpoint(model: nn.Module, cfg, path, shards=2):
             continue
         mod = k[: -len(".weight")]
         prefix, leaf = mod.rsplit(".", 1)
-        group = next((g for g in DEFAULT_FUSED_GROUPS if leaf in g), (leaf,))
+        group = next((g for g in fmt.FUSED_GROUPS if leaf in g), (leaf,))
         names = [f"{prefix}.{p}" for p in group]
         for n, q in zip(names, nvfp4.quantize_fused([sd[f"{n}.weight"] for n in names], names)):
             out.update(q.tensors(n))
@@ -47,8 +48,7 @@ def write_nvfp4_checkpoint(model: nn.Module, cfg, path, shards=2):
         weight_map.update({k: fname for k in part})
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = cfg.to_dict()
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-                                     "config_groups": {"group_0": {"format": "nvfp4-pack-quantized"}}}
+    config["quantization_config"] = fmt.quantization_config_dict()
     (path / "config.json").write_text(json.dumps(config))
     return out
 
