@@ -1,59 +1,10 @@
 """Adaptive Quantization Noise (AQN): the sigma schedule and the per-norm noise vectors.
 
-AQN (QeRL, arXiv 2510.11696, Sec. 3.3) perturbs every RMSNorm weight of the rollout model with a
-channel-wise Gaussian vector ``z ~ N(0, sigma^2 I)`` (one value per channel, i.e. per entry of the norm
-weight), with ``sigma`` decaying over discrete stages. Adding ``z`` to the norm weight ``w`` is the same
-as scaling row ``c`` of every linear layer that reads the norm's output by ``(w_c + z_c) / w_c``, so the
-noise reaches the quantized projections without touching their NVFP4 bytes ("noise sharing").
-
-What the released code does (NVlabs/QeRL, commit e8c6e79, read for this module; only facts carried over):
-
-* defaults: ``training/dapo_qwen2.5-*_nvfp4_single_gpu.sh`` run ``sigma_start=1e-2``, ``sigma_end=1e-4``,
-  ``num_stages=10`` (``utils/configs.py`` declares 5e-2 / 5e-4 / 10 as dataclass defaults, which the
-  scripts override). AQN is switched on when the model name contains ``nvfp4`` (``qerl.py``).
-* schedule (``trl_trainer/grpo_trainer.py``, ``trl_trainer/noise_scheduler.py``): the ``num_stages`` = K
-  stages split ``total_steps`` evenly; the **first stage is noise-free**; the remaining K-1 stages use an
-  exponential ramp ``sigma_start * (sigma_end / sigma_start) ** (j / (K - 2))``, j = 0 .. K-2, so the
-  first noisy stage uses ``sigma_start`` and the last ``sigma_end``. The stage of a step is
-  ``floor(min(step, total_steps) / (total_steps / K))`` clamped to K-1, with ``step`` the 1-based
-  optimizer update counter (the last step, ``total_steps``, falls in the last stage).
-* application: ``torch.normal(0, sigma, norm.weight.shape)`` drawn in float32, cast to the weight dtype
-  (bf16) and added in place to every ``Qwen2RMSNorm``/``LlamaRMSNorm`` weight of the **vLLM** model (both
-  norms of every layer and the final ``model.norm``; a fresh draw per norm), after each weight sync (each
-  step); the trainer's own forward stays noise-free. With trained norms
-  (``--ln True``: norms in ``modules_to_save``) the sync reloads clean norm weights first, so noise is
-  redrawn every step; without it the in-place adds accumulate. In bf16 a 1e-4 perturbation of a weight
-  near 1 is rounded away (bf16 spacing there is 2**-7).
-* the paper also compares linear, cosine and logarithmic decay; the released code contains only the
-  exponential one.
-
-How this module differs, on purpose:
-
-* the noise is added in float32: the effective norm weight is ``w.float() + z`` (:func:`apply_noise_fp32`),
-  so sigma = 1e-4 really changes the computation;
-* ``z`` is a pure function of (seed, stage, module name): :func:`noise_vector` seeds a CPU
-  ``torch.Generator`` from a SHA-256 of those three, so vLLM's norms and the actor's HF norms with the same
-  canonical name (:func:`normalize_module_name`) get identical vectors on any rank, machine or process, and a
-  resumed run redraws exactly what the interrupted one used. Nothing accumulates.
-* by default a vector is redrawn once per stage (``resample="stage"``); ``resample="step"`` redraws it every
-  step like the released code. :meth:`AQNSchedule.noise_key` gives the integer to pass as ``stage``.
-
-Schedules (``n`` noisy stages, noisy stage index ``j = 0 .. n-1``, ``t = j / (n - 1)``, ``t = 0`` if n = 1;
-``s0 = sigma_start``, ``s1 = sigma_end``; ``t = 0`` gives exactly ``s0`` and ``t = 1`` exactly ``s1``):
-
-=============== =========================================================================
-exponential      ``s0 * (s1 / s0) ** t``                 (the released code; needs s1 > 0)
-linear           ``s0 + (s1 - s0) * t``
-cosine           ``s1 + (s0 - s1) * (1 + cos(pi * t)) / 2``
-log              ``s0 - (s0 - s1) * ln(1 + (e - 1) * t)``  (our definition: fast early decay)
-=============== =========================================================================
-
-With ``noise_free_first_stage=True`` (the released code) there are ``n = K - 1`` noisy stages after a
-sigma-0 stage 0; with ``False``, ``n = K`` and stage 0 already uses ``s0``. Step to stage, for an integer
-step (clamped to ``[0, total_steps]``): ``stage = min(step * K // total_steps, K - 1)``: the exact integer
-form of the released code's float expression.
-
-Usage::
+AQN (QeRL, arXiv 2510.11696, Sec. 3.3) adds a channel-wise Gaussian ``z ~ N(0, sigma^2 I)`` to every RMSNorm
+weight of the rollout model, with sigma decaying over discrete stages. Here ``z`` is a pure function of
+(seed, stage, module name), added in float32, so vLLM's norms and the actor's get identical vectors and a
+resumed run redraws what the interrupted one used. The schedules and how this differs from NVlabs/QeRL's
+released code: docs/design.md, "AQN".
 
     cfg = AQNConfig(total_steps=500)                     # 1e-2 -> 1e-4, 10 stages, exponential
     sched = AQNSchedule(cfg)

@@ -1,23 +1,11 @@
 """NVFP4 weight codec, bit-compatible with compressed-tensors' ``nvfp4-pack-quantized`` format.
 
-NVFP4 stores a weight ``W [out, in]`` as
-
-* ``weight_packed``       uint8 ``[out, in/2]``: 4-bit E2M1 codes, two per byte. Column ``2j`` sits in
-  the low nibble and column ``2j+1`` in the high nibble (compressed-tensors' ``pack_fp4_to_uint8``).
-  A code is ``sign << 3 | magnitude_index`` with magnitudes ``E2M1_VALUES``.
-* ``weight_scale``        float8_e4m3fn ``[out, in/16]``: one scale per 16 consecutive inputs.
-* ``weight_global_scale`` float32 ``[1]``: ``448 * 6 / amax(|W|)``; fused projections (q/k/v,
-  gate/up) share the largest amax of the group, as llmcompressor does.
-
-and decodes ``W[r, c] = E2M1[code[r, c]] * weight_scale[r, c // 16] / weight_global_scale``.
-
-Every step follows compressed-tensors' arithmetic op for op, in the source dtype where it works in the
-source dtype (the per-group ``amax / 6`` and ``448 * 6 / amax`` are rounded to the weight's dtype there),
-so a bf16 checkpoint quantizes to the same bytes as llmcompressor's ``NVFP4A16`` preset, on CPU or GPU.
-Rounding to E2M1 is to nearest with ties to the even code (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4).
-
-This module imports only torch; vLLM's load-time quantization and the trainer's frozen base use it too,
-so the rollout and the actor see the same bits.
+A weight ``W [out, in]`` is stored as ``weight_packed`` (uint8 ``[out, in/2]``, two E2M1 codes per byte, the
+even column in the low nibble), ``weight_scale`` (float8_e4m3fn ``[out, in/16]``) and ``weight_global_scale``
+(float32 ``[1]``, ``448 * 6 / amax``, shared by fused projections) and decodes as
+``W[r, c] = E2M1[code[r, c]] * weight_scale[r, c // 16] / weight_global_scale``. Every step follows
+compressed-tensors' arithmetic op for op, so a bf16 checkpoint quantizes to llmcompressor's bytes on CPU or
+GPU; vLLM's load-time quantization and the trainer's frozen base use this module too. Imports only torch.
 """
 
 from __future__ import annotations

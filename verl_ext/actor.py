@@ -1,36 +1,10 @@
 """The actor under ``quantization: nvfp4``: frozen NVFP4 base, PEFT LoRA on top, gradients only in LoRA.
 
-Where verl 0.9.1 builds the actor (``verl/workers/engine/fsdp/transformer_impl.py``,
-``FSDPEngine._build_model_optimizer``)::
-
-    module = self._build_module()            # HF from_pretrained, verl's monkey patches, .to(fp32 for training)
-    module = self._build_lora_module(module) # enable_input_require_grads + get_peft_model(LoraConfig(...))
-    module = self._build_fsdp_module(module) # FSDP1 (strategy fsdp) or FSDP2 fully_shard (fsdp2)
-
-Three wrappers (:mod:`verl_ext.patches`) put the NVFP4 base in between:
-
-``ActorRolloutRefWorker.init_model``
-    reads this worker's ``rollout.quantization`` and ``rollout.custom.qerl`` before anything is built and
-    makes them the process's settings (:func:`verl_ext.settings.activate`); the engine has no rollout config.
-``FSDPEngine._build_module``
-    BF16 checkpoint: verl's own build. NVFP4 checkpoint (compressed-tensors ``nvfp4-pack-quantized``):
-    :func:`build_from_nvfp4_checkpoint` builds the model with meta parameters (``quantization_config``
-    hidden from transformers, so no compressed-tensors modules), then
-    :func:`verl_ext.nvfp4_checkpoint.load_nvfp4_checkpoint_into` puts every quantized projection in an
-    :class:`~verl_ext.nvfp4_linear.NVFP4Linear` holding the checkpoint's bytes and loads the rest; then
-    verl's post-build steps (monkey patches, dtype, gradient checkpointing).
-``FSDPEngine._build_lora_module``
-    BF16 checkpoint: :func:`~verl_ext.nvfp4_replace.replace_linears_with_nvfp4` quantizes the decoder's
-    ``*_proj`` layers (on the GPU when there is one) exactly as vLLM's load-time quantization does, so the
-    actor decodes the bytes the rollout runs; then verl's PEFT step wraps those NVFP4Linear layers with
-    ordinary ``lora.Linear`` (NVFP4Linear subclasses ``nn.Linear``, so ``target_modules: all-linear``
-    finds them). Afterwards it checks that every NVFP4 layer got a LoRA adapter and that no base tensor
-    requires grad.
-
-FSDP: the NVFP4 tensors are buffers, so neither FSDP1 nor FSDP2 shards them (each rank holds the whole
-4-bit base: 5.5 GiB for a 7B model) and neither optimizer sees them. FSDP1's ``MixedPrecision(buffer_dtype=
-fp32)`` casts the FP8 scales to fp32 (exact; NVFP4Linear casts them back per call), FSDP2 leaves buffers
-alone. verl's QAT (``verl/utils/qat``) is a different path and is rejected at config time.
+Three wrappers (:mod:`verl_ext.patches`) put the NVFP4 base into verl's FSDP actor build: ``init_model``
+parses this worker's qerl settings (the engine sees no rollout config); ``FSDPEngine._build_module`` loads an
+NVFP4 checkpoint's bytes into :class:`~verl_ext.nvfp4_linear.NVFP4Linear` layers of a meta-device model
+(:func:`build_from_nvfp4_checkpoint`); ``FSDPEngine._build_lora_module`` quantizes a BF16 checkpoint's
+projections the way vLLM does before PEFT wraps them. Design: docs/design.md, "The actor's NVFP4 base".
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """Adapter-only sync, actor -> vLLM: take the LoRA tensors by name, check vLLM will recognise every one.
 
-Why stock verl 0.9.1 fails at the first adapter sync (found by running its code on CPU, see
-``tests/verl_ext/test_adapter_sync.py``)
-    verl's FSDP engine collects the adapter with ``verl.utils.fsdp_utils.collect_lora_params``, which
-    calls PEFT's ``get_peft_model_state_dict(peft_model)``. PEFT 0.21 no longer filters the state dict by
-    the substring ``lora_``: it derives the adapter's key prefixes from ``model.named_modules()``. Under
-    FSDP1 (verl's default ``strategy: fsdp``, with its LoRA auto-wrap policy) every wrapped decoder layer
-    appears in ``named_modules()`` as ``...layers.0._fsdp_wrapped_module.self_attn.q_proj.lora_A``, while
-    the state dict's keys are clean (``...layers.0.self_attn.q_proj.lora_A.default.weight``): no key
-    matches any prefix, the adapter comes back **empty**, verl ships zero tensors, vLLM's
-    ``LoRAModel.from_lora_tensors`` builds a LoRA model with no modules, and
-    ``LoRAModelManager._create_merged_loras_inplace`` dies on ``next(iter(lora_model.loras.values()))``:
-    the ``StopIteration`` seen on the H100. (FSDP2 does not rename modules and works.)
-
-The fix (:func:`wrap_collect_lora_params`, applied through :mod:`verl_ext.patches`)
-    For the adapter (``base_sync_done=True``) read the module's state dict inside the same full-parameter
-    context verl uses and keep the entries that sit under a LoRA sub-module of the ``default`` adapter
-    (``.lora_A.default.``, ``.lora_B.default.``, ``.lora_embedding_A.default``, ...), with FSDP /
-    checkpoint / compile wrapper fragments removed and the adapter name dropped: the keys PEFT itself
-    writes to ``adapter_model.safetensors``
-    (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), which vLLM parses. Without FSDP
-    the result equals ``get_peft_model_state_dict`` exactly (tested). The base-weight path
-    (``base_sync_done=False``) is verl's, unchanged.
-
-The check (:func:`check_adapter_for_vllm`, run inside vLLM by :mod:`verl_ext.worker_extension`)
-    Every tensor name must parse with vLLM's own ``parse_fine_tuned_lora_name`` and land on a module vLLM
-    wrapped with LoRA (directly, or as a slice of a packed ``qkv_proj`` / ``gate_up_proj``); every module
-    needs both ``lora_A`` and ``lora_B``. An empty or unrecognised adapter raises an error that lists the
-    offending names, instead of vLLM's bare ``StopIteration``.
+verl 0.9.1's ``collect_lora_params`` returns an empty adapter under FSDP1 with PEFT 0.21 (PEFT matches
+FSDP1's wrapped module names against clean state-dict keys), which vLLM then fails on with a bare
+``StopIteration``. :func:`wrap_collect_lora_params` extracts the adapter by parameter name instead, in PEFT's
+checkpoint keys; :func:`check_adapter_for_vllm` (run inside vLLM) refuses an empty or unrecognised adapter,
+listing the names. Design: docs/design.md, "Weight sync".
 """
 
 from __future__ import annotations

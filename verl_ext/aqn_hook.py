@@ -1,38 +1,10 @@
 """AQN on schedule: the per-step noise RPC next to verl's weight sync, the optional actor-side noise, metrics.
 
-Where the per-step hook sits
-    verl 0.9.1's synchronous trainer (``verl/trainer/ppo/v1/trainer_sync.py``) calls
-    ``checkpoint_manager.update_weights(global_steps)`` once after loading a checkpoint (``on_init_end``)
-    and once after every actor update (``on_step_end``); with the colocated ``naive`` backend that is
-    ``ActorRolloutRefWorker.update_weights`` on every actor/rollout worker (``Dispatch.ONE_TO_ALL``), which
-    wakes vLLM, syncs the adapter and resumes the KV cache. Rollouts for step ``g + 1`` follow. The wrapper
-    here runs right after it: it sets the noise of the step that comes next through
-    ``collective_rpc("qerl_set_noise", sigma, seed, stage)`` on the worker's own vLLM server (the
-    ServerAdapter sends it once per replica, from rollout rank 0) and clears the prefix cache (KV computed
-    under other noise must not be reused).
-
-Which step's noise
-    ``update_weights(g)`` comes after ``g`` optimizer updates, so the next rollouts use
-    ``AQNSchedule.setting(g)``: the released code's rule (stage of the optimizer-update counter at
-    generation time). Step 1's rollouts use ``setting(0)``, the noise-free first stage by default. sigma
-    and the noise vectors are pure functions of (config, g, seed), so a run resumed from ``global_step_G``
-    (verl restores ``global_steps = G`` and calls ``update_weights(G)``) continues the schedule exactly;
-    nothing else needs to be checkpointed. The RPC is sent every step, not only when the stage changes:
-    it is cheap (one vector per norm) and survives an engine that dropped its buffers while asleep.
-
-Rollout-only noise (default) vs. actor noise (``aqn.apply_to_actor: true``)
-    Default, as NVlabs/QeRL's released code: the noise perturbs the **rollout** policy only; the actor
-    (old log-probs and the update) stays noise-free, so the policy that is learned and deployed is the
-    clean one and the noise acts as exploration in the behaviour policy. The resulting rollout-vs-actor
-    mismatch is what verl already measures (``rollout_corr/kl``, ``rollout_corr/k3_kl``,
-    ``training/rollout_probs_diff_*``; ``rollout.calculate_log_probs`` is on by default) and what verl's
-    rollout importance sampling corrects (``algorithm.rollout_correction.rollout_is: token``; the example
-    YAMLs turn it on). With ``apply_to_actor: true`` the same vectors (same canonical names, same seed) are
-    added in fp32 to the actor's RMSNorm outputs through forward hooks, so old log-probs and the update see
-    the rollout's noise and the mismatch reduces to the NVFP4 kernels' rounding.
-
-Metrics (driver side, ``Tracking.log``): ``qerl/aqn_sigma``, ``qerl/aqn_stage`` of the rollouts of each
-logged step. Adapter sync time is verl's own ``timing_s/update_weights``; policy entropy ``actor/entropy``.
+After each ``ActorRolloutRefWorker.update_weights(g)`` the rollout engine gets the noise of
+``AQNSchedule.setting(g)`` (``qerl_set_noise``) and drops its prefix cache; sigma and the vectors are pure
+functions of (config, g, seed), so a resumed run continues the schedule exactly. ``aqn.apply_to_actor``
+adds the same vectors to the actor's norms; the driver's ``Tracking`` logs ``qerl/aqn_sigma`` and
+``qerl/aqn_stage``. Design: docs/design.md, "AQN".
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """NVFP4 dequantization for the trainer: a Triton kernel on CUDA, the torch codec elsewhere.
 
-:func:`dequantize_nvfp4_triton` decodes ``weight_packed`` / ``weight_scale`` / ``weight_global_scale``
-into a dense ``[out, in]`` tensor **bit for bit** equal to :func:`qerl_plugin.nvfp4.dequantize`:
-
-    W[r, c] = round_to_dtype( E2M1[code[r, c]] * (fp32(weight_scale[r, c // 16]) / weight_global_scale) )
-
-with the division IEEE round-to-nearest (``tl.math.div_rn``; Triton's ``/`` is the approximate
-``div.full.f32``), the product in fp32 and one final round-to-nearest-even. Every step is exact integer
-work or one correctly rounded fp32 operation, so the bits cannot depend on the GPU:
-
-* the E2M1 value is built from its code's bits (``sign << 31 | (e + 126) << 23 | m << 22``);
-* the FP8-E4M3 scale is decoded from its byte (normal ``(E + 120) << 23 | M << 20``, subnormal
-  ``M * 2**-9``, ``0x7f``/``0xff`` NaN), so no FP8 hardware support is needed (any CUDA GPU Triton runs on);
-* bf16 is rounded with integer arithmetic (``bits + 0x7fff + lsb >> 16``, NaN -> ``0x7fc0``), exactly as
-  torch's ``round_to_nearest_even``. That also keeps the kernel exact under ``TRITON_INTERPRET=1`` (the CPU
-  interpreter truncates float32 -> bf16 casts), which is how the CPU tests check the kernel's logic.
-
-:func:`dequantize` picks the backend: the Triton kernel for CUDA tensors when Triton imports (falling back
-to the torch codec, with one warning, if the kernel fails to build or run on this GPU), the torch codec
-otherwise (CPU; or ``QERL_DEQUANT_BACKEND=torch``). This module imports no verl or vLLM.
+:func:`dequantize_nvfp4_triton` decodes the NVFP4 triple into a dense ``[out, in]`` tensor bit for bit equal to
+:func:`qerl_plugin.nvfp4.dequantize` (every step exact integer work or one correctly rounded fp32 operation;
+docs/design.md, "The actor's NVFP4 base"). :func:`dequantize` picks the backend: the kernel for CUDA tensors
+when Triton imports (the torch codec, with one warning, if it fails to build or run), the torch codec
+otherwise or with ``QERL_DEQUANT_BACKEND=torch``. Imports no verl or vLLM.
 """
 
 from __future__ import annotations
