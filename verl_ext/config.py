@@ -163,13 +163,17 @@ def validate(cfg: Any, normalize: bool = True) -> tuple[QerlSettings, list[str]]
     return settings, notes
 
 
-def _check_nvfp4(cfg: Any, s: QerlSettings) -> None:
+def _require_vllm(cfg: Any, problem: str) -> None:
+    """Raise ``problem`` (formatted with the rollout engine's ``name``) unless the rollout engine is vLLM."""
     name = get(cfg, f"{ROLLOUT}.name")
     if name != "vllm":
-        raise QerlConfigError(
-            f"{ROLLOUT}.name={name!r}: quantization=nvfp4 runs on vLLM (qerl's 'nvfp4' method); set "
-            f"{ROLLOUT}.name=vllm"
-        )
+        raise QerlConfigError(problem.format(name=name))
+
+
+def _check_nvfp4(cfg: Any, s: QerlSettings) -> None:
+    _require_vllm(
+        cfg, f"{ROLLOUT}.name={{name!r}}: quantization=nvfp4 runs on vLLM (qerl's 'nvfp4' method); set {ROLLOUT}.name=vllm"
+    )
     if _lora_rank(cfg) <= 0:
         raise QerlConfigError(
             f"{MODEL}.lora_rank=0: quantization=nvfp4 trains a LoRA adapter on a frozen NVFP4 base and cannot "
@@ -226,12 +230,11 @@ def _check_nvfp4(cfg: Any, s: QerlSettings) -> None:
 
 
 def _check_aqn(cfg: Any, s: QerlSettings) -> None:
-    name = get(cfg, f"{ROLLOUT}.name")
-    if name != "vllm":
-        raise QerlConfigError(
-            f"{AQN_KEY}.enable=true: AQN perturbs the norms of the vLLM rollout engine; set {ROLLOUT}.name=vllm "
-            f"(got {name!r}) or disable AQN"
-        )
+    _require_vllm(
+        cfg,
+        f"{AQN_KEY}.enable=true: AQN perturbs the norms of the vLLM rollout engine; set {ROLLOUT}.name=vllm "
+        "(got {name!r}) or disable AQN",
+    )
     if get(cfg, "trainer.use_v1", True):
         mode = get(cfg, "trainer.v1.trainer_mode", "sync")
         if mode != "sync":

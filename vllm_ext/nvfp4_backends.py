@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,14 +63,20 @@ def _configured() -> dict[str, Any]:
         raise NVFP4Error(f"nvfp4: {exc}") from None
 
 
+def _option(name: str, env: str, default: str, parse: Callable[[Any, str], Any]) -> Any:
+    """Option ``name`` from ``additional_config["qerl_nvfp4"]``, else ``$env`` (else ``default``) parsed."""
+    value = _configured().get(name)
+    if value is not None:
+        return value
+    try:
+        return parse(os.environ.get(env, default), env)
+    except ValueError as exc:
+        raise NVFP4Error(f"nvfp4: {exc}") from None
+
+
 def select_backend() -> Backend:
     """The backend the options name; ``auto`` is Marlin on CUDA, emulation elsewhere (with a warning)."""
-    choice = _configured().get("backend")
-    if choice is None:
-        try:
-            choice = options.parse_backend(os.environ.get(BACKEND_ENV, "auto"), BACKEND_ENV)
-        except ValueError as exc:
-            raise NVFP4Error(f"nvfp4: {exc}") from None
+    choice = _option("backend", BACKEND_ENV, "auto", options.parse_backend)
     if choice == "emulation":
         return EmulationBackend()
     if choice == "auto" and not current_platform.is_cuda():
@@ -171,12 +177,7 @@ class MarlinBackend(Backend):
                 "without --quantization on this GPU"
             )
         if fp32_reduce is None:
-            fp32_reduce = _configured().get("fp32_reduce")
-        if fp32_reduce is None:
-            try:
-                fp32_reduce = options.parse_bool(os.environ.get(FP32_REDUCE_ENV, "1"), FP32_REDUCE_ENV)
-            except ValueError as exc:
-                raise NVFP4Error(f"nvfp4: {exc}") from None
+            fp32_reduce = _option("fp32_reduce", FP32_REDUCE_ENV, "1", options.parse_bool)
         self.fp32_reduce = fp32_reduce
 
     @staticmethod
