@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from qerl_plugin.options import METHOD
+
 __all__ = ["BASELINE", "CONFIGS", "DEFAULT_CONFIGS", "MAX_LORA_OVERHEAD", "TARGETS", "VARIANTS", "BenchConfig",
            "Variant", "applies", "parse_variant"]
 
@@ -21,9 +23,9 @@ class BenchConfig:
 CONFIGS: dict[str, BenchConfig] = {
     "bf16": BenchConfig(None),
     "bf16-lora": BenchConfig(None, lora=True),
-    "nvfp4": BenchConfig("nvfp4"),
-    "nvfp4-lora": BenchConfig("nvfp4", lora=True),
-    "nvfp4-lora-aqn": BenchConfig("nvfp4", lora=True, aqn=True),
+    "nvfp4": BenchConfig(METHOD),
+    "nvfp4-lora": BenchConfig(METHOD, lora=True),
+    "nvfp4-lora-aqn": BenchConfig(METHOD, lora=True, aqn=True),
     # vLLM's own compressed-tensors NVFP4A16 scheme (same Marlin kernel): the stock reference
     "stock-nvfp4": BenchConfig("stock"),
     "stock-nvfp4-lora": BenchConfig("stock", lora=True),
@@ -109,6 +111,6 @@ def applies(variant: Variant, cfg: BenchConfig) -> bool:
     return (
         variant.only is None
         or (variant.only == "lora" and cfg.lora)
-        or (variant.only == "nvfp4" and cfg.quant == "nvfp4")
+        or (variant.only == "nvfp4" and cfg.quant == METHOD)
         or (variant.only == "quant" and cfg.quant is not None)
     )

@@ -74,7 +74,7 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
             if cfg.quant in ("stock", "humming") and stock_dir is None:
                 skipped.append({"config": cname, "variant": vname, "reason": f"{cname} with --model needs --nvfp4-model"})
                 continue
-            model_dir = {None: bf16_dir, "nvfp4": nvfp4_dir or bf16_dir, "stock": stock_dir, "humming": stock_dir}[cfg.quant]
+            model_dir = {None: bf16_dir, options.METHOD: nvfp4_dir or bf16_dir, "stock": stock_dir, "humming": stock_dir}[cfg.quant]
             engine: dict[str, Any] = dict(
                 model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                 max_model_len=args.prompt_len + args.new_tokens + 16, enforce_eager=False,
@@ -82,7 +82,7 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
                 max_num_seqs=max(args.batches), enable_prefix_caching=False,
                 load_format="auto" if (cfg.quant and nvfp4_dir) or not dummy else "dummy",
             )
-            if cfg.quant in ("nvfp4", "humming"):
+            if cfg.quant in (options.METHOD, "humming"):
                 engine["quantization"] = cfg.quant
             additional: dict[str, Any] = {}
             if cfg.lora:
@@ -95,7 +95,7 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
                 compilation["cudagraph_capture_sizes"] = sorted(set(args.batches))
             engine.update(variant.engine)  # LoRA-only switches reach LoRA configs only (applies)
             compilation.update(variant.compilation)
-            if variant.nvfp4 and cfg.quant == "nvfp4":
+            if variant.nvfp4 and cfg.quant == options.METHOD:
                 additional[options.NVFP4_KEY] = dict(variant.nvfp4)
             if compilation:
                 engine["compilation_config"] = compilation
