@@ -8,6 +8,7 @@ engine built with AQN never reuses a graph compiled without it)::
 
     {"qerl_aqn": true}                                          AQN: every RMSNorm gets a noise buffer
     {"qerl_nvfp4": {"backend": "emulation", "fp32_reduce": false}}   how nvfp4 layers run
+    {"qerl_lora": "dense"}                                      one adapter as two dense GEMMs (vllm_ext.lora_dense)
 
     vllm serve MODEL --quantization nvfp4 --additional-config '{"qerl_aqn": true}'
     LLM(MODEL, quantization="nvfp4", additional_config={"qerl_aqn": True})
@@ -22,6 +23,8 @@ from typing import Any, Mapping
 __all__ = [
     "AQN_KEY",
     "FORMAT",
+    "LORA_KEY",
+    "LORA_MODES",
     "METHOD",
     "NVFP4_BACKENDS",
     "NVFP4_KEY",
@@ -29,6 +32,7 @@ __all__ = [
     "WORKER_EXTENSION",
     "aqn_enabled",
     "engine_config",
+    "lora_mode",
     "nvfp4_options",
     "parse_bool",
 ]
@@ -41,6 +45,8 @@ FORMAT = "nvfp4-pack-quantized"
 AQN_KEY = "qerl_aqn"
 NVFP4_KEY = "qerl_nvfp4"
 NVFP4_BACKENDS = ("auto", "marlin", "emulation")
+LORA_KEY = "qerl_lora"
+LORA_MODES = ("punica", "dense")  # vLLM's multi-adapter kernels (its default) | vllm_ext.lora_dense
 # vLLM worker extensions: qerl's RPCs alone, and verl's extension with qerl's RPCs (what verl_ext starts).
 WORKER_EXTENSION = "vllm_ext.worker_extension.QerlWorkerExtension"
 VERL_WORKER_EXTENSION = "verl_ext.worker_extension.QerlVerlWorkerExtension"
@@ -92,6 +98,15 @@ def nvfp4_options(additional_config: Mapping[str, Any] | None) -> dict[str, Any]
     if "fp32_reduce" in opts:
         out["fp32_reduce"] = parse_bool(opts["fp32_reduce"], f"{what} fp32_reduce")
     return out
+
+
+def lora_mode(additional_config: Mapping[str, Any] | None) -> str:
+    """``additional_config["qerl_lora"]``: how LoRA layers run (one of :data:`LORA_MODES`, default punica)."""
+    value = (additional_config or {}).get(LORA_KEY, "punica")
+    choice = str(value).strip().lower()
+    if choice not in LORA_MODES:
+        raise ValueError(f"additional_config[{LORA_KEY!r}]={value!r}: expected one of {', '.join(LORA_MODES)}")
+    return choice
 
 
 def parse_backend(value: Any, what: str) -> str:

@@ -249,6 +249,15 @@ _VLLM: tuple[Upstream, ...] = (
              params=("model",)),
     Upstream("vllm.model_executor.models.utils:PPMissingLayer", "calls", "vllm_ext.worker_extension",
              "layers of other pipeline stages"),
+    # dense single-adapter LoRA (vllm_ext.lora_dense)
+    Upstream(f"{_LORA}.punica_wrapper.punica_gpu:PunicaWrapperGPU", "subclasses", "vllm_ext.lora_dense",
+             "QerlPunicaWrapper", attrs=("max_loras", "_token_lora_indices")),
+    Upstream(f"{_LORA}.punica_wrapper.punica_gpu:PunicaWrapperGPU.add_lora_linear", "overrides", "vllm_ext.lora_dense",
+             "one adapter as two dense GEMMs per slice",
+             params=("self", "y", "x", "lora_a_stacked", "lora_b_stacked", "scale", "output_slices"), keywords=("buffer",)),
+    Upstream("vllm.platforms.interface:Platform.get_punica_wrapper", "private", "vllm_ext.lora_dense",
+             "replaced on the CUDA platform's class by one that names QerlPunicaWrapper (vLLM's own unless an "
+             "engine asks for dense); reads the engine's additional_config with get_current_vllm_config_or_none"),
     # benchmarks (vllm_ext.bench.kernels)
     Upstream(f"{_LORA}.ops.triton_ops:LoRAKernelMeta.prepare_tensors", "calls", "vllm_ext.bench.kernels",
              "LoRA kernel timing", params=("self", "token_lora_mapping")),

@@ -10,6 +10,7 @@ cheap and idempotent, so this module imports neither torch nor vllm at the top. 
 * ``vllm_ext.nvfp4_reload``      base-weight reloads into the installed kernel buffers (verl's weight sync)
 * ``vllm_ext.noisy_norm``        the out-of-tree RMSNorm that carries AQN noise
 * ``vllm_ext.worker_extension``  RPCs the trainer calls through ``collective_rpc``
+* ``vllm_ext.lora_dense``        one adapter as two dense GEMMs per slice (``additional_config={"qerl_lora": "dense"}``)
 * ``vllm_ext.bench``             ``qerl bench rollout|kernels``: shapes, matrix (configs x variants), runner and
   child (one engine per process), report, kernels (per-layer microbenchmark), lora_configs (Triton configs)
 """
@@ -31,5 +32,11 @@ def register() -> None:
 
     quant.register()
     noisy_norm.register()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():  # the dense LoRA wrapper subclasses vLLM's GPU punica wrapper
+        from vllm_ext import lora_dense
+
+        lora_dense.register()
     _registered = True
     logger.debug("qerl-plugin vLLM extension registered")

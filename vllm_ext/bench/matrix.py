@@ -49,6 +49,7 @@ class Variant:
     engine: dict[str, Any] = field(default_factory=dict)  # LLM(...) keyword arguments
     compilation: dict[str, Any] = field(default_factory=dict)  # compilation_config entries
     nvfp4: dict[str, Any] = field(default_factory=dict)  # additional_config["qerl_nvfp4"] entries
+    additional: dict[str, Any] = field(default_factory=dict)  # other additional_config entries
     only: str | None = None  # None | "lora" | "nvfp4" | "quant"
     lora_tuned: bool = False
     parts: tuple[str, ...] = ()  # presets of a combination
@@ -76,6 +77,8 @@ VARIANTS: dict[str, Variant] = {
                          compilation={"cudagraph_mode": "PIECEWISE"}),
     "full-decode-only": Variant("full CUDA graphs for decode only", compilation={"cudagraph_mode": "FULL_DECODE_ONLY"}),
     "no-async": Variant("async scheduling off", engine={"async_scheduling": False}),
+    "dense-lora": Variant("the adapter as two dense cuBLAS GEMMs per slice instead of punica (vllm_ext.lora_dense)",
+                          additional={"qerl_lora": "dense"}, only="lora"),
 }
 
 # Speed targets: decode ratios of nvfp4-lora vs bf16-lora in the same run, per shape and batch size; LoRA
@@ -99,6 +102,7 @@ def parse_variant(name: str) -> Variant:
         engine={k: v for p in parts for k, v in VARIANTS[p].engine.items()},
         compilation={k: v for p in parts for k, v in VARIANTS[p].compilation.items()},
         nvfp4={k: v for p in parts for k, v in VARIANTS[p].nvfp4.items()},
+        additional={k: v for p in parts for k, v in VARIANTS[p].additional.items()},
         lora_tuned=any(VARIANTS[p].lora_tuned for p in parts),
         parts=tuple(parts),
     )

@@ -97,6 +97,8 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
             compilation.update(variant.compilation)
             if variant.nvfp4 and cfg.quant == options.METHOD:
                 additional[options.NVFP4_KEY] = dict(variant.nvfp4)
+            if cfg.lora:
+                additional.update(variant.additional)
             if compilation:
                 engine["compilation_config"] = compilation
             if additional:
