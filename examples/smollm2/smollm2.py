@@ -647,6 +647,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     if "sample" in summary:
         s = summary["sample"]
         lines.append(f"  test prompt {s['prompt']!r}")
-        lines.append(f"  bf16 greedy {s['response']!r}")
+        text = s["response"]
+        more = f" ... ({len(text) - 240} more characters)" if len(text) > 240 else ""
+        lines.append(f"  bf16 greedy {text[:240]!r}{more}")
         lines.append(f"  expected    {s['ground_truth']} -> score {s['score']}")
     return "\n".join(lines)
