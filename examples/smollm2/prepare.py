@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n-train", type=int, default=2000, metavar="N", help="training problems (default 2000)")
     parser.add_argument("--n-test", type=int, default=200, metavar="N", help="test problems (default 200)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="data seed (default 0)")
+    parser.add_argument("--instruction", default=smollm2.DEMO_INSTRUCTION,
+                        help=f"text after each question (default: {smollm2.DEMO_INSTRUCTION!r})")
     parser.add_argument("--nvfp4", action="store_true", help="also write OUT/nvfp4 with qerl quantize")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT's bf16/, data/, nvfp4/ and prepare.json")
     parser.add_argument("--no-sample", action="store_true", help="skip the greedy answer to one test prompt at the end")
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             n_train=args.n_train,
             n_test=args.n_test,
             seed=args.seed,
+            instruction=args.instruction,
             nvfp4=args.nvfp4,
             overwrite=args.overwrite,
             sample=not args.no_sample,

