@@ -6,6 +6,7 @@ decides their verdicts and what a reader would type from the docs.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import re
@@ -81,3 +82,83 @@ def test_every_session_step_named_in_the_docs_exists(doc):
         named.update(re.findall(r"`([a-z0-9_]+)`", group))
     missing = sorted(named - steps)
     assert not missing, f"{doc} names session.sh steps that scripts/gpu/session.sh does not have: {missing}"
+
+
+@pytest.fixture(scope="module")
+def learning():
+    path = list(sys.path)
+    sys.path.insert(0, str(GPU))
+    try:
+        return importlib.import_module("learning")
+    finally:
+        sys.path[:] = path
+
+
+_FAKE_RUN = """
+import json, os, sys, time
+path = os.environ["VERL_FILE_LOGGER_PATH"]
+steps = int(sys.argv[1])
+with open(path, "a") as fh:
+    fh.write(json.dumps({"step": 0, "data": {"val-core/qerl/synthetic_arithmetic/acc/mean@1": 0.01}}) + "\\n")
+    for s in range(1, steps + 1):
+        data = {"critic/score/mean": s / 10, "timing_s/step": 40.0 if s == 1 else 2.0}
+        if s % 2 == 0:
+            data["val-core/qerl/synthetic_arithmetic/acc/mean@1"] = s / 20
+        fh.write(json.dumps({"step": s, "data": data}) + "\\n")
+        fh.flush()
+        time.sleep(0.05)
+print("done")
+"""
+
+
+def test_learning_runs_are_launched_watched_and_packed(learning, tmp_path, monkeypatch, capsys):
+    """launch/wait/status/pack with a stand-in for verl that writes verl's file-logger lines."""
+    import json
+    import tarfile
+
+    monkeypatch.setattr(learning, "command", lambda arm, seed, run_dir, overrides: [sys.executable, "-c", _FAKE_RUN, str(4 + seed)])
+    work = tmp_path / "learn"
+    assert learning.main(["launch", "--work", str(work), "--runs", "aqn:0,bf16:1", "--stagger", "0"]) == 0
+    assert learning.main(["wait", "--work", str(work), "--timeout", "60", "--every", "0.2"]) == 0
+    rows = {r["run"]: r for r in learning.status(argparse.Namespace(work=work, only=None))}
+    assert set(rows) == {"aqn-s0", "bf16-s1"}
+    a = rows["aqn-s0"]
+    assert (a["alive"], a["failed"], a["step"], a["val_first"], a["val"], a["val_step"]) == (False, False, 4, 0.01, 0.2, 4)
+    assert a["step_s_median"] == 2.0  # the first (compile) step is left out
+    assert rows["bf16-s1"]["step"] == 5
+    assert learning.main(["pack", "--work", str(work), "--out", str(tmp_path / "out"), "--name", "t"]) == 0
+    with tarfile.open(tmp_path / "out" / "t.tar.gz") as tar:
+        names = set(tar.getnames())
+        summary = json.load(tar.extractfile("t/summary.json"))
+    assert {"t/aqn-s0/metrics.jsonl", "t/bf16-s1/run.log", "t/bf16-s1/cmd.json"} <= names
+    assert {r["run"] for r in summary} == {"aqn-s0", "bf16-s1"}
+    # --after refuses to start anything behind a run that is not alive
+    assert learning.main(["launch", "--work", str(work), "--runs", "nvfp4:0", "--after", "aqn-s0:10"]) == 1
+    assert not (work / "nvfp4-s0").exists()
+
+
+def test_learning_arms_and_bad_runs(learning):
+    assert learning.parse_runs("aqn:0, bf16:2") == [("aqn", 0), ("bf16", 2)]
+    with pytest.raises(SystemExit, match="ARM:SEED"):
+        learning.parse_runs("fp8:0")
+    cmd = learning.command("bf16", 3, Path("/x/bf16-s3"), ["trainer.total_training_steps=5"])
+    assert "actor_rollout_ref.rollout.quantization=null" in cmd and "data.seed=3" in cmd and cmd[-1] == "trainer.total_training_steps=5"
+    assert "actor_rollout_ref.rollout.custom.qerl.aqn.enable=true" in learning.command("aqn", 0, Path("/x"), [])
+
+
+def test_entropy_of_a_position_from_its_top_k(tmp_path):
+    import math
+    import types
+
+    sys.path.insert(0, str(GPU))
+    try:
+        entropy_sigma = importlib.import_module("entropy_sigma")
+    finally:
+        sys.path.remove(str(GPU))
+    lp = lambda p: types.SimpleNamespace(logprob=math.log(p))  # noqa: E731
+    # all the mass in the top k: the exact entropy
+    assert entropy_sigma.position_entropy({1: lp(0.5), 2: lp(0.5)}, vocab=100) == pytest.approx(math.log(2))
+    # 0.2 left over, spread evenly over the 98 other tokens
+    h = entropy_sigma.position_entropy({1: lp(0.5), 2: lp(0.3)}, vocab=100)
+    want = -(0.5 * math.log(0.5) + 0.3 * math.log(0.3)) - 0.2 * math.log(0.2 / 98)
+    assert h == pytest.approx(want)

@@ -103,8 +103,8 @@ def launch(args: argparse.Namespace) -> int:
         name, _, step = args.after.partition(":")
         while run_status(work / name)["step"] < int(step):
             if not run_status(work / name)["alive"]:
-                log(f"{name} is not running; starting anyway")
-                break
+                log(f"{name} is not running (see {work / name / 'run.log'}); nothing started")
+                return 1
             time.sleep(5)
     for i, (arm, seed) in enumerate(runs):
         run_dir = work / run_name(arm, seed)
@@ -200,7 +200,9 @@ def _fmt(v, spec: str) -> str:
 
 
 def status(args: argparse.Namespace) -> list[dict]:
-    rows = [run_status(d) for d in sorted(args.work.resolve().iterdir()) if (d / "cmd.json").exists()]
+    only = set(getattr(args, "only", None) or [])
+    rows = [run_status(d) for d in sorted(args.work.resolve().iterdir())
+            if (d / "cmd.json").exists() and (not only or d.name in only)]
     print(f"{'run':10} {'state':7} {'step':>4} {'reward':>7} {'val0':>6} {'val':>6} {'@':>4} {'step_s':>7} {'wall_s':>7}")
     for r in rows:
         state = "FAILED" if r["failed"] and not r["alive"] else ("running" if r["alive"] else "done")
@@ -289,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "wait":
             s.add_argument("--timeout", type=float, default=540, help="give up waiting after this many seconds")
             s.add_argument("--every", type=float, default=30, help="seconds between status tables")
+            s.add_argument("--only", action="append", metavar="RUN", help="wait for these runs only (e.g. aqn-s0)")
         if name == "pack":
             s.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".out")))
             s.add_argument("--name", default="learning")

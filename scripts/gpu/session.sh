@@ -95,6 +95,8 @@ run_step() {
     watch)  # status of the runs until they end or the call's time is nearly up
         step watch 580 python3 scripts/gpu/learning.py wait --work "$work/learn" --timeout $((deadline - SECONDS - 40)) ;;
     entropy) step entropy 400 python3 scripts/gpu/entropy_sigma.py --model /tmp/qerl_smollm2/bf16 --data /tmp/qerl_smollm2/data/test.parquet ;;
+    demo_done)  # wait for the demo run alone to end
+        step demo_done 580 python3 scripts/gpu/learning.py wait --work "$work/learn" --only aqn-s0 --timeout $((deadline - SECONDS - 40)) ;;
     export)  # the demo's final checkpoint -> PEFT adapter (comes back in $OUT)
         step export 120 bash -c 'ck=$(ls -d '"$work"'/learn/aqn-s0/checkpoints/global_step_* | sort -V | tail -1) && python3 -m qerl_plugin.cli export "$ck/actor" '"$work"'/adapter --overwrite --dtype bfloat16 --base /tmp/qerl_smollm2/bf16 && cp -r '"$work"'/adapter "'"$final"'/adapter"' ;;
     eval_adapter)  # greedy pass@1 and pass@8 on the test split: the NVFP4 base with and without the demo's adapter (vLLM)
