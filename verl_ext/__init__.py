@@ -44,4 +44,7 @@ try:
 except Exception as _e:  # pragma: no cover - install() guards itself; never break ``import verl``
     logger.warning("qerl-plugin: could not install its verl patches: %s: %s", type(_e).__name__, _e)
 REGISTERED = True
+from qerl_plugin import sampler as _sampler  # noqa: E402 - standard library only
+
+_sampler.start_from_env()  # QERL_PROFILE_DIR: a wall-clock sampling profile of every verl process
 logger.debug("qerl-plugin verl extension loaded (patches installed: %s)", PATCHES_INSTALLED)

@@ -28,6 +28,9 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    from qerl_plugin import sampler
+
+    sampler.start_from_env()  # QERL_PROFILE_DIR: a wall-clock sampling profile of every vLLM process
     from vllm_ext import noisy_norm, quant
 
     quant.register()

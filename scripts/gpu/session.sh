@@ -54,7 +54,7 @@ run_step() {
     project)  # the project only (code changed since install); the wheels stay
         step project 120 bash -c 'python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . && echo project installed' ;;
     install)
-        step install 300 bash -c 'bash .gpu/p08/install.sh && python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . && echo project installed' ;;
+        step install 300 bash -c 'bash .gpu/p08/install.sh && python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . && echo project installed && t=$SECONDS && python3 -m compileall -q -j 16 /tmp/site >/dev/null 2>&1; echo "byte-compiled /tmp/site in $((SECONDS - t)) s (once, instead of in every Ray and vLLM process)"' ;;
     smoke)
         step smoke 120 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch,vllm,verl,compressed_tensors,transformers;print(torch.__version__,vllm.__version__,verl.__version__,compressed_tensors.__version__,transformers.__version__)"; python3 -m qerl_plugin.cli doctor' ;;
     vllm_load) step vllm_load 300 python3 scripts/gpu/check_vllm_load.py ;;
@@ -85,11 +85,13 @@ run_step() {
     v7_bf16) step v7_bf16 580 bash scripts/gpu/verl_7b_memory_step.sh bf16 summary --out "$work/verl_7b" ${V7_ARGS:-} ;;
     # --- the learning study on SmolLM2-135M-Instruct (docs/learning.md): model, step time, demo, study, entropy
     smol)  # the GGUF travels in parts (/tmp/stage_smol); prepare writes /tmp/qerl_smollm2/{bf16,nvfp4,data}
-        step smol 300 bash -c 'cat /tmp/stage_smol/gguf.part* > /tmp/smol.gguf && python3 examples/smollm2/prepare.py /tmp/qerl_smollm2 --gguf /tmp/smol.gguf --nvfp4 --overwrite' ;;
+        step smol 300 bash -c 'cat /tmp/stage_smol/gguf.part* > /tmp/smol.gguf && python3 examples/smollm2/prepare.py /tmp/qerl_smollm2 --gguf /tmp/smol.gguf --nvfp4 --overwrite --no-sample' ;;
     steptime_bf16)  # the demo's settings on the BF16 base, alone on the GPU, 12 steps without validation
         step steptime_bf16 420 python3 scripts/gpu/learning.py launch --runs bf16:0 --work "$work/steptime" --override trainer.total_training_steps=12 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 && python3 scripts/gpu/learning.py wait --work "$work/steptime" --timeout 400 --every 20 ;;
     demo)  # the demo (NVFP4 + LoRA + AQN, seed 0) alone; later calls watch it
         step demo 60 python3 scripts/gpu/learning.py launch --runs aqn:0 --work "$work/learn" ;;
+    arms)  # one seed of each arm side by side (the demo's run is aqn-s0), with the sampling profiler on
+        step arms 120 env QERL_PROFILE_DIR="$work/prof" python3 scripts/gpu/learning.py launch --work "$work/learn" --stagger 20 --runs aqn:0,nvfp4:0,bf16:0 ;;
     study)  # the other eight runs of the study, side by side, once the demo has 10 steps alone
         step study 400 python3 scripts/gpu/learning.py launch --work "$work/learn" --after aqn-s0:10 --lean --stagger 15 --runs bf16:0,nvfp4:0,aqn:1,bf16:1,nvfp4:1,aqn:2,bf16:2,nvfp4:2 ;;
     watch)  # status of the runs until they end or the call's time is nearly up
