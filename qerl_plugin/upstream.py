@@ -295,6 +295,10 @@ _VERL: tuple[Upstream, ...] = (
              "extract the LoRA adapter by parameter name: PEFT 0.21 matches FSDP1's wrapped module names against "
              "clean state-dict keys and returns nothing, which vLLM's add_lora then fails on (StopIteration)",
              params=("module", "layered_summon", "base_sync_done"), wrapper="verl_ext.adapter_sync:wrap_collect_lora_params"),
+    Upstream("verl.utils.torch_functional:logprobs_from_logits_v2", "wraps", "verl_ext.logprobs",
+             "per-token log-probabilities in blocks of rows instead of verl's loop over rows (its path without "
+             "flash-attn: one logsumexp per token under remove-padding)", params=("logits", "labels"),
+             wrapper="verl_ext.logprobs:wrap_logprobs_from_logits_v2"),
     Upstream("verl.utils.fsdp_utils:collect_lora_params", "wraps", "verl_ext.adapter_sync",
              "the same fix for callers that import it from verl.utils.fsdp_utils",
              params=("module", "layered_summon", "base_sync_done"), wrapper="verl_ext.adapter_sync:wrap_collect_lora_params"),
