@@ -46,7 +46,8 @@ def load_prompts(data: Path, tokenizer_dir: Path, limit: int) -> list[list[int]]
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     rows = pd.read_parquet(data).head(limit)
-    return [list(tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)) for p in rows["prompt"]]
+    texts = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False) for p in rows["prompt"]]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
 def position_entropy(top: dict, vocab: int) -> float:

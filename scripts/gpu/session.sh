@@ -102,9 +102,9 @@ run_step() {
     export)  # the demo's final checkpoint -> PEFT adapter (comes back in $OUT)
         step export 120 bash -c 'ck=$(ls -d '"$work"'/learn/aqn-s0/checkpoints/global_step_* | sort -V | tail -1) && python3 -m qerl_plugin.cli export "$ck/actor" '"$work"'/adapter --overwrite --dtype bfloat16 --base /tmp/qerl_smollm2/bf16 && cp -r '"$work"'/adapter "'"$final"'/adapter"' ;;
     eval_adapter)  # greedy pass@1 and pass@8 on the test split: the NVFP4 base with and without the demo's adapter (vLLM)
-        step eval_adapter 420 bash -c 'python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --n 8 --max-new-tokens 64 --out '"$work"'/eval_adapter/base.jsonl --gpu-memory-utilization 0.1 && python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --adapter '"$work"'/adapter --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --n 8 --max-new-tokens 64 --out '"$work"'/eval_adapter/adapter.jsonl --gpu-memory-utilization 0.1' ;;
+        step eval_adapter 420 bash -c 'python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --n 8 --max-new-tokens 64 --out '"$work"'/eval_adapter/base.jsonl --gpu-memory-utilization 0.1 && python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --adapter '"${ADAPTER:-$work/adapter}"' --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --n 8 --max-new-tokens 64 --out '"$work"'/eval_adapter/adapter.jsonl --gpu-memory-utilization 0.1' ;;
     serve_demo)  # vllm serve the NVFP4 checkpoint with the demo's adapter; greedy accuracy through the server
-        step serve_demo 300 python3 scripts/gpu/serve_adapter.py --model /tmp/qerl_smollm2/nvfp4 --adapter "$work/adapter" --eval-data /tmp/qerl_smollm2/data/test.parquet ;;
+        step serve_demo 300 python3 scripts/gpu/serve_adapter.py --model /tmp/qerl_smollm2/nvfp4 --adapter "${ADAPTER:-$work/adapter}" --eval-data /tmp/qerl_smollm2/data/test.parquet ;;
     *) echo "unknown step $1" ;;
     esac
 }
