@@ -295,6 +295,10 @@ _VERL: tuple[Upstream, ...] = (
              "extract the LoRA adapter by parameter name: PEFT 0.21 matches FSDP1's wrapped module names against "
              "clean state-dict keys and returns nothing, which vLLM's add_lora then fails on (StopIteration)",
              params=("module", "layered_summon", "base_sync_done"), wrapper="verl_ext.adapter_sync:wrap_collect_lora_params"),
+    Upstream("verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__", "wraps", "verl_ext.replay",
+             "poll for finished rollouts every 0.1 s instead of 2 s (timing_s/gen came in multiples of 2 s)",
+             params=("self", "trainer_mode", "trainer_config", "max_off_policy_threshold", "max_off_policy_strategy",
+                     "sampler_kwargs", "poll_interval"), wrapper="verl_ext.replay:wrap_replay_buffer_init"),
     Upstream("verl.utils.torch_functional:logprobs_from_logits_v2", "wraps", "verl_ext.logprobs",
              "per-token log-probabilities in blocks of rows instead of verl's loop over rows (its path without "
              "flash-attn: one logsumexp per token under remove-padding)", params=("logits", "labels"),

@@ -106,7 +106,11 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.08)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".out")) / "entropy_sigma")
     p.add_argument("--engine", choices=("bf16", "nvfp4"), help=argparse.SUPPRESS)  # one engine per child process
+    p.add_argument("--plot", type=Path, metavar="JSON", help="draw an entropy_sigma.json (no GPU) into --png")
+    p.add_argument("--png", type=Path, default=Path("entropy_sigma.png"))
     args = p.parse_args()
+    if args.plot:
+        return plot(json.loads(args.plot.read_text()), args.png)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.engine is None:
         import subprocess
@@ -154,6 +158,37 @@ def main() -> int:
                     f"forced {row['forced_mean_se'][0]:.5f} +- {row['forced_mean_se'][1]:.5f}")
             result["nvfp4_sweep"] = sweep
     (args.out / f"entropy_sigma_{args.engine}.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def plot(result: dict, png: Path) -> int:
+    """Entropy per token against sigma (mean and standard error over the noise draws), both measures."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["nvfp4_sweep"]
+    xs = [r["sigma"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for key, label in (("own_mean_se", "own samples (T=1)"), ("forced_mean_se", "fixed sequences (teacher-forced)")):
+        ax.errorbar(range(len(xs)), [r[key][0] for r in rows], yerr=[r[key][1] for r in rows], marker="o", capsize=3,
+                    label=label)
+    for name, style in (("bf16", ":"), ("nvfp4", "--")):
+        m = result.get(f"{name}_own_sigma0", {}).get("mean_se")
+        if m:
+            ax.axhline(m[0], linestyle=style, color="gray", linewidth=1)
+            ax.text(len(xs) - 1, m[0], f" {name.upper()} own, sigma 0", va="bottom", ha="right", fontsize=8, color="gray")
+    ax.set_xticks(range(len(xs)), [f"{x:g}" for x in xs])
+    ax.set_xlabel("AQN sigma (NVFP4 engine)")
+    ax.set_ylabel("entropy, nats per token")
+    ax.set_title(f"SmolLM2-135M rollout entropy vs AQN sigma ({result['prompts']} test prompts, {result['draws']} draws)",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=150)
+    print(f"wrote {png}")
     return 0
 
 
