@@ -47,7 +47,12 @@ ARMS: dict[str, list[str]] = {
 # Several runs on one GPU: the same algorithm and hyper-parameters, smaller memory (micro-batches by token count,
 # gradient checkpointing, a small vLLM reservation) and fewer helper processes per run. Only speed and memory
 # differ from the demo's settings, not the arithmetic of a step.
+# vLLM sizes its KV cache by profiling free GPU memory at start-up and aborts when another process frees memory
+# meanwhile ("Error in memory profiling", seen on the H100 with three runs starting side by side); a fixed KV cache
+# (2 GiB: 256 sequences x 192 tokens of SmolLM2 need ~1.1 GiB) skips that.
+SIDE_BY_SIDE = "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=2147483648"
 LEAN: list[str] = [
+    SIDE_BY_SIDE,
     "actor_rollout_ref.model.enable_gradient_checkpointing=true",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=8192",

@@ -91,7 +91,7 @@ run_step() {
     demo)  # the demo (NVFP4 + LoRA + AQN, seed 0) alone; later calls watch it
         step demo 60 python3 scripts/gpu/learning.py launch --runs aqn:0 --work "$work/learn" ;;
     arms)  # one seed of each arm side by side (the demo's run is aqn-s0), with the sampling profiler on
-        step arms 120 env QERL_PROFILE_DIR="$work/prof" python3 scripts/gpu/learning.py launch --work "$work/learn" --stagger 20 --runs aqn:0,nvfp4:0,bf16:0 ;;
+        step arms 120 env QERL_PROFILE_DIR="$work/prof" python3 scripts/gpu/learning.py launch --work "$work/learn" --stagger 45 --runs aqn:0,nvfp4:0,bf16:0 --override +actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=2147483648 ;;
     study)  # the other eight runs of the study, side by side, once the demo has 10 steps alone
         step study 400 python3 scripts/gpu/learning.py launch --work "$work/learn" --after aqn-s0:10 --lean --stagger 15 --runs bf16:0,nvfp4:0,aqn:1,bf16:1,nvfp4:1,aqn:2,bf16:2,nvfp4:2 ;;
     watch)  # status of the runs until they end or the call's time is nearly up
