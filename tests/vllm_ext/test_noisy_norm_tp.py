@@ -13,7 +13,8 @@ Shown: both ranks report the same norms and the same checksum for (seed, stage),
 ``qerl_noise`` buffer and the same noisy norm outputs for the same input, equal to the vectors the actor draws
 for the same Hugging Face norm names (``verl_ext.aqn_hook.ActorNoise``, the ``apply_to_actor`` path); another
 seed or stage gives another checksum; clearing restores vLLM's RMSNorm on both. And: only rank 0 prints the
-line (what a 2-GPU log shows; rank 1's checksum comes back only in the RPC's return value).
+line (what a 2-GPU log shows; rank 1's checksum comes back only in the RPC's return value). Both ranks also
+accept the same full-size adapter through the sync's validation and build (``build_lora_model``).
 """
 
 from __future__ import annotations
@@ -108,6 +109,30 @@ RANK_CODE = textwrap.dedent(
         if (seed, stage) == tuple(settings[0]):
             torch.save({name: n.qerl_noise.clone() for name, n in norms}, f"{out}/noise{rank}.pt")
     report["cleared"] = ext.qerl_clear_noise()
+
+    # the adapter sync's validation and build (verl_ext's sync calls it on every TP rank with the full tensors)
+    import vllm.lora.lora_model
+    from vllm.config import LoRAConfig
+    from vllm_ext.worker_extension import build_lora_model
+    vllm.lora.lora_model.PIN_MEMORY = False  # no pinned memory without an NVIDIA driver
+    shapes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (64, 32), "self_attn.v_proj": (64, 32),
+              "self_attn.o_proj": (64, 64), "mlp.gate_proj": (64, 128), "mlp.up_proj": (64, 128),
+              "mlp.down_proj": (128, 64)}
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for i in range(2):
+        for m, (n_in, n_out) in shapes.items():
+            tensors[f"base_model.model.model.layers.{i}.{m}.lora_A.weight"] = torch.randn(8, n_in, generator=g)
+            tensors[f"base_model.model.model.layers.{i}.{m}.lora_B.weight"] = torch.randn(n_out, 8, generator=g)
+    peft_config = {"r": 8, "lora_alpha": 16, "target_modules": sorted({m.split(".")[-1] for m in shapes}),
+                   "bias": "none", "peft_type": "LORA"}
+    with set_current_vllm_config(vc):
+        lora = build_lora_model("policy", 1, tensors, peft_config, model=model, lora_config=LoRAConfig(max_lora_rank=8),
+                                vocab_size=128)
+    report["adapter_modules"] = len(lora.loras)
+    report["adapter_sha"] = hashlib.sha256(b"".join(
+        sha(t).encode() for name in sorted(lora.loras) for t in (lora.loras[name].lora_a, lora.loras[name].lora_b)
+    )).hexdigest()
     report["cleared_outputs"] = norm_outputs()
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(report, f)
@@ -172,6 +197,15 @@ def test_checksums_agree_across_ranks_and_change_with_seed_and_stage(ranks):
     assert len(set(checksums)) == len(SETTINGS)
     for r in reports:
         assert r["cleared"]["norms"] == 5 and r["cleared_outputs"] == r["stock_outputs"]
+
+
+def test_both_ranks_accept_and_build_the_same_full_adapter(ranks):
+    """The adapter sync hands every TP rank the whole (unsliced) PEFT tensors; each rank's validation compares
+    them with the layers' full sizes and builds the same vLLM LoRAModel (vLLM's LoRA layers slice it later,
+    on the GPU)."""
+    reports, _, _ = ranks
+    assert [r["adapter_modules"] for r in reports] == [14, 14]
+    assert reports[0]["adapter_sha"] == reports[1]["adapter_sha"]
 
 
 def test_the_vectors_are_the_actors(ranks):
