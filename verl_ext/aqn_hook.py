@@ -139,9 +139,15 @@ async def apply_step_noise(worker, global_steps) -> dict | None:
         setting = rollout_setting(state["schedule"], global_steps)
     t0 = time.perf_counter()
     rollout = worker.rollout
-    await rollout._execute_method(
+    results = await rollout._execute_method(
         "qerl_set_noise", kwargs={"sigma": float(setting.sigma), "seed": int(setting.seed), "stage": int(setting.key)}
     )
+    # collective_rpc answers once per vLLM worker (tensor-parallel rank): each rank's noise checksum
+    ranks = [
+        {k: r.get(k) for k in ("rank", "norms", "checksum")}
+        for r in (results if isinstance(results, (list, tuple)) else [])
+        if isinstance(r, dict)
+    ]
     if rollout._ensure_server_handle():
         await rollout.server_handle.clear_kv_cache.remote()
     if settings.aqn_apply_to_actor:
@@ -156,10 +162,15 @@ async def apply_step_noise(worker, global_steps) -> dict | None:
         "seed": setting.seed,
         "key": setting.key,
         "rpc_s": time.perf_counter() - t0,
+        "ranks": ranks,
     }
+    if len({r["checksum"] for r in ranks}) > 1:
+        logger.warning("qerl AQN: the vLLM ranks hold different noise (checksums %s); they must agree", ranks)
     if getattr(rollout, "_has_server", True):
         logger.info("qerl AQN: %s", info)
-        print(f"[qerl] AQN after update_weights({global_steps}): stage {setting.stage} sigma {setting.sigma:.3e}", flush=True)
+        sums = ", ".join(f"rank {r['rank']} {r['checksum']:.6g}" for r in ranks if isinstance(r.get("checksum"), (int, float)))
+        print(f"[qerl] AQN after update_weights({global_steps}): stage {setting.stage} sigma {setting.sigma:.3e}"
+              + (f" (noise checksums: {sums})" if sums else ""), flush=True)
     return info
 
 

@@ -30,12 +30,14 @@ class RecordingRollout:
 
     _has_server = True
 
-    def __init__(self):
+    def __init__(self, answers=None):
         self.calls = []
         self.cleared = 0
+        self.answers = answers  # what collective_rpc returns: one dict per vLLM rank
 
     async def _execute_method(self, method, non_block=False, timeout=None, args=(), kwargs=None):
         self.calls.append((method, dict(kwargs or {})))
+        return self.answers
 
     def _ensure_server_handle(self):
         return False
@@ -227,3 +229,18 @@ def test_tracking_logs_sigma_and_stage_per_training_step(capsys):
     assert not any("qerl/" in l for l in out.splitlines() if "val-core" in l)
     plain = Tracking(project_name="p", experiment_name="e", default_backend="console", config={"trainer": {}})
     assert plain._qerl_aqn_schedule is None
+
+
+def test_each_ranks_noise_checksum_is_reported_and_a_mismatch_is_flagged(capsys, caplog):
+    import logging
+
+    w = _worker()
+    w.rollout = RecordingRollout([{"rank": 0, "norms": 61, "checksum": 0.25, "sigma": S0},
+                                  {"rank": 1, "norms": 61, "checksum": 0.25, "sigma": S0}])
+    info = asyncio.run(aqn_hook.apply_step_noise(w, TOTAL // 2))
+    assert info["ranks"] == [{"rank": 0, "norms": 61, "checksum": 0.25}, {"rank": 1, "norms": 61, "checksum": 0.25}]
+    assert "(noise checksums: rank 0 0.25, rank 1 0.25)" in capsys.readouterr().out
+    w.rollout.answers[1]["checksum"] = 0.5
+    with caplog.at_level(logging.WARNING, logger="qerl.verl.aqn"):
+        asyncio.run(aqn_hook.apply_step_noise(w, TOTAL // 2))
+    assert any("different noise" in r.getMessage() for r in caplog.records)
