@@ -40,7 +40,10 @@ from qerl_plugin.evaluate_inputs import (
 )
 from qerl_plugin.evaluate_metrics import Completion, Scored, pass_at_k, report_ks, summarize
 
-__all__ = ["BACKENDS", "EvalConfig", "add_arguments", "choose_backend", "encode_prompts", "run", "run_eval", "summary_path"]
+__all__ = [
+    "BACKENDS", "EvalConfig", "add_arguments", "choose_backend", "encode_chat", "encode_prompts", "run", "run_eval",
+    "summary_path",
+]  # fmt: skip
 
 HELP = "greedy pass@1 and sampled pass@k of a model (+ LoRA adapter) on verl RL data (vLLM or transformers)"
 # backend -> (module, class); imported only when chosen, so this module never imports vLLM
@@ -115,13 +118,15 @@ def load_tokenizer(info: ModelInfo):
     return tok
 
 
+def encode_chat(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of one chat prompt, formatted as verl's RLHFDataset does (template text, no extra special tokens)."""
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def encode_prompts(tokenizer, examples: Sequence[Example]) -> list[list[int]]:
-    """Token ids of each prompt, formatted as verl's RLHFDataset does (template text, no extra special tokens)."""
-    out = []
-    for ex in examples:
-        text = tokenizer.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=False)
-        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
-    return out
+    """Token ids of each example's prompt (:func:`encode_chat`)."""
+    return [encode_chat(tokenizer, ex.messages) for ex in examples]
 
 
 def stop_ids(tokenizer, info: ModelInfo) -> tuple[list[int], int]:

@@ -25,7 +25,7 @@ from qerl_plugin import nvfp4
 from qerl_plugin.evaluate_inputs import AdapterInfo, EvalError, ModelInfo
 from qerl_plugin.evaluate_metrics import Completion
 
-__all__ = ["HFBackend", "load_model", "nvfp4_checkpoint_weights", "nvfp4_round_trip_weights"]
+__all__ = ["HFBackend", "generate_left_padded", "load_model", "nvfp4_checkpoint_weights", "nvfp4_round_trip_weights"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -126,6 +126,35 @@ def load_model(info: ModelInfo, quantization: str | None = None, dtype: str = "a
     return model.to(device).eval()
 
 
+@torch.no_grad()
+def generate_left_padded(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    batch_size: int,
+    pad_id: int,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+    desc: str = "generate",
+    **generate_kwargs,
+) -> list[list[int]]:
+    """``model.generate(**generate_kwargs)`` over token-id ``prompts`` in left-padded batches of ``batch_size``:
+    the new tokens of every returned sequence, prompt by prompt (``num_return_sequences`` each)."""
+    from tqdm.auto import tqdm
+
+    out: list[list[int]] = []
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, disable=not progress)
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        out += model.generate(input_ids=ids, attention_mask=mask, **generate_kwargs)[:, width:].tolist()
+        bar.update(len(batch))
+    bar.close()
+    return out
+
+
 class HFBackend:
     """Generation with transformers; ``generate`` takes token ids and returns completions per prompt."""
 
@@ -174,8 +203,6 @@ class HFBackend:
         seed: int = 0,
         desc: str = "generate",
     ) -> list[list[Completion]]:
-        from tqdm.auto import tqdm
-
         sample = temperature > 0
         if sample:
             torch.manual_seed(seed)
@@ -190,20 +217,14 @@ class HFBackend:
             kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
         else:
             kwargs.update(temperature=None, top_k=None, top_p=None)
+        generated = generate_left_padded(
+            self.model, prompts, batch_size=self.batch_size, pad_id=pad_id, device=self.device,
+            progress=self.progress, desc=desc, **kwargs,
+        )  # fmt: skip
         eos = set(eos_ids)
-        out: list[list[Completion]] = []
-        bar = tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, disable=not self.progress)
-        for start in range(0, len(prompts), self.batch_size):
-            batch = prompts[start : start + self.batch_size]
-            width = max(len(p) for p in batch)
-            ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in batch], device=self.device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=self.device)
-            generated = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)[:, width:].tolist()
-            for i in range(len(batch)):
-                out.append([self._completion(seq, eos, max_new_tokens) for seq in generated[i * n : (i + 1) * n]])
-            bar.update(len(batch))
-        bar.close()
-        return out
+        return [
+            [self._completion(seq, eos, max_new_tokens) for seq in generated[i * n : (i + 1) * n]] for i in range(len(prompts))
+        ]
 
     def _completion(self, tokens: list[int], eos: set[int], max_new_tokens: int) -> Completion:
         end = next((j for j, t in enumerate(tokens) if t in eos), None)

@@ -463,32 +463,30 @@ def greedy_generate(
     max_new_tokens: int = 160,
     batch_size: int = 32,
 ) -> list[dict[str, Any]]:
-    """Greedy responses to chat ``conversations`` (left-padded batches). Each result has ``text``,
-    ``n_tokens`` and ``stopped`` (ended with eos, not the token limit)."""
-    import torch
+    """Greedy responses to chat ``conversations`` (``qerl eval``'s prompts and left-padded batches). Each result
+    has ``text``, ``n_tokens`` and ``stopped`` (ended with eos, not the token limit)."""
+    from qerl_plugin.evaluate import encode_chat
+    from qerl_plugin.evaluate_hf import generate_left_padded
 
-    tokenizer.padding_side = "left"
+    rows = generate_left_padded(
+        model,
+        [encode_chat(tokenizer, c) for c in conversations],
+        batch_size=batch_size,
+        pad_id=EOS_TOKEN_ID,
+        device=model.device,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=EOS_TOKEN_ID,
+        top_p=None,
+        top_k=None,
+        temperature=None,
+    )
     results: list[dict[str, Any]] = []
-    for start in range(0, len(conversations), batch_size):
-        chunk = conversations[start : start + batch_size]
-        texts = [tokenizer.apply_chat_template(list(c), tokenize=False, add_generation_prompt=True) for c in chunk]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            out = model.generate(
-                **enc,
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=EOS_TOKEN_ID,
-                pad_token_id=EOS_TOKEN_ID,
-                top_p=None,
-                top_k=None,
-                temperature=None,
-            )
-        new = out[:, enc["input_ids"].shape[1] :]
-        for row in new.tolist():
-            stopped = EOS_TOKEN_ID in row
-            toks = row[: row.index(EOS_TOKEN_ID)] if stopped else row
-            results.append({"text": tokenizer.decode(toks, skip_special_tokens=True), "n_tokens": len(toks), "stopped": stopped})
+    for row in rows:
+        stopped = EOS_TOKEN_ID in row
+        toks = row[: row.index(EOS_TOKEN_ID)] if stopped else row
+        results.append({"text": tokenizer.decode(toks, skip_special_tokens=True), "n_tokens": len(toks), "stopped": stopped})
     return results
 
 
