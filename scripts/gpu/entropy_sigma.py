@@ -32,7 +32,8 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # collective_rpc with a callable needs in-process
 
-EXTENSION = "vllm_ext.worker_extension.QerlWorkerExtension"
+from qerl_plugin import options  # noqa: E402
+
 TOP_K = 20
 
 
@@ -44,10 +45,11 @@ def load_prompts(data: Path, tokenizer_dir: Path, limit: int) -> list[list[int]]
     import pandas as pd
     from transformers import AutoTokenizer
 
+    from qerl_plugin.evaluate import encode_chat
+
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     rows = pd.read_parquet(data).head(limit)
-    texts = [tok.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False) for p in rows["prompt"]]
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [encode_chat(tok, p) for p in rows["prompt"]]
 
 
 def position_entropy(top: dict, vocab: int) -> float:
@@ -133,7 +135,7 @@ def main() -> int:
         t0 = time.time()
         llm = LLM(model=str(args.model), quantization=quant, dtype="bfloat16", seed=0, max_model_len=512,
                   gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
-                  worker_extension_cls=EXTENSION, additional_config={"qerl_aqn": True})
+                  worker_extension_cls=options.WORKER_EXTENSION, additional_config=options.engine_config(aqn=True))
         vocab = llm.llm_engine.model_config.get_vocab_size()
         log(f"{name} engine up in {time.time() - t0:.0f} s (vocab {vocab})")
         llm.collective_rpc("qerl_clear_noise")
