@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
-from qerl_plugin.options import parse_bool
+from qerl_plugin.options import PEFT_PREFIX, parse_bool
 
 __all__ = [
     "AQN_SKIPPED_NORMS",
@@ -389,8 +389,6 @@ WRAPPER_FRAGMENTS = (
     "_checkpoint_wrapped_module.",  # activation checkpointing wrapper
     "_offload_wrapped_module.",
 )
-# What PEFT puts in front of the wrapped model's module names.
-PEFT_PREFIX = "base_model.model."
 _PEFT_MODULES_TO_SAVE = re.compile(r"\.(?:modules_to_save\.[^.]+|original_module)(?=\.|$)")
 # Last name part of the RMSNorms AQN leaves alone: per-head q/k norms scale attention logits and feed no
 # linear projection.

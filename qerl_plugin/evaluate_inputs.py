@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from qerl_plugin.options import PEFT_PREFIX
 from qerl_plugin.source import CONFIG_FILE, read_headers, weight_files
 
 __all__ = [
@@ -43,7 +44,6 @@ _DATA_HINT = (
     "qerl eval reads verl RL rows with data_source, prompt (chat messages) and reward_model.ground_truth, "
     "as scripts/data/make_synthetic_arithmetic.py and scripts/data/prepare_gsm8k.py write them"
 )
-_PEFT_PREFIX = "base_model.model."
 
 
 class EvalError(ValueError):
@@ -261,7 +261,7 @@ def inspect_adapter(adapter: str | Path) -> AdapterInfo:
     weights = next((path / n for n in ADAPTER_WEIGHTS if (path / n).is_file()), None)
     if weights is None:
         raise EvalError(f"--adapter {adapter}: no {' or '.join(ADAPTER_WEIGHTS)}; {fix}")
-    shapes = {k.removeprefix(_PEFT_PREFIX): s for k, s in _adapter_shapes(weights).items()}
+    shapes = {k.removeprefix(PEFT_PREFIX): s for k, s in _adapter_shapes(weights).items()}
     ranks = [s[0] for k, s in shapes.items() if (".lora_A." in k or ".lora_embedding_A" in k) and s]
     if not ranks:
         raise EvalError(f"{weights}: no lora_A tensors; {fix}")

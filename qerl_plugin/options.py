@@ -28,6 +28,7 @@ __all__ = [
     "METHOD",
     "NVFP4_BACKENDS",
     "NVFP4_KEY",
+    "PEFT_PREFIX",
     "VERL_WORKER_EXTENSION",
     "WORKER_EXTENSION",
     "aqn_enabled",
@@ -50,6 +51,8 @@ LORA_MODES = ("punica", "dense")  # vLLM's multi-adapter kernels (its default) |
 # vLLM worker extensions: qerl's RPCs alone, and verl's extension with qerl's RPCs (what verl_ext starts).
 WORKER_EXTENSION = "vllm_ext.worker_extension.QerlWorkerExtension"
 VERL_WORKER_EXTENSION = "verl_ext.worker_extension.QerlVerlWorkerExtension"
+# What PEFT puts in front of the wrapped model's module names (and its adapter files' tensor names).
+PEFT_PREFIX = "base_model.model."
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
