@@ -144,9 +144,9 @@ def test_marlin_op_check_matches_the_installed_vllm(json_report):
     """The Marlin check against the installed vLLM itself, not against doctor's constants.
 
     The ops come from vLLM's Marlin FP4 source, the libraries from the files in the vllm package whose binaries
-    register those ops, and whether they load from a fresh interpreter. (The first doctor imported ``vllm._C``,
-    which vLLM 0.24's CUDA wheel does not ship, and reported the op missing on an H100 where it was there; a
-    test built from doctor's own library list agreed with it.)
+    register those ops, and whether they load from a fresh interpreter. (A test built from doctor's own library
+    list would agree with a doctor that imports the wrong library: vLLM 0.24's CUDA wheel registers
+    ``torch.ops._C`` from ``vllm._C_stable_libtorch`` and ships no ``vllm._C``.)
     """
     pkg = _vllm_package()
     ops = _marlin_fp4_ops(pkg)
