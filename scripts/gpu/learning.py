@@ -48,7 +48,7 @@ ARMS: dict[str, list[str]] = {
 # gradient checkpointing, a small vLLM reservation) and fewer helper processes per run. Only speed and memory
 # differ from the demo's settings, not the arithmetic of a step.
 # vLLM sizes its KV cache by profiling free GPU memory at start-up and aborts when another process frees memory
-# meanwhile ("Error in memory profiling", seen on the H100 with three runs starting side by side); a fixed KV cache
+# meanwhile ("Error in memory profiling", as when runs start side by side); a fixed KV cache
 # (2 GiB: 256 sequences x 192 tokens of SmolLM2 need ~1.1 GiB) skips that.
 SIDE_BY_SIDE = "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=2147483648"
 LEAN: list[str] = [
