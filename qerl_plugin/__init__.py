@@ -11,6 +11,10 @@ Imports neither vLLM nor verl. The data path:
 * ``qerl_plugin.quantize``  streaming HF checkpoint -> NVFP4A16 checkpoint; ``quantize_cli`` is ``qerl quantize``
 * ``qerl_plugin.options``   names shared by the packages (method, format, engine options), one bool parser
 * ``qerl_plugin.upstream``  every vLLM/verl name qerl wraps, overrides or reads, with the pinned versions
+* ``qerl_plugin.evaluate``  ``qerl eval``: greedy pass@1 and sampled pass@k; ``evaluate_inputs`` checks the data,
+                            model and adapter, ``evaluate_metrics`` scores, ``evaluate_hf`` is the transformers backend
+* ``qerl_plugin.plot``      ``qerl plot``: training curves from verl's ``metrics.jsonl`` files
+* ``qerl_plugin.sampler``   ``QERL_PROFILE_DIR``: a wall-clock sampling profiler in every verl and vLLM process
 * ``qerl_plugin.doctor``    environment report (``qerl doctor``)
 * ``qerl_plugin.cli``       the ``qerl`` command
 
