@@ -74,8 +74,8 @@ QUANTITIES: tuple[Quantity, ...] = (
 _BY_NAME = {q.name: q for q in QUANTITIES}
 
 
-def _expected_keys() -> list[str]:
-    return [k for q in QUANTITIES for k in (q.keys or ("val-core/<data_source>/acc/mean@<n>",))]
+def _expected_keys(quantities: Sequence[Quantity] = QUANTITIES) -> list[str]:
+    return [k for q in quantities for k in (q.keys or ("val-core/<data_source>/acc/mean@<n>",))]
 
 
 @dataclass
@@ -142,7 +142,7 @@ def _select(runs: Sequence[Run], keys: Sequence[str] | None) -> list[Quantity]:
     for r in runs:
         if not any(q.series(set(r.values)) for q in chosen):
             have = sorted(r.values)
-            wanted = [k for q in chosen for k in q.keys] if keys else _expected_keys()
+            wanted = _expected_keys(chosen if keys else QUANTITIES)
             raise PlotError(
                 f"{r.path}: none of the metrics to plot; it has {have[:6]}{' ...' if len(have) > 6 else ''} and "
                 f"qerl plot expects {wanted}: is it verl's file-logger output of a PPO/GRPO run? (--keys picks other metrics)"

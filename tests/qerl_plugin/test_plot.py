@@ -162,6 +162,9 @@ def test_file_without_expected_keys_names_file_and_keys(tmp_path):
     msg = str(e.value)
     assert str(bad) in msg and "['loss', 'lr']" in msg and "critic/score/mean" in msg and "actor/entropy" in msg
     assert not (tmp_path / "x.png").exists()
+    # a chosen quantity without fixed keys (validation accuracy) names its key pattern
+    with pytest.raises(PlotError, match=r"expects \['val-core/<data_source>/acc/mean@<n>'\]"):
+        plot_metrics([bad], tmp_path / "x.png", keys=["val_acc"])
 
 
 def test_empty_and_non_jsonl_files(tmp_path, capsys):
