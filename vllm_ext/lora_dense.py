@@ -7,17 +7,18 @@ uses slot 0, or no adapter (slot -1: requests without LoRA, padding). Then
 as punica's (fp32 accumulation, bf16 intermediate), done by cuBLAS. It is CUDA-graph safe (no host reads).
 
 On with ``additional_config={"qerl_lora": "dense"}`` for an engine with ``max_loras=1``; otherwise the
-engine runs vLLM's punica wrapper unchanged (this class only inherits it).
+engine runs vLLM's punica wrapper unchanged (:class:`vllm_ext.lora_dense_wrapper.QerlPunicaWrapper` only
+inherits it). This module imports no vLLM LoRA code: :func:`register` runs in every vLLM process and names
+the wrapper class, which vLLM imports when it builds a LoRA engine.
 """
 
 from __future__ import annotations
 
 import torch
-from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
 from qerl_plugin import options
 
-QUALNAME = f"{__name__}.QerlPunicaWrapper"
+QUALNAME = "vllm_ext.lora_dense_wrapper.QerlPunicaWrapper"
 
 
 def dense_lora_linear(
@@ -57,28 +58,8 @@ def dense_requested() -> bool:
     return options.lora_mode(getattr(config, "additional_config", None)) == "dense"
 
 
-class QerlPunicaWrapper(PunicaWrapperGPU):
-    """vLLM's GPU punica wrapper; linear layers take :func:`dense_lora_linear` when the engine asked for it
-    and serves one adapter at a time."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.qerl_dense = self.max_loras == 1 and dense_requested()
-
-    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs):
-        if not self.qerl_dense:
-            return super().add_lora_linear(
-                y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer, **kwargs
-            )
-        dense_lora_linear(
-            y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, self._token_lora_indices,
-            add_inputs=kwargs.get("add_inputs", True),
-        )  # fmt: skip
-        return None
-
-
 def register(platform_cls: type | None = None) -> None:
-    """Make the (CUDA) platform build :class:`QerlPunicaWrapper` (vLLM's own unless an engine asks); idempotent."""
+    """Make the (CUDA) platform build :data:`QUALNAME` (vLLM's own wrapper unless an engine asks); idempotent."""
     if platform_cls is None:
         from vllm.platforms import current_platform
 

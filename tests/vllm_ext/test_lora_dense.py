@@ -113,7 +113,9 @@ def test_platform_names_the_wrapper_once_registered():
     lora_dense.register(Platform)  # idempotent
     assert Platform.get_punica_wrapper() == lora_dense.QUALNAME
     wrapper_cls = resolve_obj_by_qualname(Platform.get_punica_wrapper())
-    assert issubclass(wrapper_cls, PunicaWrapperGPU) and wrapper_cls is lora_dense.QerlPunicaWrapper
+    from vllm_ext.lora_dense_wrapper import QerlPunicaWrapper
+
+    assert issubclass(wrapper_cls, PunicaWrapperGPU) and wrapper_cls is QerlPunicaWrapper
 
 
 def test_dense_is_asked_for_per_engine(monkeypatch):

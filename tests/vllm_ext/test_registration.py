@@ -76,6 +76,28 @@ def test_real_plugin_loading_registers_nvfp4_once_and_lazily():
     assert out == {"heavy": [], "cls": "vllm_ext.quant.NVFP4Config", "count": 1, "platform_ok": True}
 
 
+def test_registration_on_cuda_names_the_lora_wrapper_without_importing_it():
+    """On CUDA, register() names qerl's punica wrapper; vLLM's LoRA code loads only when an engine builds it."""
+    out = _run(
+        """
+        import json, sys
+        from vllm.platforms import current_platform
+        platform = type(current_platform)
+        is_cuda = platform.is_cuda
+        platform.is_cuda = lambda self: True  # register()'s CUDA branch, on this CPU machine
+        import vllm_ext
+        vllm_ext.register()
+        heavy = [m for m in ("vllm_ext.lora_dense_wrapper", "vllm.lora.punica_wrapper.punica_gpu", "vllm.lora.layers")
+                 if m in sys.modules]
+        platform.is_cuda = is_cuda  # vLLM's LoRA code takes CUDA-only paths at import on a "CUDA" platform
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+        wrapper = resolve_obj_by_qualname(current_platform.get_punica_wrapper())
+        print(json.dumps({"heavy": heavy, "wrapper": f"{wrapper.__module__}.{wrapper.__qualname__}"}))
+        """
+    )
+    assert out == {"heavy": [], "wrapper": "vllm_ext.lora_dense_wrapper.QerlPunicaWrapper"}
+
+
 def test_without_the_plugin_nvfp4_is_unknown():
     """The name comes from our registration, not from vLLM (guards against a future in-tree 'nvfp4')."""
     out = _run(
