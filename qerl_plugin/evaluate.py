@@ -1,6 +1,6 @@
 """``qerl eval MODEL --data FILE``: greedy pass@1 and sampled pass@k of a model (and LoRA adapter) with the project's reward.
 
-    qerl eval out/smollm2-nvfp4 --adapter docs/learning/demo --data data/test.parquet --n 8
+    qerl eval /tmp/qerl_smollm2/nvfp4 --adapter docs/learning/smollm2-nvfp4-lora-aqn --data /tmp/qerl_smollm2/data/test.parquet --n 8
     qerl eval out/smollm2-bf16 --quantization nvfp4 --data test.jsonl --backend hf --limit 50
 
 FILE is a verl RL parquet (data_source, prompt chat messages, reward_model.ground_truth) or the same rows
