@@ -106,8 +106,8 @@ def launch(args: argparse.Namespace) -> int:
     runs = parse_runs(args.runs)
     if args.after:
         name, _, step = args.after.partition(":")
-        while run_status(work / name)["step"] < int(step):
-            if not run_status(work / name)["alive"]:
+        while (after := run_status(work / name))["step"] < int(step):
+            if not after["alive"]:
                 log(f"{name} is not running (see {work / name / 'run.log'}); nothing started")
                 return 1
             time.sleep(5)
