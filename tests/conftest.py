@@ -41,6 +41,15 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_nvfp4_dir(tiny_qwen2_dir, tmp_path_factory) -> Path:
+    """``qerl quantize`` of ``tiny_qwen2_dir`` (NVFP4A16, compressed-tensors). Read-only: copy to modify."""
+    from qerl_plugin.quantize import quantize_checkpoint
+
+    dst = tmp_path_factory.mktemp("tiny_qwen2_nvfp4") / "model"
+    return quantize_checkpoint(tiny_qwen2_dir, dst, progress=False, log=lambda m: None).dst
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_sharded_dir(tmp_path_factory) -> Path:
     """The same weights as ``tiny_qwen2_dir`` saved in ~6 kB shards (q/k/v land in different files)."""
     return make_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2_sharded") / "model", max_shard_size="6KB")

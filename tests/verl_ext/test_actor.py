@@ -14,23 +14,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import make_tiny_qwen2
-
 pytest.importorskip("verl")
 
 
-@pytest.fixture(scope="module")
-def tiny_bf16(tmp_path_factory) -> Path:
-    return make_tiny_qwen2(tmp_path_factory.mktemp("actor") / "bf16")
+@pytest.fixture
+def tiny_bf16(tiny_qwen2_dir) -> Path:
+    return tiny_qwen2_dir
 
 
-@pytest.fixture(scope="module")
-def tiny_nvfp4(tiny_bf16, tmp_path_factory) -> Path:
-    from qerl_plugin.quantize import quantize_checkpoint
-
-    dst = tmp_path_factory.mktemp("actor_q") / "nvfp4"
-    quantize_checkpoint(tiny_bf16, dst)
-    return dst
+@pytest.fixture
+def tiny_nvfp4(tiny_qwen2_nvfp4_dir) -> Path:
+    return tiny_qwen2_nvfp4_dir
 
 
 @pytest.fixture(scope="module")

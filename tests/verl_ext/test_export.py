@@ -133,8 +133,8 @@ def _write_checkpoints(root: Path, model_dir: Path, world: int, r: int, jobs: st
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_qwen2(tmp_path_factory.mktemp("export_model") / "bf16")
+def model_dir(tiny_qwen2_dir) -> Path:
+    return tiny_qwen2_dir
 
 
 @pytest.fixture(scope="module")
@@ -324,12 +324,9 @@ def test_vllm_lora_loader_reads_it(tmp_path, ckpt2, monkeypatch):
     assert torch.equal(q.lora_b, lora["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"])
 
 
-def test_base_may_be_the_nvfp4_checkpoint(tmp_path, ckpt1, model_dir):
-    from qerl_plugin.quantize import quantize_checkpoint
-
-    quantize_checkpoint(model_dir, tmp_path / "nvfp4")
-    export_adapter(_actor(ckpt1, "fsdp2"), tmp_path / "adapter", base=tmp_path / "nvfp4")
-    assert _read_adapter(tmp_path / "adapter")[1]["base_model_name_or_path"] == str(tmp_path / "nvfp4")
+def test_base_may_be_the_nvfp4_checkpoint(tmp_path, ckpt1, tiny_qwen2_nvfp4_dir):
+    export_adapter(_actor(ckpt1, "fsdp2"), tmp_path / "adapter", base=tiny_qwen2_nvfp4_dir)
+    assert _read_adapter(tmp_path / "adapter")[1]["base_model_name_or_path"] == str(tiny_qwen2_nvfp4_dir)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -11,23 +11,19 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from helpers import make_tiny_qwen2  # noqa: E402
-
 from qerl_plugin.evaluate_inputs import AdapterInfo, EvalError, inspect_adapter, inspect_model  # noqa: E402
 from vllm_ext import evaluate as ve  # noqa: E402
 from vllm_ext.bench.shapes import write_adapter  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def bf16(tmp_path_factory) -> Path:
-    return make_tiny_qwen2(tmp_path_factory.mktemp("vllm_eval") / "bf16")
+@pytest.fixture
+def bf16(tiny_qwen2_dir) -> Path:
+    return tiny_qwen2_dir
 
 
-@pytest.fixture(scope="module")
-def nvfp4(bf16, tmp_path_factory) -> Path:
-    from qerl_plugin.quantize import quantize_checkpoint
-
-    return quantize_checkpoint(bf16, tmp_path_factory.mktemp("vllm_eval") / "nvfp4", progress=False).dst
+@pytest.fixture
+def nvfp4(tiny_qwen2_nvfp4_dir) -> Path:
+    return tiny_qwen2_nvfp4_dir
 
 
 def _adapter(base: Path, tmp: Path, rank: int) -> AdapterInfo:

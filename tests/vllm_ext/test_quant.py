@@ -52,14 +52,11 @@ def test_override_quantization_method():
         NVFP4Config.override_quantization_method({"quant_method": "awq", "bits": 4}, "nvfp4")
 
 
-def test_model_config_picks_nvfp4_for_both_checkpoint_kinds(tmp_path, tiny_qwen2_dir):
+def test_model_config_picks_nvfp4_for_both_checkpoint_kinds(tmp_path, tiny_qwen2_dir, tiny_qwen2_nvfp4_dir):
     """vLLM's own ModelConfig: --quantization nvfp4 takes BF16 and CT NVFP4A16 checkpoints; CT alone stays stock."""
     from vllm.config import ModelConfig
 
-    from qerl_plugin.quantize import quantize_checkpoint
-
-    ct_dir = tmp_path / "ct"
-    quantize_checkpoint(tiny_qwen2_dir, ct_dir, progress=False, log=lambda m: None)
+    ct_dir = tiny_qwen2_nvfp4_dir
     assert ModelConfig(model=str(tiny_qwen2_dir), quantization="nvfp4").quantization == "nvfp4"
     assert ModelConfig(model=str(ct_dir), quantization="nvfp4").quantization == "nvfp4"
     assert ModelConfig(model=str(ct_dir)).quantization == "compressed-tensors"
