@@ -88,8 +88,8 @@ class QerlVerlWorkerExtension(_QerlBase, vLLMColocateWorkerExtension):
         if not (peft_config and base_sync_done):
             return super()._update_weights(weights, peft_config, base_sync_done)
         t0 = time.perf_counter()
-        items = weights.items() if hasattr(weights, "items") else weights
-        tensors = normalize_adapter_keys({name: t.clone() for name, t in items})
+        # verl's receiver passes its own clones of the IPC buckets (the LoRA path), so no copy here
+        tensors = normalize_adapter_keys(dict(weights))
         manager = self.model_runner.lora_manager._adapter_manager
         accepted, _ = expected_lora_modules(manager)
         model = getattr(manager, "model", None)

@@ -361,7 +361,7 @@ def build_lora_model(
         )
 
     dtype = getattr(lora_config, "lora_dtype", None)
-    cpu_tensors = {k: v.detach().to("cpu").clone() for k, v in tensors.items()}
+    cpu_tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
     lora_model = LoRAModel.from_lora_tensors(
         lora_model_id=lora_int_id,
         tensors=cpu_tensors,
