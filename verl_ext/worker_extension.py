@@ -99,7 +99,7 @@ class QerlVerlWorkerExtension(_QerlBase, vLLMColocateWorkerExtension):
             weights_mapper=getattr(model, "hf_to_vllm_mapper", None),
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
-        if hasattr(super(), "qerl_add_lora_from_tensors") and _QERL_BASE_ERROR is None:
+        if _QERL_BASE_ERROR is None:  # qerl's in-memory adapter path; else verl's own
             self.qerl_add_lora_from_tensors(VLLM_LORA_NAME, VLLM_LORA_INT_ID, dict(tensors), dict(peft_config))
         else:
             super()._update_weights(list(tensors.items()), peft_config, base_sync_done)
