@@ -23,10 +23,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from qerl_plugin.options import PEFT_PREFIX
 from verl_ext.lora_checkpoint import (
     ADAPTER_CONFIG,
     LORA_META,
-    PEFT_PREFIX,
     ExportError,
     by_module,
     check_ranks,

@@ -25,7 +25,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 FSDP_CONFIG = "fsdp_config.json"  # {"FSDP_version": 2, "world_size": W}
 LORA_META = "lora_train_meta.json"  # {"r": 8, "lora_alpha": 16, "task_type": "CAUSAL_LM"}
 TRACKER = "latest_checkpointed_iteration.txt"  # verl's trainer, next to the global_step_N folders
-PEFT_PREFIX = "base_model.model."
 _RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 
 
