@@ -3,9 +3,8 @@
 verl 0.9.1 computes each token's log-probability with flash-attn's cross-entropy kernel when flash-attn is
 installed, and otherwise with ``logprobs_from_logits_v2``, which loops over the first dimension of the logits
 in Python. Under remove-padding the logits are ``(tokens, vocab)``, so that loop runs one ``logsumexp`` per
-token: thousands of kernels and autograd nodes per micro-batch. On the H100 (SmolLM2-135M, 30k tokens a step)
-it held 17 % of the actor worker's wall time and its backward most of another 19 %
-(docs/gpu-runs/2026-11-23/prof). :func:`logprobs_blocked` computes the same values in blocks of rows that
+token: thousands of kernels and autograd nodes per micro-batch, a large share of the actor's step (profile:
+docs/gpu-runs/2026-11-23/prof). :func:`logprobs_blocked` computes the same values in blocks of rows that
 keep a bounded amount of memory live (``BLOCK_ELEMENTS`` logits at a time).
 
 The wrapper is on for every verl run that loads qerl (like the adapter-extraction fix): same arithmetic, one

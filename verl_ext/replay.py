@@ -2,9 +2,8 @@
 
 verl 0.9.1's V1 trainer waits for a step's rollouts in ``ReplayBuffer.sample``, which checks the transfer queue
 and then sleeps ``poll_interval`` (2.0 s, not settable from the YAML). A rollout that ends just after a check
-waits up to 2 s more, so ``timing_s/gen`` comes in multiples of 2 s: 2.03-2.04 s or 4.05-4.08 s in every step of
-the SmolLM2 runs on the H100 (docs/gpu-runs/2026-11-23). The wrapper passes ``poll_interval=0.1`` unless the
-caller gave one; on for every verl run that loads qerl.
+waits up to 2 s more, which rounds ``timing_s/gen`` up to a multiple of 2 s (docs/gpu-runs/2026-11-23). The
+wrapper passes ``poll_interval=0.1`` unless the caller gave one; on for every verl run that loads qerl.
 """
 
 from __future__ import annotations
