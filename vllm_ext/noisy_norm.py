@@ -176,13 +176,6 @@ def noisy_norms(model: nn.Module) -> list[tuple[str, NoisyRMSNorm]]:
     return sorted(found.items())
 
 
-def all_rms_norms(model: nn.Module) -> list[tuple[str, NoisyRMSNorm]]:
-    """Every :class:`NoisyRMSNorm` of ``model`` with its HF name, AQN target or not."""
-    return [
-        (hf_module_name(n, model), m) for n, m in model.named_modules() if isinstance(m, NoisyRMSNorm)
-    ]
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Setting the noise
 # ---------------------------------------------------------------------------------------------------------
