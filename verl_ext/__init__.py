@@ -19,8 +19,14 @@ The data path, one concern per module:
 * :mod:`verl_ext.nvfp4_linear`     the actor's frozen NVFP4 base linear: decoded per call, input gradient only
 * :mod:`verl_ext.nvfp4_replace`    which linears go NVFP4; quantize them in place (the rollout's bytes)
 * :mod:`verl_ext.nvfp4_checkpoint` load an NVFP4 checkpoint's bytes into a model built from its config
+* :mod:`verl_ext.kernels`          the actor's NVFP4 decode: Triton kernel on CUDA, the torch codec elsewhere
+* :mod:`verl_ext.logprobs`         verl's per-token log-probabilities (no flash-attn) in blocks of rows
+* :mod:`verl_ext.replay`           verl's replay buffer polls for finished rollouts every 0.1 s
 * :mod:`verl_ext.aqn_hook`         per-step AQN noise RPC next to the weight sync; sigma/stage metrics
 * :mod:`verl_ext.train`            ``qerl train <yaml> [overrides]``
+* :mod:`verl_ext.export`           ``qerl export``: a verl checkpoint's LoRA adapter as a PEFT adapter directory
+* :mod:`verl_ext.lora_checkpoint`  reading that adapter out of verl's FSDP rank files
+* :mod:`verl_ext.data`             training data in verl's row format: GSM8K, synthetic arithmetic
 * :mod:`verl_ext.reward`           verl custom reward ``compute_score``: data-source routing, scores
 * :mod:`verl_ext.answers`          the final answer in a response and in a ground truth, normalised
 * :mod:`verl_ext.verify`           answer equivalence (math-verify) under deadlines that work in threads

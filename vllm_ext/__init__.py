@@ -12,6 +12,7 @@ cheap and idempotent, so this module imports neither torch nor vllm at the top. 
 * ``vllm_ext.worker_extension``  RPCs the trainer calls through ``collective_rpc``
 * ``vllm_ext.lora_dense``        one adapter as two dense GEMMs per slice (``additional_config={"qerl_lora": "dense"}``)
 * ``vllm_ext.lora_dense_wrapper`` the punica wrapper that runs it (vLLM imports it for a LoRA engine)
+* ``vllm_ext.evaluate``          ``qerl eval --backend vllm``: ``vllm.LLM`` arguments, the adapter's request
 * ``vllm_ext.bench``             ``qerl bench rollout|kernels``: shapes, matrix (configs x variants), runner and
   child (one engine per process), report, kernels (per-layer microbenchmark), lora_configs (Triton configs)
 """
