@@ -19,18 +19,22 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "scripts" / "gpu"
 
 
-@pytest.fixture(scope="module")
-def check_aqn_vllm():
-    """The script as a module, imported without leaving its os.environ defaults (VLLM_* switches meant for its
-    own GPU process) or scripts/gpu on sys.path behind for the rest of the test session."""
+def _import_script(name: str):
+    """scripts/gpu/<name>.py as a module, imported without leaving its os.environ defaults (VLLM_* switches meant
+    for its own GPU process) or scripts/gpu on sys.path behind for the rest of the test session."""
     env, path = dict(os.environ), list(sys.path)
     sys.path.insert(0, str(GPU))
     try:
-        return importlib.import_module("check_aqn_vllm")
+        return importlib.import_module(name)
     finally:
         os.environ.clear()
         os.environ.update(env)
         sys.path[:] = path
+
+
+@pytest.fixture(scope="module")
+def check_aqn_vllm():
+    return _import_script("check_aqn_vllm")
 
 
 def _sweep(means_ses):
@@ -86,12 +90,7 @@ def test_every_session_step_named_in_the_docs_exists(doc):
 
 @pytest.fixture(scope="module")
 def learning():
-    path = list(sys.path)
-    sys.path.insert(0, str(GPU))
-    try:
-        return importlib.import_module("learning")
-    finally:
-        sys.path[:] = path
+    return _import_script("learning")
 
 
 _FAKE_RUN = """
@@ -150,11 +149,7 @@ def test_entropy_of_a_position_from_its_top_k(tmp_path):
     import math
     import types
 
-    sys.path.insert(0, str(GPU))
-    try:
-        entropy_sigma = importlib.import_module("entropy_sigma")
-    finally:
-        sys.path.remove(str(GPU))
+    entropy_sigma = _import_script("entropy_sigma")  # sets VLLM_ENABLE_V1_MULTIPROCESSING for its own process
     lp = lambda p: types.SimpleNamespace(logprob=math.log(p))  # noqa: E731
     # all the mass in the top k: the exact entropy
     assert entropy_sigma.position_entropy({1: lp(0.5), 2: lp(0.5)}, vocab=100) == pytest.approx(math.log(2))
