@@ -87,10 +87,9 @@ class ActorNoise:
         if setting is None or not setting.active:
             return 0
         for name, m in self.norms:
-            w = m.weight
-            size = int(w.shape[-1]) if not hasattr(w, "full_tensor") else int(w.full_tensor().shape[-1])
+            w = m.weight  # a DTensor's shape is the full one: no gather needed for the size
             self.noise[id(m)] = noise_vector(
-                normalize_module_name(name), size, setting.sigma, setting.seed, setting.key, device=w.device
+                normalize_module_name(name), int(w.shape[-1]), setting.sigma, setting.seed, setting.key, device=w.device
             )
         return len(self.noise)
 
