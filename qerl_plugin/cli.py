@@ -19,7 +19,7 @@ from typing import Sequence
 
 # name -> (module, one-line help, what the module needs)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "quantize": ("qerl_plugin.quantize_cli", "quantize a Hugging Face checkpoint to NVFP4A16 (runs on CPU)", "torch, safetensors, compressed-tensors"),
+    "quantize": ("qerl_plugin.quantize_cli", "quantize a Hugging Face checkpoint to NVFP4A16 (runs on CPU)", "torch, safetensors, compressed-tensors, huggingface-hub, tqdm"),
     "doctor": ("qerl_plugin.doctor", "report what this environment has and lacks for each job", "nothing beyond qerl-plugin"),
     "bench": ("vllm_ext.bench", "benchmark NVFP4 + LoRA rollouts in vLLM", "vLLM and a CUDA GPU"),
     "train": ("verl_ext.train", "run QeRL training (verl GRPO/DAPO with NVFP4 + LoRA + AQN)", "verl, vLLM and a CUDA GPU"),
