@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+from qerl_plugin import options
 from qerl_plugin.evaluate_inputs import AdapterInfo, EvalError, ModelInfo
 from qerl_plugin.evaluate_metrics import Completion
 
@@ -66,12 +67,10 @@ def engine_kwargs(
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for MODEL (and the adapter)."""
     kwargs: dict[str, Any] = {"model": str(info.path), "dtype": dtype, "seed": seed}
-    if quantization == "nvfp4":
-        from vllm_ext.quant import METHOD_NAME
-
-        kwargs["quantization"] = METHOD_NAME
+    if quantization == options.METHOD:
+        kwargs["quantization"] = options.METHOD
     elif quantization is not None:
-        raise EvalError(f"--quantization {quantization!r}: qerl eval knows 'nvfp4' (or none)")
+        raise EvalError(f"--quantization {quantization!r}: qerl eval knows {options.METHOD!r} (or none)")
     if gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     if max_model_len is not None:
