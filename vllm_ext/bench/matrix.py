@@ -95,9 +95,8 @@ def parse_variant(name: str) -> Variant:
         raise ValueError(f"unknown variant {name!r} (unknown: {unknown}); choose from {sorted(VARIANTS)} or join with '+'")
     if len(parts) == 1:
         return VARIANTS[parts[0]]
-    merged = Variant(help=" + ".join(VARIANTS[p].help for p in parts))
     return Variant(
-        help=merged.help,
+        help=" + ".join(VARIANTS[p].help for p in parts),
         env={k: v for p in parts for k, v in VARIANTS[p].env.items()},
         engine={k: v for p in parts for k, v in VARIANTS[p].engine.items()},
         compilation={k: v for p in parts for k, v in VARIANTS[p].compilation.items()},
