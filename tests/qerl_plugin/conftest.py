@@ -1,5 +1,5 @@
 """Fixtures shared by the ``qerl quantize`` tests (test_source, test_plan, test_shards, test_quantize,
-test_quantize_cli): the CLI's output for the tiny Qwen2, and helpers to run, copy, edit and refuse."""
+test_quantize_cli): the tiny Qwen2's NVFP4 checkpoint, and helpers to run, copy, edit and refuse."""
 
 from __future__ import annotations
 
@@ -26,13 +26,10 @@ def run_qerl() -> Callable[..., int]:
 
 
 @pytest.fixture(scope="session")
-def quantized(tiny_qwen2_dir, tmp_path_factory) -> Path:
-    """``qerl quantize`` of ``tiny_qwen2_dir`` with the defaults. Read-only: copy to modify."""
-    before = file_hashes(tiny_qwen2_dir)
-    dst = tmp_path_factory.mktemp("quantized") / "nvfp4"
-    assert _run_qerl(tiny_qwen2_dir, dst) == 0
-    assert file_hashes(tiny_qwen2_dir) == before, "SRC was modified"
-    return dst
+def quantized(tiny_qwen2_nvfp4_dir) -> Path:
+    """``qerl quantize`` of ``tiny_qwen2_dir`` with the defaults (tests/conftest.py's ``tiny_qwen2_nvfp4_dir``;
+    test_quantize_cli checks that the command writes the same). Read-only: copy to modify."""
+    return tiny_qwen2_nvfp4_dir
 
 
 @pytest.fixture(scope="session")

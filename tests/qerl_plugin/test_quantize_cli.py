@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qerl_plugin.cli import main
-from helpers import read_safetensors_dir
+from helpers import file_hashes, read_safetensors_dir
 
 
 def _qerl_exe() -> str:
@@ -30,6 +30,14 @@ def test_console_script_end_to_end(tiny_qwen2_dir, quantized, tmp_path):
     assert bad.returncode == 1
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("qerl quantize: error: SRC") and "Traceback" not in bad.stderr
+
+
+def test_defaults_write_the_shared_checkpoint_and_leave_src_alone(tiny_qwen2_dir, quantized, tmp_path, run_qerl):
+    """The command with its defaults writes, file for file, the checkpoint the other tests use (``quantized``)."""
+    before = file_hashes(tiny_qwen2_dir)
+    assert run_qerl(tiny_qwen2_dir, tmp_path / "nvfp4") == 0
+    assert file_hashes(tiny_qwen2_dir) == before, "SRC was modified"
+    assert file_hashes(tmp_path / "nvfp4") == file_hashes(quantized)
 
 
 def test_debug_shows_the_traceback(tmp_path, capsys):
