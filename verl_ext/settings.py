@@ -154,7 +154,6 @@ def settings_from(rollout: Any, model: Any = None) -> QerlSettings:
     """
     quant = get(rollout, "quantization")
     quant = str(quant).strip().lower() if quant is not None else None
-    quant = NVFP4 if quant == NVFP4 else quant
     aqn, apply_to_actor = parse_qerl_block(get(rollout, "custom.qerl"))
     path = (get(model, "local_path") or get(model, "path")) if model is not None else None
     return QerlSettings(
