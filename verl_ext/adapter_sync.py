@@ -67,7 +67,7 @@ def normalize_adapter_keys(tensors: Mapping[str, Any]) -> "OrderedDict[str, Any]
         cleaned = adapter_key(key)
         if cleaned is not None:
             key = cleaned
-        if not key.startswith(PEFT_PREFIX) and not key.startswith("base_model."):
+        if not key.startswith("base_model."):  # PEFT_PREFIX, or another key already under base_model
             key = PEFT_PREFIX + key
         if key in out:
             raise AdapterSyncError(f"two adapter tensors map to the same name {key!r} (one of them is {name!r})")
