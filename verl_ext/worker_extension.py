@@ -17,29 +17,9 @@ from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID, VLLM_LORA_
 
 from qerl_plugin import options
 from verl_ext.adapter_sync import AdapterSyncError, check_adapter_for_vllm, expected_lora_modules, normalize_adapter_keys
+from vllm_ext.worker_extension import QerlWorkerExtension
 
 logger = logging.getLogger("qerl.verl.worker_extension")
-
-try:
-    from vllm_ext.worker_extension import QerlWorkerExtension as _QerlBase
-
-    _QERL_BASE_ERROR = None
-except Exception as _e:  # the vLLM-side helper's module is missing or broken: say so when its RPCs are used
-    _QERL_BASE_ERROR = f"{type(_e).__name__}: {_e}"
-
-    class _QerlBase:  # type: ignore[no-redef]
-        def _qerl_missing(self, what):
-            raise RuntimeError(f"{what} needs vllm_ext.worker_extension.QerlWorkerExtension, which failed to import ({_QERL_BASE_ERROR})")
-
-        def qerl_set_noise(self, sigma, seed, stage):
-            self._qerl_missing("qerl_set_noise")
-
-        def qerl_clear_noise(self):
-            self._qerl_missing("qerl_clear_noise")
-
-        def qerl_memory_report(self):
-            self._qerl_missing("qerl_memory_report")
-
 
 def _is_qerl_quant(vllm_config) -> bool:
     model_config = getattr(vllm_config, "model_config", None)
@@ -59,7 +39,7 @@ def _without_verl_qat_patches():
         qat.apply_qat_patches = saved
 
 
-class QerlVerlWorkerExtension(_QerlBase, vLLMColocateWorkerExtension):
+class QerlVerlWorkerExtension(QerlWorkerExtension, vLLMColocateWorkerExtension):
     def __new__(cls, **kwargs):
         vllm_config = kwargs.get("vllm_config")
         ours = _is_qerl_quant(vllm_config)
@@ -88,7 +68,7 @@ class QerlVerlWorkerExtension(_QerlBase, vLLMColocateWorkerExtension):
         if not (peft_config and base_sync_done):
             return super()._update_weights(weights, peft_config, base_sync_done)
         t0 = time.perf_counter()
-        # verl's receiver passes its own clones of the IPC buckets (the LoRA path), so no copy here
+        # verl's receiver hands over its own clones of the IPC buckets, and build_lora_model copies them to the CPU
         tensors = normalize_adapter_keys(dict(weights))
         manager = self.model_runner.lora_manager._adapter_manager
         accepted, _ = expected_lora_modules(manager)
@@ -99,10 +79,7 @@ class QerlVerlWorkerExtension(_QerlBase, vLLMColocateWorkerExtension):
             weights_mapper=getattr(model, "hf_to_vllm_mapper", None),
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
-        if _QERL_BASE_ERROR is None:  # qerl's in-memory adapter path; else verl's own
-            self.qerl_add_lora_from_tensors(VLLM_LORA_NAME, VLLM_LORA_INT_ID, dict(tensors), dict(peft_config))
-        else:
-            super()._update_weights(list(tensors.items()), peft_config, base_sync_done)
+        self.qerl_add_lora_from_tensors(VLLM_LORA_NAME, VLLM_LORA_INT_ID, dict(tensors), dict(peft_config))
         if VLLM_LORA_INT_ID not in self.list_loras():
             raise AdapterSyncError(f"the LoRA adapter (id {VLLM_LORA_INT_ID}) is not registered in vLLM after the sync")
         self._qerl_last_sync = {

@@ -180,7 +180,7 @@ def test_qerl_adapter_is_applied_by_vllm_lora_stack(tiny_dir):
         tensors = normalize_adapter_keys(lora_state_dict(pm))
         accepted, part_of = expected_lora_modules(mgr)
         by_module = check_adapter_for_vllm(tensors, accepted)
-        # verl's own in-memory path (the one the worker extension falls back to)
+        # verl's own in-memory path (TensorLoRARequest), loading the checked adapter
         VLLMHijack.hijack()
         req = TensorLoRARequest(lora_name=VLLM_LORA_NAME, lora_int_id=VLLM_LORA_INT_ID, lora_path=VLLM_LORA_PATH,
                                 peft_config=pm.peft_config["default"].to_dict(), lora_tensors=dict(tensors))
