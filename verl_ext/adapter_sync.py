@@ -168,10 +168,10 @@ def check_adapter_for_vllm(
     weights_mapper: Any = None,
     skip_prefixes: Iterable[str] | None = None,
 ) -> dict[str, list[str]]:
-    """Parse every name with vLLM's ``parse_fine_tuned_lora_name``; raise :class:`AdapterSyncError` unless every
-    tensor lands on an accepted module and every module has both A and B. Returns ``{module: [names]}``."""
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.utils import is_base_embedding_weights, parse_fine_tuned_lora_name
+    """Read every name as vLLM does (:func:`vllm_ext.worker_extension.parse_lora_names`); raise
+    :class:`AdapterSyncError` unless every tensor lands on an accepted module and every module has both A and B.
+    Returns ``{module: [names]}``."""
+    from vllm_ext.worker_extension import parse_lora_names
 
     if not tensors:
         raise AdapterSyncError(
@@ -179,20 +179,11 @@ def check_adapter_for_vllm(
             "FSDP1 without qerl's collect_lora_params fix; is qerl-plugin installed in the actor's environment?)"
         )
     accepted = set(accepted_modules)
-    skip = list(skip_prefixes or ())
     by_module: dict[str, list[str]] = {}
     halves: dict[str, set[bool]] = {}
-    unparsed, unknown = [], []
-    for name in tensors:
-        if is_base_embedding_weights(name):
-            continue
-        if skip and LoRAModel._should_skip_module(name, skip):
-            continue
-        try:
-            module, is_a = parse_fine_tuned_lora_name(name, weights_mapper)
-        except ValueError:
-            unparsed.append(name)
-            continue
+    unknown = []
+    entries, unparsed = parse_lora_names(tensors, weights_mapper, list(skip_prefixes or ()))
+    for name, module, is_a in entries:
         if module not in accepted:
             unknown.append(f"{name} -> {module}")
             continue

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import numbers
 import os
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -229,6 +229,31 @@ def _peft_dict(lora_name: str, peft_config: Any) -> dict:
     return config
 
 
+def parse_lora_names(
+    names: Iterable[str], weights_mapper: Any = None, skip_prefixes: list[str] | None = None
+) -> tuple[list[tuple[str, str, bool]], list[str]]:
+    """Adapter tensor names as ``LoRAModel.from_lora_tensors`` reads them: ``(name, module, is_lora_a)`` for each
+    LoRA weight, and the names ``parse_fine_tuned_lora_name`` refuses. Base-embedding weights and names under
+    ``skip_prefixes`` are left out, as vLLM leaves them out."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.utils import is_base_embedding_weights, parse_fine_tuned_lora_name
+
+    entries: list[tuple[str, str, bool]] = []
+    unparsed: list[str] = []
+    for name in names:
+        if is_base_embedding_weights(name):
+            continue
+        if skip_prefixes and LoRAModel._should_skip_module(name, skip_prefixes):
+            continue
+        try:
+            module, is_a = parse_fine_tuned_lora_name(name, weights_mapper)
+        except ValueError:
+            unparsed.append(name)
+            continue
+        entries.append((name, module, is_a))
+    return entries, unparsed
+
+
 def build_lora_model(
     lora_name: str,
     lora_int_id: int,
@@ -247,7 +272,6 @@ def build_lora_model(
     """
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
-    from vllm.lora.utils import is_base_embedding_weights, parse_fine_tuned_lora_name
 
     if not isinstance(lora_name, str) or not lora_name:
         raise LoRAAdapterError(f"lora_name={lora_name!r} must be a non-empty string")
@@ -291,19 +315,10 @@ def build_lora_model(
     skip_prefixes = getattr(model, "lora_skip_prefixes", None) or None
     table = lora_module_table(model, lora_config, adapter_manager)
     served_suffixes = sorted({name.rsplit(".", 1)[-1] for name in table})
+    entries, bad_names = parse_lora_names(tensors, mapper, skip_prefixes)
     parsed: dict[str, dict[str, torch.Tensor]] = {}
-    bad_names: list[str] = []
-    for tensor_name, tensor in tensors.items():
-        if is_base_embedding_weights(tensor_name):
-            continue
-        if skip_prefixes and LoRAModel._should_skip_module(tensor_name, skip_prefixes):
-            continue
-        try:
-            module_name, is_a = parse_fine_tuned_lora_name(tensor_name, mapper)
-        except ValueError:
-            bad_names.append(tensor_name)
-            continue
-        parsed.setdefault(module_name, {})["A" if is_a else "B"] = tensor
+    for tensor_name, module_name, is_a in entries:
+        parsed.setdefault(module_name, {})["A" if is_a else "B"] = tensors[tensor_name]
     if bad_names:
         raise LoRAAdapterError(
             f"LoRA adapter {lora_name!r}: tensor names are not LoRA weights: {_listed(bad_names)}; expected "
