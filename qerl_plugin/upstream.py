@@ -250,9 +250,9 @@ _VLLM: tuple[Upstream, ...] = (
     Upstream("vllm.model_executor.models.utils:PPMissingLayer", "calls", "vllm_ext.worker_extension",
              "layers of other pipeline stages"),
     # dense single-adapter LoRA (vllm_ext.lora_dense)
-    Upstream(f"{_LORA}.punica_wrapper.punica_gpu:PunicaWrapperGPU", "subclasses", "vllm_ext.lora_dense",
+    Upstream(f"{_LORA}.punica_wrapper.punica_gpu:PunicaWrapperGPU", "subclasses", "vllm_ext.lora_dense_wrapper",
              "QerlPunicaWrapper", attrs=("max_loras", "_token_lora_indices")),
-    Upstream(f"{_LORA}.punica_wrapper.punica_gpu:PunicaWrapperGPU.add_lora_linear", "overrides", "vllm_ext.lora_dense",
+    Upstream(f"{_LORA}.punica_wrapper.punica_gpu:PunicaWrapperGPU.add_lora_linear", "overrides", "vllm_ext.lora_dense_wrapper",
              "one adapter as two dense GEMMs per slice",
              params=("self", "y", "x", "lora_a_stacked", "lora_b_stacked", "scale", "output_slices"), keywords=("buffer",)),
     Upstream("vllm.platforms.interface:Platform.get_punica_wrapper", "private", "vllm_ext.lora_dense",
