@@ -145,6 +145,20 @@ def test_learning_arms_and_bad_runs(learning):
     assert "actor_rollout_ref.rollout.custom.qerl.aqn.enable=true" in learning.command("aqn", 0, Path("/x"), [])
 
 
+@pytest.mark.parametrize("arm", ["bf16", "nvfp4", "aqn"])
+def test_learning_lean_runs_pass_qerls_config_check(learning, arm):
+    """Each arm with the side-by-side settings composes through verl's Hydra config and passes qerl's checks
+    (the lean settings once capped Ray at 6 CPUs, fewer than verl's own actors reserve: every run waited)."""
+    from verl_ext.config import compose, validate
+
+    cmd = learning.command(arm, 1, Path("/tmp/qerl-test-run"), list(learning.LEAN))
+    overrides = cmd[cmd.index("--config-name") + 2:]
+    cfg = compose(learning.CONFIG, overrides)
+    settings, _ = validate(cfg)
+    assert settings.nvfp4 == (arm != "bf16") and settings.aqn_enabled == (arm == "aqn")
+    assert cfg.data.seed == 1 and cfg.actor_rollout_ref.model.enable_gradient_checkpointing is True
+
+
 def test_entropy_of_a_position_from_its_top_k(tmp_path):
     import math
     import types

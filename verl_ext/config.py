@@ -152,6 +152,7 @@ def validate(cfg: Any, normalize: bool = True) -> tuple[QerlSettings, list[str]]
         _check_aqn(cfg, settings)
 
     if settings.active:
+        _check_ray_cpus(cfg)
         from verl_ext import patches
 
         try:
@@ -161,6 +162,34 @@ def validate(cfg: Any, normalize: bool = True) -> tuple[QerlSettings, list[str]]
         except RuntimeError as e:
             raise QerlConfigError(str(e)) from None
     return settings, notes
+
+
+# verl 0.9.1's TaskRunner and its transfer queue (controller + SimpleStorage units) are Ray actors of one logical
+# CPU each (transfer_queue declares num_cpus=1; a plain actor is scheduled on 1), started before any worker.
+TRANSFER_QUEUE_UNITS_KEY = "transfer_queue.backend.SimpleStorage.num_data_storage_units"
+
+
+def ray_cpus_needed(cfg: Any) -> int:
+    """Logical CPUs verl's driver-side actors reserve before the first worker starts (TaskRunner, transfer queue)."""
+    backend = get(cfg, "transfer_queue.backend.storage_backend", "SimpleStorage")
+    units = int(get(cfg, TRANSFER_QUEUE_UNITS_KEY, 8) or 0) if backend == "SimpleStorage" else 0
+    return 2 + units
+
+
+def _check_ray_cpus(cfg: Any) -> None:
+    """A Ray cluster with fewer logical CPUs than verl's own actors reserve never starts training: Ray waits."""
+    given = get(cfg, "ray_kwargs.ray_init.num_cpus")
+    if given is None:
+        return
+    need = ray_cpus_needed(cfg)
+    if int(given) < need:
+        raise QerlConfigError(
+            f"ray_kwargs.ray_init.num_cpus={given} is less than the {need} logical CPUs verl 0.9.1 reserves before "
+            f"training starts (TaskRunner, transfer-queue controller and {need - 2} storage units, one each): Ray would "
+            f"wait for them forever. Leave num_cpus unset (Ray counts the host's cores) or set it to at least {need} "
+            f"plus the workers' CPUs; several runs on one host can share the cores (the count is logical), or lower "
+            f"{TRANSFER_QUEUE_UNITS_KEY}"
+        )
 
 
 def _require_vllm(cfg: Any, problem: str) -> None:

@@ -44,6 +44,8 @@ ARMS: dict[str, list[str]] = {
     "nvfp4": ["actor_rollout_ref.rollout.quantization=nvfp4", f"{AQN_KEY}.enable=false"],
     "aqn": ["actor_rollout_ref.rollout.quantization=nvfp4", f"{AQN_KEY}.enable=true"],
 }
+# Ray's CPU count stays the host's: verl 0.9.1's transfer queue alone reserves 10 logical CPUs (TaskRunner, controller,
+# 8 storage units), and with ray_init.num_cpus=6 every run waited forever for them (2026-11-24, docs/learning.md).
 # Several runs on one GPU: the same algorithm and hyper-parameters, smaller memory (micro-batches by token count,
 # gradient checkpointing, a small vLLM reservation) and fewer helper processes per run. Only speed and memory
 # differ from the demo's settings, not the arithmetic of a step.
@@ -61,7 +63,6 @@ LEAN: list[str] = [
     "actor_rollout_ref.rollout.max_num_batched_tokens=8192",
     "actor_rollout_ref.rollout.agent.num_workers=1",
     "reward.num_workers=1",
-    "ray_kwargs.ray_init.num_cpus=6",
     "+ray_kwargs.ray_init.include_dashboard=false",
 ]
 VAL_KEY = "val-core/qerl/synthetic_arithmetic/acc/mean@1"

@@ -209,3 +209,30 @@ def test_verl_validate_config_runs_qerl_checks_first(env):
     cfg = _cfg("actor_rollout_ref.model.lora_rank=0")
     with pytest.raises(QerlConfigError, match="lora_rank=0"):
         vc.validate_config(cfg, need_reference_policy(cfg), need_critic(cfg))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ray CPUs: a cluster smaller than verl's own driver-side actors waits forever (seen on the H100, 2026-11-24)
+
+
+def test_ray_cpus_below_verls_own_actors_are_refused(env):
+    with pytest.raises(QerlConfigError, match=r"ray_kwargs.ray_init.num_cpus=6 is less than the 10 logical CPUs"):
+        validate(_cfg("ray_kwargs.ray_init.num_cpus=6"))
+    validate(_cfg("ray_kwargs.ray_init.num_cpus=10"))
+    validate(_cfg())  # unset: Ray counts the host's cores
+    # fewer storage units need fewer CPUs
+    validate(_cfg("ray_kwargs.ray_init.num_cpus=6", "transfer_queue.backend.SimpleStorage.num_data_storage_units=4"))
+
+
+def test_ray_cpus_needed_matches_the_installed_transfer_queue(env):
+    """The count assumes one logical CPU per transfer-queue actor: read it from the installed package."""
+    from transfer_queue.controller import TransferQueueController
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+
+    from verl_ext.config import ray_cpus_needed
+
+    per_actor = {TransferQueueController._default_options.get("num_cpus"), SimpleStorageUnit._default_options.get("num_cpus")}
+    assert per_actor == {1}
+    cfg = _cfg()
+    units = cfg.transfer_queue.backend.SimpleStorage.num_data_storage_units
+    assert ray_cpus_needed(cfg) == 1 + 1 + units  # TaskRunner + controller + storage units
