@@ -7,7 +7,8 @@
 #
 # Steps write into /tmp/qerl-out/<step> (checkpoints and models stay there); what comes back through the
 # device tool's $OUT is small: status.txt (one line per step) and <tag>.tar.gz with every step's logs and
-# JSON (no weights). Install first: the staged wheels in /tmp/stage (see ../shared/gpu/README.md).
+# JSON (no weights). Install first: the staged wheels in /tmp/stage (see ../shared/gpu/README.md), with the
+# stage's install.sh there or in .gpu/pNN/.
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -54,7 +55,7 @@ run_step() {
     project)  # the project only (code changed since install); the wheels stay
         step project 120 bash -c 'python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . && echo project installed' ;;
     install)
-        step install 300 bash -c 'bash .gpu/p08/install.sh && python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . && echo project installed && t=$SECONDS && python3 -m compileall -q -j 16 /tmp/site >/dev/null 2>&1; echo "byte-compiled /tmp/site in $((SECONDS - t)) s (once, instead of in every Ray and vLLM process)"' ;;
+        step install 300 bash -c 'bash "$(ls /tmp/stage/install.sh .gpu/p*/install.sh 2>/dev/null | head -1)" && python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . && echo project installed && t=$SECONDS && python3 -m compileall -q -j 16 /tmp/site >/dev/null 2>&1; echo "byte-compiled /tmp/site in $((SECONDS - t)) s (once, instead of in every Ray and vLLM process)"' ;;
     smoke)
         step smoke 120 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch,vllm,verl,compressed_tensors,transformers;print(torch.__version__,vllm.__version__,verl.__version__,compressed_tensors.__version__,transformers.__version__)"; python3 -m qerl_plugin.cli doctor' ;;
     vllm_load) step vllm_load 300 python3 scripts/gpu/check_vllm_load.py ;;
@@ -92,8 +93,11 @@ run_step() {
         step demo 60 python3 scripts/gpu/learning.py launch --runs aqn:0 --work "$work/learn" ;;
     arms)  # one seed of each arm side by side (the demo's run is aqn-s0), with the sampling profiler on
         step arms 120 env QERL_PROFILE_DIR="$work/prof" python3 scripts/gpu/learning.py launch --work "$work/learn" --stagger 45 --runs aqn:0,nvfp4:0,bf16:0 --override +actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=2147483648 ;;
-    study)  # the other eight runs of the study, side by side, once the demo has 10 steps alone
-        step study 400 python3 scripts/gpu/learning.py launch --work "$work/learn" --after aqn-s0:10 --lean --stagger 15 --runs bf16:0,nvfp4:0,aqn:1,bf16:1,nvfp4:1,aqn:2,bf16:2,nvfp4:2 ;;
+    study5)  # the study's first wave: AQN at seeds 0-2 and NVFP4-LoRA at seeds 1-2, side by side, memory-lean
+        # (at most five SmolLM2 runs at once: each takes ~17 GiB of the machine's 126 GiB host memory)
+        step study5 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --runs aqn:0,nvfp4:1,aqn:1,nvfp4:2,aqn:2 ;;
+    study4)  # the second wave: BF16-LoRA at seeds 0-2 and NVFP4-LoRA at seed 0
+        step study4 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --runs bf16:0,nvfp4:0,bf16:1,bf16:2 ;;
     watch)  # status of the runs until they end or the call's time is nearly up
         step watch 580 python3 scripts/gpu/learning.py wait --work "$work/learn" --timeout $((deadline - SECONDS - 40)) ;;
     entropy) step entropy 400 python3 scripts/gpu/entropy_sigma.py --model /tmp/qerl_smollm2/bf16 --data /tmp/qerl_smollm2/data/test.parquet ;;
