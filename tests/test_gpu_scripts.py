@@ -117,7 +117,7 @@ def test_learning_runs_are_launched_watched_and_packed(learning, tmp_path, monke
 
     monkeypatch.setattr(learning, "command", lambda arm, seed, run_dir, overrides: [sys.executable, "-c", _FAKE_RUN, str(4 + seed)])
     work = tmp_path / "learn"
-    assert learning.main(["launch", "--work", str(work), "--runs", "aqn:0,bf16:1", "--stagger", "0"]) == 0
+    assert learning.main(["launch", "--work", str(work), "--runs", "aqn:0,bf16:1", "--stagger", "0", "--host-gib-per-run", "0.01"]) == 0
     assert learning.main(["wait", "--work", str(work), "--timeout", "60", "--every", "0.2"]) == 0
     rows = {r["run"]: r for r in learning.status(argparse.Namespace(work=work, only=None))}
     assert set(rows) == {"aqn-s0", "bf16-s1"}
@@ -134,6 +134,17 @@ def test_learning_runs_are_launched_watched_and_packed(learning, tmp_path, monke
     # --after refuses to start anything behind a run that is not alive
     assert learning.main(["launch", "--work", str(work), "--runs", "nvfp4:0", "--after", "aqn-s0:10"]) == 1
     assert not (work / "nvfp4-s0").exists()
+
+
+def test_learning_launch_refuses_more_runs_than_host_memory_holds(learning, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(learning, "command", lambda *a: pytest.fail("nothing may start"))
+    monkeypatch.setattr(learning, "host_available_gib", lambda: 60.0)
+    work = tmp_path / "learn"
+    rc = learning.main(["launch", "--work", str(work), "--runs", "aqn:0,aqn:1,aqn:2,nvfp4:1", "--stagger", "0"])
+    assert rc == 1
+    out = capsys.readouterr().out
+    assert "4 new runs need ~68 GiB" in out and "60 GiB is available" in out and "at most 3 now" in out
+    assert not work.exists() or not any(work.iterdir())
 
 
 def test_learning_arms_and_bad_runs(learning):

@@ -65,6 +65,10 @@ LEAN: list[str] = [
     "reward.num_workers=1",
     "+ray_kwargs.ray_init.include_dashboard=false",
 ]
+# Host memory of one run (driver, TaskRunner, transfer queue, actor, vLLM, agent-loop and reward workers), read
+# off the H100 machine: 17.7 GiB in use with one run, 52.6 GiB with three (2026-11-23/24). Launching more runs than
+# the free memory holds gets them killed together; launch refuses that up front.
+HOST_GIB_PER_RUN = 17.0
 VAL_KEY = "val-core/qerl/synthetic_arithmetic/acc/mean@1"
 REWARD_KEY = "critic/score/mean"
 
@@ -112,9 +116,17 @@ def launch(args: argparse.Namespace) -> int:
                 log(f"{name} is not running (see {work / name / 'run.log'}); nothing started")
                 return 1
             time.sleep(5)
+    new = [(a, s) for a, s in runs if not _running(work / run_name(a, s))]
+    free = host_available_gib()
+    need = len(new) * args.host_gib_per_run
+    if free is not None and need > free:
+        log(f"{len(new)} new runs need ~{need:.0f} GiB of host memory ({args.host_gib_per_run:g} GiB each), "
+            f"{free:.0f} GiB is available: nothing started. Start at most {int(free // args.host_gib_per_run)} now "
+            "and the rest once they end, or set --host-gib-per-run if yours need less")
+        return 1
     for i, (arm, seed) in enumerate(runs):
         run_dir = work / run_name(arm, seed)
-        if (run_dir / "pid").exists() and _alive(int((run_dir / "pid").read_text())):
+        if _running(run_dir):
             log(f"{run_dir.name} is already running; not started again")
             continue
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +154,22 @@ def launch(args: argparse.Namespace) -> int:
         if i + 1 < len(runs):
             time.sleep(args.stagger)
     return 0
+
+
+def _running(run_dir: Path) -> bool:
+    return (run_dir / "pid").exists() and _alive(int((run_dir / "pid").read_text()))
+
+
+def host_available_gib() -> float | None:
+    """MemAvailable of /proc/meminfo in GiB (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _alive(pid: int) -> bool:
@@ -294,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="verl override, repeatable")
             s.add_argument("--lean", action="store_true", help="memory-lean settings for several runs on one GPU (LEAN)")
             s.add_argument("--after", metavar="RUN:STEP", help="start only once RUN has logged STEP training steps")
+            s.add_argument("--host-gib-per-run", type=float, default=HOST_GIB_PER_RUN, metavar="GIB",
+                           help="host memory one run takes; launch refuses more new runs than MemAvailable holds")
         if name == "wait":
             s.add_argument("--timeout", type=float, default=540, help="give up waiting after this many seconds")
             s.add_argument("--every", type=float, default=30, help="seconds between status tables")
