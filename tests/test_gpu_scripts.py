@@ -11,6 +11,7 @@ import importlib
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,18 @@ def test_learning_launch_refuses_more_runs_than_host_memory_holds(learning, tmp_
     out = capsys.readouterr().out
     assert "4 new runs need ~68 GiB" in out and "60 GiB is available" in out and "at most 3 now" in out
     assert not work.exists() or not any(work.iterdir())
+
+
+def test_learning_stop_ends_the_running_runs(learning, tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "command", lambda *a: [sys.executable, "-c", "import time; time.sleep(60)"])
+    work = tmp_path / "learn"
+    assert learning.main(["launch", "--work", str(work), "--runs", "aqn:0", "--stagger", "0", "--host-gib-per-run", "0.01"]) == 0
+    assert learning._running(work / "aqn-s0")
+    assert learning.main(["stop", "--work", str(work)]) == 0
+    deadline = time.time() + 10
+    while learning._running(work / "aqn-s0") and time.time() < deadline:
+        time.sleep(0.1)
+    assert not learning._running(work / "aqn-s0")
 
 
 def test_learning_arms_and_bad_runs(learning):

@@ -160,16 +160,18 @@ def _running(run_dir: Path) -> bool:
     return (run_dir / "pid").exists() and _alive(int((run_dir / "pid").read_text()))
 
 
-def host_available_gib() -> float | None:
-    """MemAvailable of /proc/meminfo in GiB (None where there is no such file)."""
+def _meminfo_gib() -> dict[str, float]:
+    """/proc/meminfo in GiB ({} where there is no such file)."""
     try:
         with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 2**20
+            return {l.split(":")[0]: int(l.split()[1]) / 2**20 for l in fh}
     except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return {}
+
+
+def host_available_gib() -> float | None:
+    """MemAvailable in GiB (None where /proc/meminfo does not say)."""
+    return _meminfo_gib().get("MemAvailable")
 
 
 def _alive(pid: int) -> bool:
@@ -251,12 +253,9 @@ def status(args: argparse.Namespace) -> list[dict]:
 def machine_line() -> str:
     """Host memory in use and the GPU's memory in use (nvidia-smi), for watching several runs at once."""
     parts = []
-    try:
-        with open("/proc/meminfo") as fh:
-            info = {l.split(":")[0]: int(l.split()[1]) for l in fh}
-        parts.append(f"host {(info['MemTotal'] - info['MemAvailable']) / 2**20:.1f}/{info['MemTotal'] / 2**20:.0f} GiB")
-    except (OSError, KeyError, ValueError):
-        pass
+    info = _meminfo_gib()
+    if "MemTotal" in info and "MemAvailable" in info:
+        parts.append(f"host {info['MemTotal'] - info['MemAvailable']:.1f}/{info['MemTotal']:.0f} GiB")
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total,utilization.gpu", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=20).stdout.split(",")
@@ -282,9 +281,8 @@ def wait(args: argparse.Namespace) -> int:
 
 def stop(args: argparse.Namespace) -> int:
     for d in sorted(args.work.resolve().iterdir()):
-        pid_file = d / "pid"
-        if pid_file.exists() and _alive(int(pid_file.read_text())):
-            pid = int(pid_file.read_text())
+        if _running(d):
+            pid = int((d / "pid").read_text())
             os.killpg(pid, signal.SIGTERM)  # the run's own process group (started with start_new_session)
             log(f"stopped {d.name} (process group {pid})")
     return 0
