@@ -299,6 +299,15 @@ _VERL: tuple[Upstream, ...] = (
              "poll for finished rollouts every 0.1 s instead of 2 s (timing_s/gen came in multiples of 2 s)",
              params=("self", "trainer_mode", "trainer_config", "max_off_policy_threshold", "max_off_policy_strategy",
                      "sampler_kwargs", "poll_interval"), wrapper="verl_ext.replay:wrap_replay_buffer_init"),
+    Upstream(f"{_ASR}.__init__", "wraps", "verl_ext.weight_socket",
+             "export VERL_RAY_JOB_ID with a tag of the Ray session: the vLLM workers' weight-transfer socket is then "
+             "unique per Ray cluster (every local cluster's first job is 01000000; runs side by side shared it)",
+             params=("self", "config", "model_config", "rollout_mode", "workers", "replica_rank"),
+             wrapper="verl_ext.weight_socket:wrap_server_init"),
+    Upstream(f"{_ADAPTER}.__init__", "wraps", "verl_ext.weight_socket",
+             "the sender's weight-transfer socket name with the same Ray-session tag as the receiver's",
+             params=("self", "config", "model_config", "device_mesh", "replica_rank"),
+             wrapper="verl_ext.weight_socket:wrap_server_adapter_init"),
     Upstream("verl.utils.torch_functional:logprobs_from_logits_v2", "wraps", "verl_ext.logprobs",
              "per-token log-probabilities in blocks of rows instead of verl's loop over rows (its path without "
              "flash-attn: one logsumexp per token under remove-padding)", params=("logits", "labels"),
@@ -352,6 +361,10 @@ _VERL: tuple[Upstream, ...] = (
     Upstream(f"{_ADAPTER}._ensure_server_handle", "private", "verl_ext.aqn_hook", "the server handle, if this rank has one",
              params=("self",)),
     Upstream(_ADAPTER, "calls", "verl_ext.aqn_hook", "one RPC per replica", attrs=("server_handle", "_has_server")),
+    Upstream(_ADAPTER, "private", "verl_ext.weight_socket", "the sender's weight-transfer socket name, qualified after "
+             "__init__", attrs=("zmq_handle",)),
+    Upstream(f"{_EXT}._get_zmq_handle", "private", "verl_ext.weight_socket",
+             "the receiver's socket name, built from the VERL_RAY_JOB_ID that qerl qualifies", params=("self",)),
     # the actor
     Upstream(_WORKER, "calls", "verl_ext.aqn_hook", "the worker the hooks run in", attrs=("config", "role", "rollout", "actor")),
     Upstream(f"{_FSDP}:FSDPEngine", "calls", "verl_ext.actor", "the engine the actor is built in",

@@ -7,8 +7,9 @@ its body runs (modules already imported are patched at once). Applying is idempo
 :func:`require` (called by the config check of a qerl run) raises listing them. ``QERL_VERL_PATCHES=0``
 installs nothing. Every wrapper passes straight through to verl unless the run asked for qerl, except the
 LoRA-adapter extraction fix (``collect_lora_params``), which is on for every LoRA run, and the blocked
-log-probabilities (``logprobs_from_logits_v2``, :mod:`verl_ext.logprobs`) and the replay buffer's 0.1 s poll
-(:mod:`verl_ext.replay`), on for every run.
+log-probabilities (``logprobs_from_logits_v2``, :mod:`verl_ext.logprobs`), the replay buffer's 0.1 s poll
+(:mod:`verl_ext.replay`) and the per-cluster weight-transfer socket name (:mod:`verl_ext.weight_socket`), on
+for every run.
 """
 
 from __future__ import annotations
