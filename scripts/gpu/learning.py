@@ -53,8 +53,14 @@ ARMS: dict[str, list[str]] = {
 # meanwhile ("Error in memory profiling", as when runs start side by side); a fixed KV cache
 # (2 GiB: 256 sequences x 192 tokens of SmolLM2 need ~1.1 GiB) skips that.
 SIDE_BY_SIDE = "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=2147483648"
+# verl puts the rollout engine to sleep between steps; vLLM's Worker.sleep then asserts that the GPU's free memory did
+# not shrink, a device-wide reading that another run's allocation in between breaks ("Memory usage increased after
+# sleeping": 2 of 8 runs side by side on 2026-11-24). Runs sharing a GPU keep their engine awake instead
+# (free_cache_engine=false; SmolLM2's weights and 2 GiB cache stay resident, the arithmetic is the same).
+NO_SLEEP = "actor_rollout_ref.rollout.free_cache_engine=false"
 LEAN: list[str] = [
     SIDE_BY_SIDE,
+    NO_SLEEP,
     "actor_rollout_ref.model.enable_gradient_checkpointing=true",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=8192",

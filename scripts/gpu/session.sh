@@ -98,6 +98,12 @@ run_step() {
         step study5 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --runs aqn:0,nvfp4:1,aqn:1,nvfp4:2,aqn:2 ;;
     study4)  # the second wave: BF16-LoRA at seeds 0-2 and NVFP4-LoRA at seed 0
         step study4 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --runs bf16:0,nvfp4:0,bf16:1,bf16:2 ;;
+    study3)  # the three runs the 2026-11-24 waves lacked (two failed side by side, one not started), engines awake
+        step study3 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --runs aqn:2,bf16:1,nvfp4:0 ;;
+    bench_dense)  # 7B decode with the dense single-adapter LoRA path (greedy fingerprints for the check vs default)
+        step bench_dense 580 python3 scripts/gpu/bench_rollout.py --shape 7B --configs nvfp4-lora,bf16-lora --variants dense-lora --batches 1,8,64 --repeats 3 ;;
+    bench_pair)  # 7B decode, vLLM's punica LoRA: BF16-LoRA, NVFP4-LoRA (qerl), stock NVFP4A16-LoRA, in that order
+        step bench_pair 580 python3 scripts/gpu/bench_rollout.py --shape 7B --configs bf16-lora,nvfp4-lora,stock-nvfp4-lora --variants default --batches 1,8,64 --repeats 3 ;;
     watch)  # status of the runs until they end or the call's time is nearly up
         step watch 580 python3 scripts/gpu/learning.py wait --work "$work/learn" --timeout $((deadline - SECONDS - 40)) ;;
     entropy) step entropy 400 python3 scripts/gpu/entropy_sigma.py --model /tmp/qerl_smollm2/bf16 --data /tmp/qerl_smollm2/data/test.parquet ;;

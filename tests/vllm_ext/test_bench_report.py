@@ -38,3 +38,33 @@ def test_summary_ratios_overhead_and_targets(rollout_args):
     table = report.format_table(results, summary, [1, 8, 64])
     assert re.search(r"nvfp4-lora-aqn@default +FAILED: AQN hook unavailable", table)
     assert "PASS nvfp4-lora@default 7B b1 vs bf16-lora: 2.6" in table and "5.50" in table
+
+
+def test_decode_stats_median_runs_and_spread():
+    from vllm_ext.bench.child import decode_stats
+
+    # batch 8, 101 new tokens: 100 decode tokens per sequence after the fastest 1-token run (0.1 s)
+    s = decode_stats(8, 101, [0.12, 0.10, 0.11], [1.1, 0.9, 1.3])
+    assert s["decode_runs_tok_s"] == [800.0, 1000.0, 666.67]
+    assert s["decode_tok_s"] == 800.0  # the median, not the best
+    assert s["decode_spread"] == round((1000 - 800 * 5 / 6) / 800, 4)
+    assert s["prefill_s"] == 0.1 and s["e2e_tok_s"] == round(8 * 101 / 1.1, 2)
+
+
+def test_greedy_agreement_against_the_default_variant():
+    ref = {"tokens": [[1, 2, 3, 4], [5, 6, 7, 8]], "chosen_logprobs": [[-0.1, -0.2, -0.3, -0.4], [-1.0, -1.0, -1.0, -1.0]]}
+    same = {"tokens": [[1, 2, 3, 4], [5, 6, 7, 8]], "chosen_logprobs": [[-0.1, -0.21, -0.3, -0.4], [-1.0, -1.0, -1.0, -1.0]]}
+    diverged = {"tokens": [[1, 2, 9, 9], [5, 6, 7, 8]], "chosen_logprobs": [[-0.1, -0.2, -5.0, -5.0], [-1.0, -1.5, -1.0, -1.0]]}
+    results = [
+        {"config": "nvfp4-lora", "variant": "default", "ok": True, "greedy": ref},
+        {"config": "nvfp4-lora", "variant": "dense-lora", "ok": True, "greedy": same},
+        {"config": "bf16-lora", "variant": "default", "ok": True, "greedy": ref},
+        {"config": "bf16-lora", "variant": "dense-lora", "ok": True, "greedy": diverged},
+        {"config": "nvfp4", "variant": "dense-lora", "ok": True, "greedy": same},  # no default run: not compared
+    ]
+    g = report.greedy_agreement(results)
+    assert set(g) == {"nvfp4-lora@dense-lora", "bf16-lora@dense-lora"}
+    assert g["nvfp4-lora@dense-lora"]["all_identical"] and g["nvfp4-lora@dense-lora"]["max_abs_logprob_diff"] == 0.01
+    d = g["bf16-lora@dense-lora"]
+    assert d["common_prefix"] == [2, 4] and not d["all_identical"]
+    assert d["max_abs_logprob_diff"] == 0.5  # only within the common prefixes

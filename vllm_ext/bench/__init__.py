@@ -12,8 +12,10 @@ loading (``--quantization nvfp4``). LoRA configs serve a random PEFT adapter (ra
 q/k/v/o/gate/up/down, non-zero B) written once to --work; every request uses it.
 
 Per batch size: prompts of --prompt-len random tokens, --new-tokens generated with ignore_eos. Decode
-tokens/s = batch * (new_tokens - 1) / (t(new_tokens) - t(1 token)), i.e. prefill removed; the best of
---repeats runs. Written to --out (default $OUT or ./.out): bench_rollout.json (all runs, ratios vs
+tokens/s = batch * (new_tokens - 1) / (t(new_tokens) - t(1 token)), i.e. prefill removed (the fastest
+1-token run); the median of --repeats runs, each run's rate and the spread kept. Engines of one config under
+different variants (e.g. dense-lora) are checked against its default variant on greedy tokens and their
+chosen-token logprobs (--greedy-check). Written to --out (default $OUT or ./.out): bench_rollout.json (all runs, ratios vs
 bf16-lora of the same variant, LoRA overhead, target checks), bench_rollout.jsonl (one line per engine as
 it finishes) and logs/<config>@<variant>.log. The table is printed last.
 """
@@ -62,7 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=_csv(int), default=[1, 8, 64], help="batch sizes (default 1,8,64)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per batch size; the best is kept")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per batch size (default 3); the median is reported with every run and the spread")
+    p.add_argument("--greedy-check", type=int, default=4, metavar="N",
+                   help="greedy tokens and chosen-token logprobs of N fixed prompts per engine, compared across the "
+                   "variants of one config in the report (0: off)")
     p.add_argument("--lora-rank", type=int, default=32, help="adapter rank (max_lora_rank follows it)")
     p.add_argument("--aqn-sigma", type=float, default=1e-2, help="AQN noise sigma for *-aqn configs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)

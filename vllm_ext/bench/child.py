@@ -5,6 +5,7 @@ write the result JSON after every step so that a crash or a timeout still leaves
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,44 @@ def _worker_memory(worker: Any) -> dict[str, Any]:
         "total": total,
         "device": torch.cuda.get_device_name(),
     }
+
+
+def decode_stats(batch: int, new_tokens: int, prefill_s: list[float], total_s: list[float]) -> dict[str, Any]:
+    """Decode tokens/s of each timed run (the fastest 1-token run removed as prefill), their median and spread.
+
+    ``decode_tok_s`` is the median; ``decode_runs_tok_s`` every run's rate; ``decode_spread`` (max - min) / median.
+    """
+    t1 = min(prefill_s)
+    runs = [batch * (new_tokens - 1) / (t - t1) for t in total_s if t > t1]
+    stats: dict[str, Any] = {
+        "decode_tok_s": round(statistics.median(runs), 2) if runs else None,
+        "decode_runs_tok_s": [round(r, 2) for r in runs],
+        "decode_spread": round((max(runs) - min(runs)) / statistics.median(runs), 4) if runs else None,
+        "e2e_tok_s": round(batch * new_tokens / statistics.median(total_s), 2),
+        "prefill_s": round(t1, 4),
+        "total_s": [round(t, 4) for t in total_s],
+        "prefill_runs_s": [round(t, 4) for t in prefill_s],
+    }
+    return stats
+
+
+def greedy_fingerprint(llm, spec: dict, lora, sampling_params_cls) -> dict[str, Any]:
+    """Greedy tokens and their chosen-token logprobs for a few fixed prompts: two engines (e.g. the same config
+    with another LoRA kernel) that compute the same function agree on them (compared in the report)."""
+    import random
+
+    n, length = spec["greedy_prompts"], spec.get("greedy_tokens", 32)
+    rng = random.Random(1234)
+    vocab = spec["dims"]["vocab"]
+    batch = [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(64)]} for _ in range(n)]
+    params = sampling_params_cls(max_tokens=length, temperature=0.0, logprobs=0)
+    outs = llm.generate(batch, params, lora_request=lora, use_tqdm=False)
+    tokens, logprobs = [], []
+    for o in outs:
+        c = o.outputs[0]
+        tokens.append(list(c.token_ids))
+        logprobs.append([round(float(step[t].logprob), 5) for t, step in zip(c.token_ids, c.logprobs or [])])
+    return {"tokens": tokens, "chosen_logprobs": logprobs}
 
 
 def main(spec_path: str, result_path: str) -> int:
@@ -119,15 +158,10 @@ def main(spec_path: str, result_path: str) -> int:
             timed(b, 16)  # warm-up: this batch size's graphs, allocator, LoRA slot
             prefill = [timed(b, 1) for _ in range(spec["repeats"])]
             total = [timed(b, new) for _ in range(spec["repeats"])]
-            t1, tn = min(prefill), min(total)
-            decode = b * (new - 1) / (tn - t1) if tn > t1 else None
-            result["batches"][str(b)] = {
-                "decode_tok_s": round(decode, 2) if decode else None,
-                "e2e_tok_s": round(b * new / tn, 2),
-                "prefill_s": round(t1, 4),
-                "total_s": [round(t, 4) for t in total],
-                "prefill_runs_s": [round(t, 4) for t in prefill],
-            }
+            result["batches"][str(b)] = decode_stats(b, new, prefill, total)
+            save()
+        if spec.get("greedy_prompts"):
+            result["greedy"] = greedy_fingerprint(llm, spec, lora, SamplingParams)
             save()
         try:
             result["memory"] = llm.collective_rpc(_worker_memory)[0]

@@ -40,7 +40,38 @@ def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
         for b, ov in row["lora_overhead"].items():
             checks.append({"run": key, "what": f"LoRA overhead b{b}", "target": f"<= {MAX_LORA_OVERHEAD:.0%}",
                            "got": ov, "pass": ov <= MAX_LORA_OVERHEAD})
-    return {"rows": rows, "checks": checks}
+    return {"rows": rows, "checks": checks, "greedy": greedy_agreement(results)}
+
+
+def greedy_agreement(results: list[dict]) -> dict[str, Any]:
+    """Each non-default variant's greedy fingerprint against the default variant of the same config.
+
+    Per prompt: the length of the common token prefix; over those prefixes, the largest absolute difference of
+    the chosen-token logprobs (nats). Identical arithmetic gives full prefixes and differences near 0; a different
+    kernel order gives small differences and, on near-ties (random weights), an earlier divergence.
+    """
+    ok = {(r["config"], r["variant"]): r.get("greedy") for r in results if r.get("ok") and r.get("greedy")}
+    out: dict[str, Any] = {}
+    for (cname, vname), got in ok.items():
+        ref = ok.get((cname, "default"))
+        if vname == "default" or ref is None:
+            continue
+        prefixes, diffs = [], []
+        for ta, tb, la, lb in zip(ref["tokens"], got["tokens"], ref["chosen_logprobs"], got["chosen_logprobs"]):
+            n = 0
+            while n < min(len(ta), len(tb)) and ta[n] == tb[n]:
+                n += 1
+            prefixes.append(n)
+            diffs += [abs(a - b) for a, b in zip(la[:n], lb[:n])]
+        length = max((len(t) for t in ref["tokens"]), default=0)
+        out[f"{cname}@{vname}"] = {
+            "vs": f"{cname}@default",
+            "tokens_per_prompt": length,
+            "common_prefix": prefixes,
+            "all_identical": all(p == length for p in prefixes),
+            "max_abs_logprob_diff": round(max(diffs), 5) if diffs else None,
+        }
+    return out
 
 
 def _gib(n: Any) -> str:
@@ -51,7 +82,8 @@ def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
     lines = []
     head = f"{'run':<34}" + "".join(f"{'b' + str(b) + ' tok/s':>12}{'x':>7}" for b in batches)
     head += f"{'weights':>9}{'lora':>7}{'kv':>8}{'start s':>8}"
-    lines += ["", "decode tokens/s (x = ratio vs bf16-lora of the same variant); memory in GiB", head, "-" * len(head)]
+    lines += ["", "decode tokens/s, median of the repeats (x = ratio vs bf16-lora of the same variant); memory in GiB",
+              head, "-" * len(head)]
     for r in results:
         key = f"{r['config']}@{r['variant']}"
         if not r.get("ok"):
@@ -72,6 +104,13 @@ def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
                  for k, row in summary["rows"].items() if row["lora_overhead"]]
     if overheads:
         lines += ["", "LoRA overhead (1 - tok/s with LoRA / without): " + "; ".join(overheads)]
+    for key, g in summary.get("greedy", {}).items():
+        lines.append(f"greedy vs {g['vs']}: {key} common prefix {g['common_prefix']} of {g['tokens_per_prompt']} "
+                     f"tokens, max |chosen-token logprob diff| {g['max_abs_logprob_diff']}")
+    spreads = [f"{r['config']}@{r['variant']} b{b} {m['decode_spread']:.1%}" for r in results if r.get("ok")
+               for b, m in r.get("batches", {}).items() if m.get("decode_spread") is not None]
+    if spreads:
+        lines += ["", "spread of the repeats ((max - min) / median decode tok/s): " + "; ".join(spreads)]
     if summary["checks"]:
         lines += ["", "targets:"] + [
             f"  {'PASS' if c['pass'] else 'FAIL'} {c['run']} {c['what']}: {c['got']} (target {c['target']})"
