@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import re
 import sys
@@ -195,3 +196,22 @@ def test_entropy_of_a_position_from_its_top_k(tmp_path):
     h = entropy_sigma.position_entropy({1: lp(0.5), 2: lp(0.3)}, vocab=100)
     want = -(0.5 * math.log(0.5) + 0.3 * math.log(0.3)) - 0.2 * math.log(0.2 / 98)
     assert h == pytest.approx(want)
+
+
+def test_learning_names_why_a_run_failed(learning, tmp_path, capsys):
+    """The watch table's FAILED row comes with the root error line of the run's log (the first, not Hydra's re-raise)."""
+    run = tmp_path / "learn" / "aqn-s2"
+    run.mkdir(parents=True)
+    (run / "cmd.json").write_text(json.dumps({"started": time.time()}))
+    (run / "run.log").write_text(
+        "(TaskRunnerV1 pid=1) 'truncation': 'error',\n"
+        "(vLLMHttpServer pid=2) (Worker pid=3) ERROR 11-24 03:11:54 [multiproc_executor.py:1000] Traceback (most recent call last):\n"
+        "(vLLMHttpServer pid=2) (Worker pid=3) ERROR 11-24 03:11:54 [multiproc_executor.py:1000] AssertionError: Memory usage increased after sleeping.\n"
+        "(vLLMHttpServer pid=2) RuntimeError: Worker failed with error 'Memory usage increased after sleeping.'\n"
+        "Error executing job with overrides: []\n"
+    )
+    rows = learning.status(argparse.Namespace(work=tmp_path / "learn", only=None))
+    assert rows[0]["failed"]
+    out = capsys.readouterr().out
+    assert "aqn-s2 failed: AssertionError: Memory usage increased after sleeping. (run.log line 3)" in out
+    assert learning.failure_reason("all fine\n") is None

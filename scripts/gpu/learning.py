@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -213,6 +214,19 @@ def _last(steps: dict[int, dict], key: str):
     return None, None
 
 
+_ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+?)\s*$")
+
+
+def failure_reason(log_text: str) -> str | None:
+    """The first ``SomeError: message`` line of a failed run's log (the root cause; Ray and Hydra re-raise it
+    further down), with its line number, or None."""
+    for number, line in enumerate(log_text.splitlines(), 1):
+        m = _ERROR_LINE.search(line)
+        if m and "Warning" not in m.group(1):
+            return f"{m.group(1)}: {m.group(2)[:160]} (run.log line {number})"
+    return None
+
+
 def run_status(run_dir: Path) -> dict:
     steps = read_metrics(run_dir / "metrics.jsonl")
     pid = int((run_dir / "pid").read_text()) if (run_dir / "pid").exists() else None
@@ -227,6 +241,7 @@ def run_status(run_dir: Path) -> dict:
         "run": run_dir.name,
         "alive": bool(pid and _alive(pid)),
         "failed": failed,
+        "reason": failure_reason(log_text) if failed else None,
         "step": max(train_steps) if train_steps else 0,
         "reward": _last(steps, REWARD_KEY)[1],
         "val_first": first_val,
@@ -253,6 +268,9 @@ def status(args: argparse.Namespace) -> list[dict]:
             f"{_fmt(r['val'], '6.3f')} {_fmt(r['val_step'], '4d')} {_fmt(r['step_s_median'], '7.2f')} {_fmt(r['wall_s'], '7d')}",
             flush=True,
         )
+    for r in rows:
+        if r["failed"] and not r["alive"]:
+            print(f"{r['run']} failed: {r['reason'] or 'no error line found'}", flush=True)
     return rows
 
 
