@@ -67,16 +67,16 @@ def decode_stats(batch: int, new_tokens: int, prefill_s: list[float], total_s: l
     """
     t1 = min(prefill_s)
     runs = [batch * (new_tokens - 1) / (t - t1) for t in total_s if t > t1]
-    stats: dict[str, Any] = {
-        "decode_tok_s": round(statistics.median(runs), 2) if runs else None,
+    median = statistics.median(runs) if runs else None
+    return {
+        "decode_tok_s": round(median, 2) if runs else None,
         "decode_runs_tok_s": [round(r, 2) for r in runs],
-        "decode_spread": round((max(runs) - min(runs)) / statistics.median(runs), 4) if runs else None,
+        "decode_spread": round((max(runs) - min(runs)) / median, 4) if runs else None,
         "e2e_tok_s": round(batch * new_tokens / statistics.median(total_s), 2),
         "prefill_s": round(t1, 4),
         "total_s": [round(t, 4) for t in total_s],
         "prefill_runs_s": [round(t, 4) for t in prefill_s],
     }
-    return stats
 
 
 def greedy_fingerprint(llm, spec: dict, lora, sampling_params_cls) -> dict[str, Any]:

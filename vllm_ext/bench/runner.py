@@ -116,7 +116,7 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
                 new_tokens=args.new_tokens, repeats=args.repeats, lora_path=str(adapter) if cfg.lora else None,
                 lora_rank=args.lora_rank, aqn_sigma=args.aqn_sigma if cfg.aqn else None, tuned_dir=tuned_dir,
                 dims=model_dims(model_dir), shape=None if args.model else args.shape, dummy=dummy,
-                greedy_prompts=getattr(args, "greedy_check", 0),
+                greedy_prompts=args.greedy_check,
             )
             runs.append(Run(cname, vname, spec, env))
     return runs, skipped
