@@ -161,6 +161,26 @@ def test_learning_stop_ends_the_running_runs(learning, tmp_path, monkeypatch):
     assert not learning._running(work / "aqn-s0")
 
 
+def test_learning_tag_puts_variants_of_one_arm_side_by_side(learning, tmp_path, monkeypatch, capsys):
+    """--tag names the runs of one launch (aqn-s0-lr1e-3), so launches with different overrides share a folder."""
+    seen, real_command = [], learning.command
+
+    def fake(arm, seed, run_dir, overrides):
+        seen.append((run_dir.name, overrides))
+        return [sys.executable, "-c", "pass"]
+
+    monkeypatch.setattr(learning, "command", fake)
+    work = tmp_path / "learn"
+    base = ["launch", "--work", str(work), "--runs", "aqn:0", "--stagger", "0", "--host-gib-per-run", "0.01"]
+    assert learning.main(base) == 0
+    assert learning.main(base + ["--tag", "lr1e-3", "--override", "actor_rollout_ref.actor.optim.lr=1e-3"]) == 0
+    assert seen == [("aqn-s0", []), ("aqn-s0-lr1e-3", ["actor_rollout_ref.actor.optim.lr=1e-3"])]
+    assert sorted(d.name for d in work.iterdir()) == ["aqn-s0", "aqn-s0-lr1e-3"]
+    assert "trainer.experiment_name=aqn-s0-lr1e-3" in real_command("aqn", 0, work / "aqn-s0-lr1e-3", [])
+    with pytest.raises(SystemExit, match="--tag"):
+        learning.main(base + ["--tag", "lr 1e-3"])
+
+
 def test_learning_arms_and_bad_runs(learning):
     assert learning.parse_runs("aqn:0, bf16:2") == [("aqn", 0), ("bf16", 2)]
     with pytest.raises(SystemExit, match="ARM:SEED"):

@@ -94,8 +94,8 @@ def parse_runs(text: str) -> list[tuple[str, int]]:
     return runs
 
 
-def run_name(arm: str, seed: int) -> str:
-    return f"{arm}-s{seed}"
+def run_name(arm: str, seed: int, tag: str = "") -> str:
+    return f"{arm}-s{seed}" + (f"-{tag}" if tag else "")
 
 
 def command(arm: str, seed: int, run_dir: Path, overrides: list[str]) -> list[str]:
@@ -103,7 +103,7 @@ def command(arm: str, seed: int, run_dir: Path, overrides: list[str]) -> list[st
         sys.executable, "-m", "verl.trainer.main_ppo",
         "--config-path", str(CONFIG.parent), "--config-name", CONFIG.stem,
         "trainer.logger=[console,file]",
-        f"trainer.experiment_name={run_name(arm, seed)}",
+        f"trainer.experiment_name={run_dir.name}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
         f"data.seed={seed}",
         f"actor_rollout_ref.rollout.seed={seed}",
@@ -123,7 +123,10 @@ def launch(args: argparse.Namespace) -> int:
                 log(f"{name} is not running (see {work / name / 'run.log'}); nothing started")
                 return 1
             time.sleep(5)
-    new = [(a, s) for a, s in runs if not _running(work / run_name(a, s))]
+    tag = args.tag
+    if tag and not re.fullmatch(r"[A-Za-z0-9._+-]+", tag):
+        raise SystemExit(f"--tag {tag!r}: use letters, digits and . _ + - only (it becomes part of a folder name)")
+    new = [(a, s) for a, s in runs if not _running(work / run_name(a, s, tag))]
     free = host_available_gib()
     need = len(new) * args.host_gib_per_run
     if free is not None and need > free:
@@ -132,7 +135,7 @@ def launch(args: argparse.Namespace) -> int:
             "and the rest once they end, or set --host-gib-per-run if yours need less")
         return 1
     for i, (arm, seed) in enumerate(runs):
-        run_dir = work / run_name(arm, seed)
+        run_dir = work / run_name(arm, seed, tag)
         if _running(run_dir):
             log(f"{run_dir.name} is already running; not started again")
             continue
@@ -260,11 +263,12 @@ def status(args: argparse.Namespace) -> list[dict]:
     only = set(getattr(args, "only", None) or [])
     rows = [run_status(d) for d in sorted(args.work.resolve().iterdir())
             if (d / "cmd.json").exists() and (not only or d.name in only)]
-    print(f"{'run':10} {'state':7} {'step':>4} {'reward':>7} {'val0':>6} {'val':>6} {'@':>4} {'step_s':>7} {'wall_s':>7}")
+    width = max([10] + [len(r["run"]) for r in rows])
+    print(f"{'run':{width}} {'state':7} {'step':>4} {'reward':>7} {'val0':>6} {'val':>6} {'@':>4} {'step_s':>7} {'wall_s':>7}")
     for r in rows:
         state = "FAILED" if r["failed"] and not r["alive"] else ("running" if r["alive"] else "done")
         print(
-            f"{r['run']:10} {state:7} {r['step']:>4} {_fmt(r['reward'], '7.3f')} {_fmt(r['val_first'], '6.3f')} "
+            f"{r['run']:{width}} {state:7} {r['step']:>4} {_fmt(r['reward'], '7.3f')} {_fmt(r['val_first'], '6.3f')} "
             f"{_fmt(r['val'], '6.3f')} {_fmt(r['val_step'], '4d')} {_fmt(r['step_s_median'], '7.2f')} {_fmt(r['wall_s'], '7d')}",
             flush=True,
         )
@@ -342,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--stagger", type=float, default=20.0, help="seconds between starts (vLLM sizes its "
                            "KV cache from the free memory it sees; a start next to another one's profiling run misjudges it)")
             s.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="verl override, repeatable")
+            s.add_argument("--tag", default="", help="suffix of the run names (aqn-s0-TAG): runs of one arm and seed "
+                           "with different --override values side by side in one --work folder")
             s.add_argument("--lean", action="store_true", help="memory-lean settings for several runs on one GPU (LEAN)")
             s.add_argument("--after", metavar="RUN:STEP", help="start only once RUN has logged STEP training steps")
             s.add_argument("--host-gib-per-run", type=float, default=HOST_GIB_PER_RUN, metavar="GIB",

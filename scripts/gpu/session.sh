@@ -100,6 +100,15 @@ run_step() {
         step study4 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --runs bf16:0,nvfp4:0,bf16:1,bf16:2 ;;
     study3)  # the three runs the 2026-11-24 waves lacked (two failed side by side, one not started), engines awake
         step study3 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --runs aqn:2,bf16:1,nvfp4:0 ;;
+    sweep)  # demo tuning (issue 11): NVFP4 + LoRA + AQN for 80 steps, six variants side by side, memory-lean
+        step sweep 150 bash -c 'L="python3 scripts/gpu/learning.py launch --work '"$work"'/sweep --lean --stagger 8 --override trainer.total_training_steps=80 --override trainer.save_freq=-1"
+            T=actor_rollout_ref.rollout.temperature=0.7; LR=actor_rollout_ref.actor.optim.lr=1e-3
+            $L --runs aqn:0 --tag base && $L --runs aqn:0 --tag lr1e-3 --override $LR && $L --runs aqn:0 --tag t0.7 --override $T &&
+            $L --runs aqn:0,aqn:1 --tag t0.7-lr1e-3 --override $T --override $LR &&
+            $L --runs aqn:0 --tag len128-t0.7 --override $T --override data.max_response_length=128' ;;
+    sweep_watch)  # status every minute until the sweep ends or the call's time is nearly up, then its summary
+        step sweep_watch 580 python3 scripts/gpu/learning.py wait --work "$work/sweep" --every 60 --timeout $((deadline - SECONDS - 50))
+        step sweep_pack 40 python3 scripts/gpu/learning.py pack --work "$work/sweep" --out "$work/sweep_pack" --name sweep ;;
     bench_dense)  # 7B decode with the dense single-adapter LoRA path (greedy fingerprints for the check vs default)
         step bench_dense 580 python3 scripts/gpu/bench_rollout.py --shape 7B --configs nvfp4-lora,bf16-lora --variants dense-lora --batches 1,8,64 --repeats 3 ;;
     bench_pair)  # 7B decode, vLLM's punica LoRA: BF16-LoRA, NVFP4-LoRA (qerl), stock NVFP4A16-LoRA, in that order
