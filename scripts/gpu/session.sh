@@ -30,6 +30,7 @@ pack() {  # what has finished so far goes to $OUT now: a call cut off by the dev
 # The whole call must end before the device tool's limit (QERL_DEADLINE_S after start, default 585 s):
 # each step's limit is cut to what is left, and a step with under 20 s left is skipped.
 deadline=$((SECONDS + ${QERL_DEADLINE_S:-585}))
+STUDY_T1="--override actor_rollout_ref.rollout.temperature=1.0 --override trainer.total_training_steps=40 --override trainer.save_freq=40"
 
 step() {  # step NAME LIMIT_S CMD...
     local name=$1 limit=$2
@@ -89,17 +90,25 @@ run_step() {
         step smol 300 bash -c 'cat /tmp/stage_smol/gguf.part* > /tmp/smol.gguf && python3 examples/smollm2/prepare.py /tmp/qerl_smollm2 --gguf /tmp/smol.gguf --nvfp4 --overwrite --no-sample' ;;
     steptime_bf16)  # the demo's settings on the BF16 base, alone on the GPU, 12 steps without validation
         step steptime_bf16 420 python3 scripts/gpu/learning.py launch --runs bf16:0 --work "$work/steptime" --override trainer.total_training_steps=12 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 && python3 scripts/gpu/learning.py wait --work "$work/steptime" --timeout 400 --every 20 ;;
+    steptime_big)  # the demo's config alone, 20 steps, no validation, one micro-batch per phase (64k tokens instead of 8k/16k):
+        # the 135M model's update and log-prob are launch-bound, not compute-bound (ARM=aqn|nvfp4|bf16, default aqn)
+        step steptime_big 580 bash -c 'python3 scripts/gpu/learning.py launch --runs '"${ARM:-aqn}"':0 --tag big --work '"$work"'/steptime --override trainer.total_training_steps=20 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 --override actor_rollout_ref.actor.ppo_max_token_len_per_gpu=65536 --override actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=65536 --override actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=65536 && python3 scripts/gpu/learning.py wait --work '"$work"'/steptime --every 30 --timeout 520' ;;
+    study_t07a)  # the study's three arms at the demo's temperature 0.7 and 50 steps, three seeds: five runs side by side ...
+        step study_t07a 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --tag t07 --runs bf16:0,nvfp4:0,aqn:0,bf16:1,nvfp4:1 ;;
+    study_t07b)  # ... and the other four on a second lease
+        step study_t07b 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --tag t07 --runs aqn:1,bf16:2,nvfp4:2,aqn:2 ;;
     demo)  # the demo (NVFP4 + LoRA + AQN, seed 0) alone; later calls watch it
         step demo 60 python3 scripts/gpu/learning.py launch --runs aqn:0 --work "$work/learn" ;;
     arms)  # one seed of each arm side by side (the demo's run is aqn-s0), with the sampling profiler on
         step arms 120 env QERL_PROFILE_DIR="$work/prof" python3 scripts/gpu/learning.py launch --work "$work/learn" --stagger 45 --runs aqn:0,nvfp4:0,bf16:0 --override +actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=2147483648 ;;
+    # the study of 2026-11-24 ran the config as it was then (sampling temperature 1.0, 40 steps); the demo now samples at 0.7
     study5)  # the study's first wave: AQN at seeds 0-2 and NVFP4-LoRA at seeds 1-2, side by side, memory-lean
         # (at most five SmolLM2 runs at once: each takes ~17 GiB of the machine's 126 GiB host memory)
-        step study5 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --runs aqn:0,nvfp4:1,aqn:1,nvfp4:2,aqn:2 ;;
+        step study5 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 $STUDY_T1 --runs aqn:0,nvfp4:1,aqn:1,nvfp4:2,aqn:2 ;;
     study4)  # the second wave: BF16-LoRA at seeds 0-2 and NVFP4-LoRA at seed 0
-        step study4 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --runs bf16:0,nvfp4:0,bf16:1,bf16:2 ;;
+        step study4 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 $STUDY_T1 --runs bf16:0,nvfp4:0,bf16:1,bf16:2 ;;
     study3)  # the three runs the 2026-11-24 waves lacked (two failed side by side, one not started), engines awake
-        step study3 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --runs aqn:2,bf16:1,nvfp4:0 ;;
+        step study3 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 $STUDY_T1 --runs aqn:2,bf16:1,nvfp4:0 ;;
     sweep)  # demo tuning (issue 11): NVFP4 + LoRA + AQN for 80 steps, six variants side by side, memory-lean
         step sweep 150 bash -c 'L="python3 scripts/gpu/learning.py launch --work '"$work"'/sweep --lean --stagger 8 --override trainer.total_training_steps=80 --override trainer.save_freq=-1"
             T=actor_rollout_ref.rollout.temperature=0.7; LR=actor_rollout_ref.actor.optim.lr=1e-3
