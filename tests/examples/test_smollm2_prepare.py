@@ -396,19 +396,21 @@ def test_prepare_script_errors(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the published adapter (docs/learning/smollm2-nvfp4-lora, trained on the H100: docs/learning.md)
+# the published adapters (docs/learning/smollm2-nvfp4-lora{,-aqn}, trained on the H100: docs/learning.md)
 
-ADAPTER = Path(__file__).resolve().parents[2] / "docs" / "learning" / "smollm2-nvfp4-lora"
+ADAPTERS = {name: Path(__file__).resolve().parents[2] / "docs" / "learning" / name
+            for name in ("smollm2-nvfp4-lora", "smollm2-nvfp4-lora-aqn")}
 
 
 @pytest.mark.slow
-def test_published_adapter_lifts_accuracy_on_the_nvfp4_base(prepared, tmp_path):
-    """PEFT loads the adapter onto the prepared model with every Linear replaced by its NVFP4 dequantization
+def test_published_adapters_lift_accuracy_on_the_nvfp4_base(prepared, tmp_path):
+    """PEFT loads each adapter onto the prepared model with every Linear replaced by its NVFP4 dequantization
     (``qerl eval --backend hf`` on the ``qerl quantize`` checkpoint) and answers more test problems greedily.
 
-    On the demo's 200 test problems this measured 0.040 without and 0.365 with the adapter (CPU, 2026-11-23);
-    the first 40 are scored here, and the adapter must get at least 6 more right (0.04 * 40 = 1.6 expected
-    without it, 0.365 * 40 = 14.6 with it)."""
+    On the demo's 200 test problems this measured 0.040 without an adapter, 0.365 with the NVFP4-LoRA run's
+    (2026-11-23) and 0.355 with the NVFP4 + LoRA + AQN demo's (temperature 0.7, 2026-11-24; 13 of the first 40),
+    on CPU. The first 40 are scored here, and each adapter must get at least 6 more right than the base
+    (0.04 * 40 = 1.6 expected without one)."""
     import json
     import subprocess
     import sys
@@ -418,7 +420,7 @@ def test_published_adapter_lifts_accuracy_on_the_nvfp4_base(prepared, tmp_path):
     data = make_synthetic_arithmetic(tmp_path / "data", n_train=2000, n_test=200, seed=0, difficulty=1,
                                      instruction=sm.DEMO_INSTRUCTION)  # the demo's split (examples/smollm2/config.yaml)
     correct = {}
-    for name, extra in (("base", []), ("adapter", ["--adapter", str(ADAPTER)])):
+    for name, extra in (("base", []), *((n, ["--adapter", str(d)]) for n, d in ADAPTERS.items())):
         out = tmp_path / f"{name}.jsonl"
         subprocess.run(
             [sys.executable, "-m", "qerl_plugin.cli", "eval", str(prepared[0] / "nvfp4"), *extra, "--data", data["test"],
@@ -427,4 +429,33 @@ def test_published_adapter_lifts_accuracy_on_the_nvfp4_base(prepared, tmp_path):
         )
         summary = json.loads(out.with_suffix(".summary.json").read_text())
         correct[name] = round(summary["greedy"]["pass@1"] * 40)
-    assert correct["adapter"] >= correct["base"] + 6, correct
+    assert all(correct[n] >= correct["base"] + 6 for n in ADAPTERS), correct
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scripts/cpu/probe_sampling.py: the GRPO signal in a model's samples before training
+
+
+@pytest.mark.slow
+def test_probe_sampling_reports_reward_groups_and_truncation(prepared):
+    """On the real model, 4 prompts x 4 samples of at most 8 tokens: every number is a fraction of the right
+    population, a group counts as mixed only with right and wrong answers in it, and 8 tokens cut almost
+    most responses (the model's answers run longer)."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "cpu" / "probe_sampling.py"
+    run = subprocess.run(
+        [sys.executable, str(script), str(prepared[0]), "--nvfp4", "--temperatures", "1.0,0.5", "--max-new-tokens", "8",
+         "--prompts", "4", "--n", "4", "--short", "8"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["temperature"] for r in rows] == [1.0, 0.5]
+    for r in rows:
+        assert (r["model"], r["prompts"], r["n"], r["max_new_tokens"]) == ("nvfp4", 4, 4, 8)
+        assert 0 <= r["reward"] <= 1 and 0 <= r["mixed_groups"] <= 4 and 1 <= r["mean_length"] <= 8
+        assert r["right_within_8"] == r["reward"]  # every response is within the limit it was cut at
+        assert r["cut_at_limit"] >= 0.5
