@@ -76,7 +76,7 @@ def _session_steps() -> set[str]:
     return set(re.findall(r"^\s+([a-z0-9_]+)\)", text, flags=re.M))
 
 
-@pytest.mark.parametrize("doc", ["docs/benchmarks.md", "docs/verl-h100.md", "README.md"])
+@pytest.mark.parametrize("doc", ["docs/benchmarks.md", "docs/verl-h100.md", "docs/learning.md", "README.md"])
 def test_every_session_step_named_in_the_docs_exists(doc):
     steps = _session_steps()
     assert {"install", "aqn", "entropy32", "bench32b", "verl_resume8a", "verl_resume8b"} <= steps
