@@ -116,6 +116,9 @@ def command(arm: str, seed: int, run_dir: Path, overrides: list[str]) -> list[st
 def launch(args: argparse.Namespace) -> int:
     work = args.work.resolve()
     runs = parse_runs(args.runs)
+    tag = args.tag
+    if tag and not re.fullmatch(r"[A-Za-z0-9._+-]+", tag):
+        raise SystemExit(f"--tag {tag!r}: use letters, digits and . _ + - only (it becomes part of a folder name)")
     if args.after:
         name, _, step = args.after.partition(":")
         while (after := run_status(work / name))["step"] < int(step):
@@ -123,9 +126,6 @@ def launch(args: argparse.Namespace) -> int:
                 log(f"{name} is not running (see {work / name / 'run.log'}); nothing started")
                 return 1
             time.sleep(5)
-    tag = args.tag
-    if tag and not re.fullmatch(r"[A-Za-z0-9._+-]+", tag):
-        raise SystemExit(f"--tag {tag!r}: use letters, digits and . _ + - only (it becomes part of a folder name)")
     new = [(a, s) for a, s in runs if not _running(work / run_name(a, s, tag))]
     free = host_available_gib()
     need = len(new) * args.host_gib_per_run
