@@ -152,6 +152,7 @@ def validate(cfg: Any, normalize: bool = True) -> tuple[QerlSettings, list[str]]
         _check_aqn(cfg, settings)
 
     if settings.active:
+        _bypass_mode_to_actor(cfg, normalize, notes)
         _check_ray_cpus(cfg)
         from verl_ext import patches
 
@@ -162,6 +163,46 @@ def validate(cfg: Any, normalize: bool = True) -> tuple[QerlSettings, list[str]]
         except RuntimeError as e:
             raise QerlConfigError(str(e)) from None
     return settings, notes
+
+
+ROLLOUT_CORRECTION = "algorithm.rollout_correction"
+POLICY_LOSS = f"{ACTOR}.policy_loss"
+
+
+def _bypass_mode_to_actor(cfg: Any, normalize: bool, notes: list[str]) -> None:
+    """verl's bypass mode (``algorithm.rollout_correction.bypass_mode: true``: the rollout's log-probs are the PPO
+    anchor and the actor's old-log-prob pass is skipped) reaches the actor worker's loss too.
+
+    verl 0.9.1's trainer switches ``actor.policy_loss.loss_mode`` to ``bypass_mode`` (with the rollout-correction
+    block) only in the driver's copy of the config, after the actor workers were built from it: their loss stays
+    ``vanilla`` (the same PPO-clip objective for ``loss_type: ppo_clip``, but no ``rollout_corr/*`` metrics, and
+    ``loss_type: reinforce`` silently not applied). Done here, before the workers exist, they get it.
+    """
+    bypass = bool(get(cfg, f"{ROLLOUT_CORRECTION}.bypass_mode", False))
+    mode = str(get(cfg, f"{POLICY_LOSS}.loss_mode", "vanilla"))
+    if not bypass:
+        if mode == "bypass_mode":
+            raise QerlConfigError(
+                f"{POLICY_LOSS}.loss_mode=bypass_mode treats the old log-probs as the rollout's, but "
+                f"{ROLLOUT_CORRECTION}.bypass_mode is false (the actor recomputes them): set "
+                f"{ROLLOUT_CORRECTION}.bypass_mode=true, or loss_mode=vanilla"
+            )
+        return
+    if mode not in ("vanilla", "bypass_mode"):
+        raise QerlConfigError(
+            f"{ROLLOUT_CORRECTION}.bypass_mode=true replaces the actor's loss with verl's bypass_mode loss, but "
+            f"{POLICY_LOSS}.loss_mode is {mode!r}: set loss_mode=vanilla (or bypass_mode), or bypass_mode=false"
+        )
+    block = to_plain(get(cfg, ROLLOUT_CORRECTION))
+    if mode == "bypass_mode" and to_plain(get(cfg, f"{POLICY_LOSS}.rollout_correction")) == block:
+        return
+    if normalize:
+        _set(cfg, f"{POLICY_LOSS}.loss_mode", "bypass_mode")
+        _set(cfg, f"{POLICY_LOSS}.rollout_correction", block)
+    notes.append(
+        f"{POLICY_LOSS}.loss_mode: {mode} -> bypass_mode with {ROLLOUT_CORRECTION} (verl's bypass mode, set before "
+        "the actor workers are built so that their loss and rollout_corr metrics follow it)"
+    )
 
 
 # verl 0.9.1's TaskRunner and its transfer queue (controller + SimpleStorage units) are Ray actors of one logical

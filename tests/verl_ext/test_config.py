@@ -236,3 +236,71 @@ def test_ray_cpus_needed_matches_the_installed_transfer_queue(env):
     cfg = _cfg()
     units = cfg.transfer_queue.backend.SimpleStorage.num_data_storage_units
     assert ray_cpus_needed(cfg) == 1 + 1 + units  # TaskRunner + controller + storage units
+
+
+# --- verl's bypass mode reaches the actor worker (verl 0.9.1 switches the loss only in the driver's copy)
+
+SMOL = ROOT / "examples" / "smollm2" / "config.yaml"
+
+
+def _ppo_clip_reference(old, new, adv, mask, low, high):
+    """token-mean PPO-clip, written out: -mean(min(r A, clip(r, 1-low, 1+high) A)) over the response tokens."""
+    import torch
+
+    r = torch.exp(new - old)
+    obj = torch.minimum(r * adv, torch.clamp(r, 1 - low, 1 + high) * adv)
+    return float(-(obj * mask).sum() / mask.sum())
+
+
+def test_smollm2_bypass_mode_sets_the_actors_loss_and_metrics():
+    import torch
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = compose(SMOL, [])
+    assert cfg.algorithm.rollout_correction.bypass_mode is True
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"  # as composed: verl's default
+    _, notes = validate(cfg)
+    assert any("loss_mode: vanilla -> bypass_mode" in n for n in notes)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)  # what the actor worker builds
+    assert actor.policy_loss.loss_mode == "bypass_mode"
+    rc = actor.policy_loss.rollout_correction
+    assert rc["bypass_mode"] is True and rc["loss_type"] == "ppo_clip" and rc["rollout_is"] == "token"
+
+    torch.manual_seed(0)
+    rollout = -torch.rand(6, 9) * 3
+    current = rollout + 0.3 * torch.randn(6, 9)  # some ratios beyond the clip range
+    adv = torch.randn(6, 9)
+    mask = torch.ones(6, 9, dtype=torch.bool)
+    mask[:, 7:] = False
+    loss, metrics = get_policy_loss_fn(actor.policy_loss.loss_mode)(
+        old_log_prob=rollout, log_prob=current, advantages=adv, response_mask=mask, loss_agg_mode="token-mean",
+        config=actor,
+    )
+    ref = _ppo_clip_reference(rollout, current, adv, mask.float(), actor.clip_ratio_low, actor.clip_ratio_high)
+    assert float(loss) == pytest.approx(ref, rel=1e-5)
+    kl = float(((rollout - current) * mask).sum() / mask.sum())  # k1 estimate of KL(rollout || current)
+    assert metrics["rollout_corr/kl"] == pytest.approx(kl, rel=1e-4, abs=1e-6)
+
+
+def test_bypass_mode_is_left_alone_when_the_actor_already_has_it():
+    cfg = compose(SMOL, [])
+    validate(cfg)
+    _, notes = validate(cfg)  # second time: nothing to normalise
+    assert not any("bypass_mode" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["algorithm.rollout_correction.bypass_mode=false", "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"],
+         ["algorithm.rollout_correction.bypass_mode is false", "set algorithm.rollout_correction.bypass_mode=true"]),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=gpg"],
+         ["loss_mode is 'gpg'", "set loss_mode=vanilla"]),
+    ],
+)
+def test_bypass_mode_conflicts_name_both_keys(overrides, words):
+    with pytest.raises(QerlConfigError) as e:
+        validate(compose(SMOL, overrides))
+    for w in words:
+        assert w in str(e.value)
