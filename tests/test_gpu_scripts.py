@@ -138,6 +138,44 @@ def test_learning_runs_are_launched_watched_and_packed(learning, tmp_path, monke
     assert not (work / "nvfp4-s0").exists()
 
 
+def test_learning_timing_reports_medians_and_checks_a_limit(learning, tmp_path, capsys):
+    """`timing`: median / min / max of each phase over steps >= --first, the exit code against --max-median; checked
+    against the real demo run whose numbers docs/learning.md quotes."""
+    import json
+    import shutil
+
+    real = Path(__file__).resolve().parents[1] / "docs/gpu-runs/2026-11-24/demo_bypass"
+    work = tmp_path / "w"
+    (work / "demo").mkdir(parents=True)
+    for f in ("cmd.json", "metrics.jsonl"):
+        shutil.copy(real / f, work / "demo" / f)
+    (work / "toy").mkdir()
+    (work / "toy" / "cmd.json").write_text("{}")
+    lines = [{"step": s, "data": {"timing_s/step": t, "timing_s/gen": t / 2}} for s, t in [(1, 90.0), (2, 5.0), (3, 7.0), (4, 6.0), (5, 4.0)]]
+    (work / "toy" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    rows = {r["run"]: r for r in learning.timing_rows(work)}
+    toy = rows["toy"]
+    assert toy["steps"] == 4 and toy["timing_s/step"] == {"median": 5.5, "min": 4.0, "max": 7.0}  # step 1 left out
+    assert toy["timing_s/gen"]["median"] == 2.75 and "timing_s/old_log_prob" not in toy
+    assert learning.timing_rows(work, first=4, only=["toy"])[0]["timing_s/step"] == {"median": 5.0, "min": 4.0, "max": 6.0}
+    import statistics
+
+    recs = [json.loads(x) for x in (real / "metrics.jsonl").read_text().splitlines()]
+    ref = [r["data"]["timing_s/step"] for r in recs if r["step"] >= 2 and "timing_s/step" in r["data"]]
+    step = rows["demo"]["timing_s/step"]
+    assert rows["demo"]["steps"] == len(ref) == 49
+    assert step == {"median": round(statistics.median(ref), 3), "min": round(min(ref), 3), "max": round(max(ref), 3)}
+    assert round(step["median"], 2) == 4.16  # the figure the docs quote
+
+    out = tmp_path / "t.json"
+    assert learning.main(["timing", "--work", str(work), "--max-median", "6", "--json", str(out)]) == 0
+    assert json.loads(out.read_text()) == learning.timing_rows(work)
+    assert learning.main(["timing", "--work", str(work), "--max-median", "5"]) == 3
+    assert "median step over 5 s (or no steps): toy" in capsys.readouterr().out
+    assert learning.main(["timing", "--work", str(tmp_path / "w"), "--only", "nothing"]) == 2
+
+
 def test_learning_launch_refuses_more_runs_than_host_memory_holds(learning, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(learning, "command", lambda *a: pytest.fail("nothing may start"))
     monkeypatch.setattr(learning, "host_available_gib", lambda: 60.0)

@@ -19,6 +19,7 @@ every arm the same prompts in the same order.
         --override actor_rollout_ref.rollout.gpu_memory_utilization=0.06
     python scripts/gpu/learning.py wait --work /tmp/learn --timeout 500              # status every 30 s
     python scripts/gpu/learning.py pack --work /tmp/learn --out "$OUT"                # metrics + logs, no weights
+    python scripts/gpu/learning.py timing --work /tmp/learn --max-median 6            # step-time breakdown
 
 The model and data come from ``examples/smollm2/prepare.py`` (``--data-dir``, default /tmp/qerl_smollm2).
 """
@@ -316,6 +317,53 @@ def stop(args: argparse.Namespace) -> int:
     return 0
 
 
+TIMING_KEYS = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/update_weights",
+               "timing_s/step", "response_length/mean")
+
+
+def timing_rows(work: Path, first: int = 2, only: list[str] | None = None) -> list[dict]:
+    """Per run: median, min and max of each of TIMING_KEYS over training steps >= ``first`` (the first compiles)."""
+    rows = []
+    for d in sorted(work.iterdir()):
+        if not (d / "cmd.json").exists() or (only and d.name not in only):
+            continue
+        steps = read_metrics(d / "metrics.jsonl")
+        used = [s for s in sorted(steps) if s >= first and "timing_s/step" in steps[s]]
+        row = {"run": d.name, "steps": len(used), "from": first}
+        for key in TIMING_KEYS:
+            vals = sorted(v for s in used if isinstance(v := steps[s].get(key), (int, float)))
+            if vals:
+                mid = len(vals) // 2
+                median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+                row[key] = {"median": round(median, 3), "min": round(vals[0], 3), "max": round(vals[-1], 3)}
+        rows.append(row)
+    return rows
+
+
+def timing(args: argparse.Namespace) -> int:
+    """The step-time breakdown of each run; with --max-median S, exit 3 unless every run has a median step <= S."""
+    rows = timing_rows(args.work.resolve(), args.first, args.only)
+    if not rows:
+        log(f"no runs in {args.work}")
+        return 2
+    short = [k.split("/")[-1] if k.startswith("timing") else "response_length" for k in TIMING_KEYS]
+    width = max([10] + [len(r["run"]) for r in rows])
+    print(f"{'run':{width}} {'steps':>5} " + " ".join(f"{k:>20}" for k in short) + "   (median [min-max], steps >= "
+          f"{args.first})")
+    for r in rows:
+        cells = [f"{r[k]['median']:.2f} [{r[k]['min']:.2f}-{r[k]['max']:.2f}]" if k in r else "-" for k in TIMING_KEYS]
+        print(f"{r['run']:{width}} {r['steps']:>5} " + " ".join(f"{c:>20}" for c in cells), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.max_median is not None:
+        over = [r["run"] for r in rows if "timing_s/step" not in r or r["timing_s/step"]["median"] > args.max_median]
+        if over:
+            log(f"median step over {args.max_median:g} s (or no steps): {', '.join(over)}")
+            return 3
+        log(f"every run's median step is <= {args.max_median:g} s")
+    return 0
+
+
 def pack(args: argparse.Namespace) -> int:
     """Metrics, logs and the run summaries into one tarball under --out (no checkpoints or weights)."""
     work = args.work.resolve()
@@ -336,7 +384,7 @@ def pack(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("launch", "status", "wait", "stop", "pack"):
+    for name in ("launch", "status", "wait", "stop", "pack", "timing"):
         s = sub.add_parser(name)
         s.add_argument("--work", type=Path, default=Path("/tmp/qerl-learn"), help="one folder per run")
         if name == "launch":
@@ -356,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--timeout", type=float, default=540, help="give up waiting after this many seconds")
             s.add_argument("--every", type=float, default=30, help="seconds between status tables")
             s.add_argument("--only", action="append", metavar="RUN", help="wait for these runs only (e.g. aqn-s0)")
+        if name == "timing":
+            s.add_argument("--first", type=int, default=2, help="first training step counted (step 1 compiles)")
+            s.add_argument("--only", action="append", metavar="RUN", help="these runs only (e.g. aqn-s0-big)")
+            s.add_argument("--max-median", type=float, metavar="S", help="exit 3 unless every run's median step <= S")
+            s.add_argument("--json", type=Path, help="also write the table as JSON here")
         if name == "pack":
             s.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".out")))
             s.add_argument("--name", default="learning")
@@ -363,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "status":
         status(args)
         return 0
-    return {"launch": launch, "wait": wait, "stop": stop, "pack": pack}[args.cmd](args)
+    return {"launch": launch, "wait": wait, "stop": stop, "pack": pack, "timing": timing}[args.cmd](args)
 
 
 if __name__ == "__main__":

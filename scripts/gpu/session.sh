@@ -30,7 +30,12 @@ pack() {  # what has finished so far goes to $OUT now: a call cut off by the dev
 # The whole call must end before the device tool's limit (QERL_DEADLINE_S after start, default 585 s):
 # each step's limit is cut to what is left, and a step with under 20 s left is skipped.
 deadline=$((SECONDS + ${QERL_DEADLINE_S:-585}))
-STUDY_T1="--override actor_rollout_ref.rollout.temperature=1.0 --override trainer.total_training_steps=40 --override trainer.save_freq=40"
+# One micro-batch per phase (64k tokens instead of 8k/16k): a step-time option of issue 11 that ran out of GPU memory
+# (2026-11-24, fourth session); verl's bypass mode, the other one, is now in the demo's config
+BIG="--override actor_rollout_ref.actor.ppo_max_token_len_per_gpu=65536 --override actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=65536 --override actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=65536"
+# Steps that reproduce runs made before the demo's config switched to verl's bypass mode (2026-11-24, fourth session)
+DECOUPLED="--override algorithm.rollout_correction.bypass_mode=false"
+STUDY_T1="$DECOUPLED --override actor_rollout_ref.rollout.temperature=1.0 --override trainer.total_training_steps=40 --override trainer.save_freq=40"
 
 step() {  # step NAME LIMIT_S CMD...
     local name=$1 limit=$2
@@ -92,11 +97,22 @@ run_step() {
         step steptime_bf16 420 python3 scripts/gpu/learning.py launch --runs bf16:0 --work "$work/steptime" --override trainer.total_training_steps=12 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 && python3 scripts/gpu/learning.py wait --work "$work/steptime" --timeout 400 --every 20 ;;
     steptime_big)  # the demo's config alone, 20 steps, no validation, one micro-batch per phase (64k tokens instead of 8k/16k):
         # the 135M model's update and log-prob are launch-bound, not compute-bound (ARM=aqn|nvfp4|bf16, default aqn)
-        step steptime_big 580 bash -c 'python3 scripts/gpu/learning.py launch --runs '"${ARM:-aqn}"':0 --tag big --work '"$work"'/steptime --override trainer.total_training_steps=20 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 --override actor_rollout_ref.actor.ppo_max_token_len_per_gpu=65536 --override actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=65536 --override actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=65536 && python3 scripts/gpu/learning.py wait --work '"$work"'/steptime --every 30 --timeout 520' ;;
-    study_t07a)  # the study's three arms at the demo's temperature 0.7 and 50 steps, three seeds: five runs side by side ...
+        step steptime_big 580 bash -c 'python3 scripts/gpu/learning.py launch --runs '"${ARM:-aqn}"':0 --tag big --work '"$work"'/steptime --override trainer.total_training_steps=20 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 '"$BIG $DECOUPLED"' && python3 scripts/gpu/learning.py wait --work '"$work"'/steptime --every 30 --timeout 520' ;;
+    steptime_watch)  # wait for the step-time run to end, then its breakdown (timing.json)
+        step steptime_watch 580 python3 scripts/gpu/learning.py wait --work "$work/steptime" --every 30 --timeout $((deadline - SECONDS - 60))
+        step steptime_timing 30 python3 scripts/gpu/learning.py timing --work "$work/steptime" --json "$work/steptime/timing.json" ;;
+    demo_next_watch)  # watch the runs in $work/demo2 until they end or the call's time is nearly up; then their breakdown and a pack
+        step demo_next_watch 580 python3 scripts/gpu/learning.py wait --work "$work/demo2" --every 60 --timeout $((deadline - SECONDS - 80))
+        step demo_next_timing 30 python3 scripts/gpu/learning.py timing --work "$work/demo2" --json "$work/demo2/timing.json"
+        step demo_next_pack 40 python3 scripts/gpu/learning.py pack --work "$work/demo2" --out "$work/demo2_pack" --name demo2 ;;
+    study_t07a)  # the study's three arms at the demo's settings (bypass mode, temperature 0.7, 50 steps), three seeds: five side by side ...
         step study_t07a 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --tag t07 --runs bf16:0,nvfp4:0,aqn:0,bf16:1,nvfp4:1 ;;
     study_t07b)  # ... and the other four on a second lease
         step study_t07b 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --tag t07 --runs aqn:1,bf16:2,nvfp4:2,aqn:2 ;;
+    demo_seeds)  # two more seeds of the demo as configured, side by side and memory-lean: the spread of its accuracy
+        step demo_seeds 90 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 --runs aqn:1,aqn:2 ;;
+    learn_pack)  # metrics and logs of every run in $work/learn (no weights)
+        step learn_pack 40 python3 scripts/gpu/learning.py pack --work "$work/learn" --out "$work/learn_pack" --name learn ;;
     demo)  # the demo (NVFP4 + LoRA + AQN, seed 0) alone; later calls watch it
         step demo 60 python3 scripts/gpu/learning.py launch --runs aqn:0 --work "$work/learn" ;;
     arms)  # one seed of each arm side by side (the demo's run is aqn-s0), with the sampling profiler on
@@ -110,7 +126,7 @@ run_step() {
     study3)  # the three runs the 2026-11-24 waves lacked (two failed side by side, one not started), engines awake
         step study3 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 $STUDY_T1 --runs aqn:2,bf16:1,nvfp4:0 ;;
     sweep)  # demo tuning (issue 11): NVFP4 + LoRA + AQN for 80 steps, six variants side by side, memory-lean
-        step sweep 150 bash -c 'L="python3 scripts/gpu/learning.py launch --work '"$work"'/sweep --lean --stagger 8 --override trainer.total_training_steps=80 --override trainer.save_freq=-1"
+        step sweep 150 bash -c 'L="python3 scripts/gpu/learning.py launch --work '"$work"'/sweep --lean --stagger 8 --override trainer.total_training_steps=80 --override trainer.save_freq=-1 '"$DECOUPLED"'"
             T=actor_rollout_ref.rollout.temperature=0.7; LR=actor_rollout_ref.actor.optim.lr=1e-3
             $L --runs aqn:0 --tag base && $L --runs aqn:0 --tag lr1e-3 --override $LR && $L --runs aqn:0 --tag t0.7 --override $T &&
             $L --runs aqn:0,aqn:1 --tag t0.7-lr1e-3 --override $T --override $LR &&
@@ -127,8 +143,8 @@ run_step() {
     entropy) step entropy 400 python3 scripts/gpu/entropy_sigma.py --model /tmp/qerl_smollm2/bf16 --data /tmp/qerl_smollm2/data/test.parquet ;;
     demo_done)  # wait for the demo run alone to end
         step demo_done 580 python3 scripts/gpu/learning.py wait --work "$work/learn" --only aqn-s0 --timeout $((deadline - SECONDS - 40)) ;;
-    export)  # the demo's final checkpoint -> PEFT adapter (comes back in $OUT)
-        step export 120 bash -c 'ck=$(ls -d '"$work"'/learn/aqn-s0/checkpoints/global_step_* | sort -V | tail -1) && python3 -m qerl_plugin.cli export "$ck/actor" '"$work"'/adapter --overwrite --dtype bfloat16 --base /tmp/qerl_smollm2/bf16 && cp -r '"$work"'/adapter "'"$final"'/adapter"' ;;
+    export)  # the demo's final checkpoint -> PEFT adapter (comes back in $OUT); RUN_DIR=another run's folder
+        step export 120 bash -c 'ck=$(ls -d '"${RUN_DIR:-$work/learn/aqn-s0}"'/checkpoints/global_step_* | sort -V | tail -1) && python3 -m qerl_plugin.cli export "$ck/actor" '"$work"'/adapter --overwrite --dtype bfloat16 --base /tmp/qerl_smollm2/bf16 && cp -r '"$work"'/adapter "'"$final"'/adapter"' ;;
     eval_adapter)  # greedy pass@1 and pass@8 on the test split: the NVFP4 base with and without the demo's adapter (vLLM)
         step eval_adapter 420 bash -c 'python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --n 8 --max-new-tokens 64 --out '"$work"'/eval_adapter/base.jsonl --gpu-memory-utilization 0.1 && python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --adapter '"${ADAPTER:-$work/adapter}"' --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --n 8 --max-new-tokens 64 --out '"$work"'/eval_adapter/adapter.jsonl --gpu-memory-utilization 0.1' ;;
     serve_demo)  # vllm serve the NVFP4 checkpoint with the demo's adapter; greedy accuracy through the server
