@@ -8,7 +8,7 @@ reward         ``critic/score/mean`` (the reward of the step's rollouts)
 val_acc        ``val-core/<data_source>/acc/mean@<n>`` (validation accuracy; step 0 is before training)
 entropy        ``actor/entropy``
 sigma          ``qerl/aqn_sigma`` (the AQN noise scale of the step)
-kl             ``rollout_corr/kl`` (rollout-vs-actor KL)
+kl             ``rollout_corr/kl`` (rollout-vs-actor KL; ``actor/rollout_corr/kl`` in verl's bypass mode)
 probs_diff     ``training/rollout_probs_diff_mean`` (mean rollout-vs-actor token probability gap)
 step_time      ``timing_s/step``
 =============  ==================================================================================
@@ -67,7 +67,7 @@ QUANTITIES: tuple[Quantity, ...] = (
     Quantity("val_acc", "validation accuracy (val-core/*/acc/mean@n)", pattern=r"val-core/(?P<sub>.+)/acc/mean@\d+", smooth=False),
     Quantity("entropy", "policy entropy (actor/entropy)", keys=("actor/entropy",)),
     Quantity("sigma", "AQN sigma (qerl/aqn_sigma)", keys=("qerl/aqn_sigma",), smooth=False),
-    Quantity("kl", "rollout-vs-actor KL (rollout_corr/kl)", keys=("rollout_corr/kl",)),
+    Quantity("kl", "rollout-vs-actor KL (rollout_corr/kl)", keys=("rollout_corr/kl", "actor/rollout_corr/kl")),
     Quantity("probs_diff", "rollout-vs-actor prob. gap (training/rollout_probs_diff_mean)", keys=("training/rollout_probs_diff_mean",)),
     Quantity("step_time", "step time, s (timing_s/step)", keys=("timing_s/step",)),
 )

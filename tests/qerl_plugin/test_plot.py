@@ -11,6 +11,7 @@ from qerl_plugin.cli import main
 from qerl_plugin.plot import QUANTITIES, PlotError, _smooth, plot_metrics, read_metrics
 
 REAL = Path(__file__).resolve().parents[2] / "docs/gpu-runs/2026-11-22/verl_nvfp4/verl_grpo_tiny/nvfp4/metrics.jsonl"
+REAL_BYPASS = REAL.parents[4] / "2026-11-24/demo_bypass/metrics.jsonl"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VAL = "val-core/qerl/synthetic_arithmetic/acc/mean@1"
 
@@ -143,10 +144,22 @@ def test_every_quantity_names_a_verl_metric():
     assert val.series({"val-core/openai/gsm8k/acc/mean@1", "val-aux/openai/gsm8k/reward/mean@1"}) == {
         "openai/gsm8k": "val-core/openai/gsm8k/acc/mean@1"
     }
-    real = set(read_metrics(REAL).values)
+    real = set(read_metrics(REAL).values) | set(read_metrics(REAL_BYPASS).values)
     for q in QUANTITIES:
         if q.name != "val_acc":
             assert set(q.keys) <= real, q.name
+
+
+def test_bypass_mode_run_draws_its_kl(tmp_path):
+    """In verl's bypass mode the KL comes from the actor's update (actor/rollout_corr/kl): same panel."""
+    fig = plot_metrics([REAL_BYPASS], tmp_path / "bypass.png")
+    kl = next(ax for ax in fig.axes if ax.get_title().startswith("rollout-vs-actor KL"))
+    ys = [y for line in kl.get_lines() for y in line.get_ydata()]
+    run = read_metrics(REAL_BYPASS)
+    raw = [v for _, v in run.values["actor/rollout_corr/kl"]]
+    assert len(raw) == 50 and len(ys) >= 50
+    assert min(raw) - 1e-12 <= min(ys) and max(ys) <= max(raw) + 1e-12  # drawn (smoothed or not) within the data
+    assert not any(ax.get_title().startswith("policy entropy") for ax in fig.axes)  # bypass runs log none
 
 
 # ----------------------------------------------------------------------------------------------------
