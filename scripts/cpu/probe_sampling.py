@@ -1,83 +1,162 @@
 #!/usr/bin/env python3
-"""CPU: how much GRPO signal a model's samples carry before training, per sampling temperature and length.
+"""How much GRPO signal a model's samples carry before training, per sampling temperature and length.
 
-For the first PROMPTS training prompts, N samples each (transformers on CPU; ``--nvfp4`` puts the NVFP4
-round-trip of every Linear weight in place, as the rollout sees it), scored with the project's reward:
-mean reward, prompts whose group has both right and wrong answers (the only ones with a non-zero GRPO
-advantage), responses cut at the limit, mean length, and the samples right within --short tokens (what a
-shorter response limit would keep). One JSON line per (temperature, max tokens).
+A summary of ``qerl eval`` runs; it samples and scores nothing itself. ``qerl eval --n N`` samples N responses
+per prompt and scores each with the project's reward, writing one JSON line per prompt (every sample's score,
+``correct``, ``num_tokens`` and ``truncated``) and the run's settings beside it (``X.summary.json``). For each
+such file this prints one JSON line: the model ("nvfp4"/"bf16"), temperature, max_new_tokens, prompts, n,
+``reward`` (mean sampled score), ``mixed_groups`` (prompts whose N samples hold both right and wrong answers:
+the only ones with a non-zero GRPO advantage), ``cut_at_limit`` (fraction of samples cut at
+--max-new-tokens), ``mean_length`` (mean sampled tokens, the end-of-sequence token included),
+``right_within_<short>`` (fraction of samples that are right within --short tokens: what a shorter response
+limit would keep), seed, ``eval_seconds`` (the whole ``qerl eval`` run) and ``source`` (the file).
 
-    python scripts/cpu/probe_sampling.py /tmp/qerl_smollm2 --nvfp4 --temperatures 1.0,0.7 --max-new-tokens 64
+The inputs of docs/learning/probe-sampling-2026-11-24b.jsonl (the SmolLM2 demo, examples/smollm2/prepare.py's
+OUT at /tmp/qerl_smollm2; ``--quantization nvfp4`` puts the NVFP4 round trip of the Linear weights in place,
+as the rollout sees them), one run per (temperature, max tokens):
 
-Used for the SmolLM2 demo's temperature (docs/learning.md, 2026-11-24); 48 prompts x 8 samples take ~2 min per
-setting on 2 cores at 64 tokens.
+    for m in 64 128; do for t in 1.0 0.7; do
+      qerl eval /tmp/qerl_smollm2/bf16 --quantization nvfp4 --backend hf \\
+        --data /tmp/qerl_smollm2/data/train.parquet --limit 48 --n 8 --temperature $t --max-new-tokens $m \\
+        --seed 0 --out /tmp/qerl_probe/probe-t$t-m$m.jsonl --quiet
+    done; done
+    python scripts/cpu/probe_sampling.py /tmp/qerl_probe/probe-t*.jsonl --short 32
+
+``qerl eval`` always decodes greedily too (its pass@1; not used here): about 20 s of a 48-prompt run at 64 tokens
+on 2 CPU cores, where the whole run takes about 2 min (3.5 min at 128 tokens). Sampling is plain temperature
+sampling (no top-k/top-p), as in the vLLM rollout; each run seeds its sampling with --seed, so a setting's
+numbers do not depend on the other runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
+from typing import Any
+
+from qerl_plugin.evaluate import summary_path
+
+HOW = "make one with `qerl eval MODEL --data FILE --n 8 --temperature T --max-new-tokens M --out X.jsonl` (see this script's --help)"
+
+
+class ProbeError(Exception):
+    """A bad input file; the message names the file and the fix."""
+
+
+def _read_summary(path: Path) -> dict[str, Any]:
+    spath = summary_path(path)
+    if not spath.is_file():
+        raise ProbeError(
+            f"{path}: its summary {spath} is missing; qerl eval writes it beside --out and only it records the model, "
+            "temperature and max tokens: keep the two files together, or run qerl eval again"
+        )
+    try:
+        summary = json.loads(spath.read_text(encoding="utf-8"))
+        config = summary["config"]
+        [config[k] for k in ("n", "sample_temperature", "max_new_tokens", "quantization", "model_quantization")]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ProbeError(f"{spath}: not a qerl eval summary ({type(exc).__name__}: {exc}); run qerl eval again") from None
+    return summary
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise ProbeError(f"{path}:{lineno}: not JSON ({exc}); give qerl eval's --out file") from None
+            if not isinstance(row, dict) or "row" not in row or "greedy" not in row:
+                raise ProbeError(f"{path}:{lineno}: not a qerl eval line (no 'row'/'greedy'); give qerl eval's --out file")
+            rows.append(row)
+    if not rows:
+        raise ProbeError(f"{path}: empty; {HOW}")
+    return rows
+
+
+def _model_name(config: dict[str, Any]) -> str:
+    if config["quantization"] == "nvfp4" or config["model_quantization"] == "nvfp4a16":
+        return "nvfp4"
+    return config["model_quantization"] or "bf16"
+
+
+def summarize_file(path: Path, short: int) -> dict[str, Any]:
+    """The probe's line for one ``qerl eval`` per-example JSONL (its summary beside it)."""
+    if not path.is_file():
+        raise ProbeError(f"{path}: no such file; {HOW}")
+    summary = _read_summary(path)
+    config = summary["config"]
+    rows = _read_rows(path)
+    n, temperature, max_new = config["n"], config["sample_temperature"], config["max_new_tokens"]
+    if temperature is None or all("samples" not in r for r in rows):
+        raise ProbeError(
+            f"{path}: no sampled results (qerl eval ran greedy only, --n {n}); run it again with --n 8 "
+            "--temperature T (a group of samples per prompt)"
+        )
+    if n < 2:
+        raise ProbeError(
+            f"{path}: one sample per prompt (--n {n}); a group of one has no GRPO advantage: run qerl eval again with --n 8"
+        )
+    # one run's lines: every row sampled with the summary's n, each row once, none longer than its limit
+    mixed = []
+    counts = sorted({len(r.get("samples") or []) for r in rows})
+    if counts != [n]:
+        mixed.append(f"rows with {counts} samples, the summary says --n {n}")
+    seen = [r["row"] for r in rows]
+    if len(set(seen)) != len(seen):
+        mixed.append("the same data row more than once (files joined?)")
+    if len(rows) != summary.get("num_examples", len(rows)):
+        mixed.append(f"{len(rows)} lines, the summary counts {summary['num_examples']} examples")
+    samples = [(i, s) for i, r in enumerate(rows) for s in r.get("samples") or []]
+    if any(s["num_tokens"] > max_new for _, s in samples):
+        mixed.append(f"samples longer than the summary's --max-new-tokens {max_new}")
+    if mixed:
+        raise ProbeError(
+            f"{path}: mixed settings or not the run its summary {summary_path(path)} describes: {'; '.join(mixed)}; "
+            "give each qerl eval run its own --out and summarize the files one by one"
+        )
+
+    def mean(values) -> float:
+        values = list(values)
+        return sum(values) / len(values)
+
+    out: dict[str, Any] = {
+        "model": _model_name(config),
+        "temperature": temperature,
+        "max_new_tokens": max_new,
+        "prompts": len(rows),
+        "n": n,
+        "reward": round(mean(s["score"] for _, s in samples), 4),
+        "mixed_groups": sum(1 for r in rows if len({bool(s["correct"]) for s in r["samples"]}) == 2),
+        "cut_at_limit": round(mean(bool(s["truncated"]) for _, s in samples), 3),
+        "mean_length": round(mean(s["num_tokens"] for _, s in samples), 1),
+        f"right_within_{short}": round(mean(bool(s["correct"]) and s["num_tokens"] <= short for _, s in samples), 4),
+        "seed": config.get("seed"),
+        "eval_seconds": summary.get("elapsed_s"),
+        "source": str(path),
+    }
+    if config.get("adapter"):
+        out["adapter"] = config["adapter"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("prepared", type=Path, help="examples/smollm2/prepare.py's OUT (bf16/, data/train.parquet)")
-    p.add_argument("--nvfp4", action="store_true", help="NVFP4 round-trip of the Linear weights (the rollout's model)")
-    p.add_argument("--temperatures", default="1.0,0.7", help="comma-separated sampling temperatures")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--prompts", type=int, default=48)
-    p.add_argument("--n", type=int, default=8, help="samples per prompt (the GRPO group)")
-    p.add_argument("--batch-prompts", type=int, default=16)
-    p.add_argument("--short", type=int, default=32, help="also count the samples that are right within this many tokens")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("evals", nargs="+", type=Path, metavar="EVAL.jsonl", help="qerl eval --out files (summaries beside them)")
+    p.add_argument("--short", type=int, default=32, help="also count the samples right within this many tokens (default 32)")
     args = p.parse_args(argv)
-
-    import torch
-    from transformers import AutoTokenizer
-
-    from qerl_plugin.evaluate_hf import load_model
-    from qerl_plugin.evaluate_inputs import inspect_model, read_examples
-    from verl_ext.reward import compute_score
-
-    torch.manual_seed(args.seed)
-    info = inspect_model(args.prepared / "bf16")
-    model = load_model(info, quantization="nvfp4" if args.nvfp4 else None)
-    tok = AutoTokenizer.from_pretrained(args.prepared / "bf16")
-    tok.padding_side = "left"
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    examples = read_examples(args.prepared / "data" / "train.parquet", limit=args.prompts)
-    texts = [tok.apply_chat_template(e.messages, tokenize=False, add_generation_prompt=True) for e in examples]
-    for temperature in [float(t) for t in args.temperatures.split(",")]:
-        t0 = time.time()
-        rows = []  # (prompt index, length, reward, cut at the limit)
-        for i in range(0, len(texts), args.batch_prompts):
-            batch = [t for t in texts[i:i + args.batch_prompts] for _ in range(args.n)]
-            enc = tok(batch, return_tensors="pt", padding=True)
-            with torch.no_grad():
-                out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=True, temperature=temperature,
-                                     top_p=1.0, eos_token_id=eos, pad_token_id=eos)
-            for j, seq in enumerate(out[:, enc["input_ids"].shape[1]:].tolist()):
-                ex = examples[i + j // args.n]
-                length = seq.index(eos) + 1 if eos in seq else len(seq)
-                text = tok.decode(seq[:length], skip_special_tokens=True)
-                reward = compute_score(ex.data_source, text, ex.ground_truth)["score"]
-                rows.append((i + j // args.n, length, reward, eos not in seq))
-        groups: dict[int, list[float]] = {}
-        for k, _, r, _ in rows:
-            groups.setdefault(k, []).append(r)
-        print(json.dumps({
-            "model": "nvfp4" if args.nvfp4 else "bf16", "temperature": temperature, "max_new_tokens": args.max_new_tokens,
-            "prompts": len(texts), "n": args.n, "reward": round(statistics.mean(r for _, _, r, _ in rows), 4),
-            "mixed_groups": sum(1 for g in groups.values() if 0 < sum(g) < len(g)),
-            "cut_at_limit": round(statistics.mean(c for *_, c in rows), 3),
-            "mean_length": round(statistics.mean(n for _, n, _, _ in rows), 1),
-            f"right_within_{args.short}": round(statistics.mean(r > 0 and n <= args.short for _, n, r, _ in rows), 4),
-            "seconds": round(time.time() - t0),
-        }), flush=True)
+    try:
+        lines = [summarize_file(path, args.short) for path in args.evals]  # all checked before anything is printed
+    except ProbeError as exc:
+        print(f"probe_sampling: error: {exc}", file=sys.stderr)
+        return 1
+    for line in lines:
+        print(json.dumps(line))
     return 0
 
 

@@ -436,26 +436,134 @@ def test_published_adapters_lift_accuracy_on_the_nvfp4_base(prepared, tmp_path):
 # scripts/cpu/probe_sampling.py: the GRPO signal in a model's samples before training
 
 
-@pytest.mark.slow
-def test_probe_sampling_reports_reward_groups_and_truncation(prepared):
-    """On the real model, 4 prompts x 4 samples of at most 8 tokens: every number is a fraction of the right
-    population, a group counts as mixed only with right and wrong answers in it, and 8 tokens cut almost
-    most responses (the model's answers run longer)."""
-    import json
-    import subprocess
-    import sys
+PROBE = ROOT / "scripts" / "cpu" / "probe_sampling.py"
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "cpu" / "probe_sampling.py"
-    run = subprocess.run(
-        [sys.executable, str(script), str(prepared[0]), "--nvfp4", "--temperatures", "1.0,0.5", "--max-new-tokens", "8",
-         "--prompts", "4", "--n", "4", "--short", "8"],
-        capture_output=True, text=True, timeout=600,
-    )
+
+def _probe(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(PROBE), *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def _by_hand(path: Path, short: int) -> dict:
+    """The probe's numbers recomputed from a qerl eval JSONL, line by line."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    flat = [s for r in rows for s in r["samples"]]
+    return {
+        "prompts": len(rows),
+        "n": len(rows[0]["samples"]),
+        "reward": round(sum(s["score"] for s in flat) / len(flat), 4),
+        "mixed_groups": sum(1 for r in rows if 0 < sum(s["correct"] for s in r["samples"]) < len(r["samples"])),
+        "cut_at_limit": round(sum(s["truncated"] for s in flat) / len(flat), 3),
+        "mean_length": round(sum(s["num_tokens"] for s in flat) / len(flat), 1),
+        f"right_within_{short}": round(sum(s["correct"] and s["num_tokens"] <= short for s in flat) / len(flat), 4),
+    }
+
+
+@pytest.mark.slow
+def test_probe_sampling_summarizes_real_qerl_eval_runs(prepared, tmp_path):
+    """Two tiny real ``qerl eval --backend hf`` runs (NVFP4 round trip of the bf16 model, 4 prompts x 4 samples)
+    at two (temperature, max tokens): one line each, in the order given, equal to the numbers recomputed by hand
+    from the per-example lines, with the settings taken from each run's summary."""
+    settings = [(1.0, 8), (0.5, 24)]
+    files = []
+    for temperature, max_new in settings:
+        out = tmp_path / f"probe-t{temperature}-m{max_new}.jsonl"
+        subprocess.run(
+            [sys.executable, "-m", "qerl_plugin.cli", "eval", str(prepared[0] / "bf16"), "--quantization", "nvfp4",
+             "--backend", "hf", "--data", str(prepared[0] / "data" / "train.parquet"), "--limit", "4", "--n", "4",
+             "--temperature", str(temperature), "--max-new-tokens", str(max_new), "--out", str(out), "--quiet"],
+            check=True, timeout=600,
+        )
+        files.append(out)
+    run = _probe(*files, "--short", "8")
     assert run.returncode == 0, run.stderr[-2000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines()]
-    assert [r["temperature"] for r in rows] == [1.0, 0.5]
-    for r in rows:
-        assert (r["model"], r["prompts"], r["n"], r["max_new_tokens"]) == ("nvfp4", 4, 4, 8)
-        assert 0 <= r["reward"] <= 1 and 0 <= r["mixed_groups"] <= 4 and 1 <= r["mean_length"] <= 8
-        assert r["right_within_8"] == r["reward"]  # every response is within the limit it was cut at
-        assert r["cut_at_limit"] >= 0.5
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(lines) == 2
+    for line, (temperature, max_new), path in zip(lines, settings, files):
+        assert (line["model"], line["temperature"], line["max_new_tokens"], line["seed"]) == ("nvfp4", temperature, max_new, 0)
+        assert line["source"] == str(path)
+        assert {k: line[k] for k in _by_hand(path, 8)} == _by_hand(path, 8)
+    assert lines[0]["cut_at_limit"] >= 0.5  # 8 tokens cut most of the model's answers
+    assert lines[0]["right_within_8"] == lines[0]["reward"]  # every response is within the limit it was cut at
+
+
+def _write_eval(path: Path, groups, *, n=None, temperature=0.7, max_new_tokens=8, quantization="nvfp4") -> Path:
+    """A qerl eval --out file and its summary, written by evaluate's own record and summary code.
+
+    ``groups[i]`` holds prompt i's samples as (correct, num_tokens, truncated); None: greedy only."""
+    from qerl_plugin.evaluate import _record, summary_path
+    from qerl_plugin.evaluate_inputs import Example
+    from qerl_plugin.evaluate_metrics import Completion, Scored, summarize
+
+    def scored(correct, num_tokens, truncated):
+        return Scored(Completion("42" if correct else "7", num_tokens, truncated), float(correct), correct, "42" if correct else "7")
+
+    examples = [Example(i, "qerl/synthetic_arithmetic", [{"role": "user", "content": f"{i}?"}], "42") for i in range(len(groups))]
+    greedy = [scored(False, 3, False) for _ in groups]
+    samples = None if groups[0] is None else [[scored(*s) for s in g] for g in groups]
+    path.write_text("".join(json.dumps(_record(ex, g, s)) + "\n"
+                            for ex, g, s in zip(examples, greedy, samples or [None] * len(groups))))
+    summary = summarize([e.data_source for e in examples], greedy, samples)
+    summary["config"] = {"n": n or (len(groups[0]) if samples else 1), "sample_temperature": temperature if samples else None,
+                         "max_new_tokens": max_new_tokens, "quantization": quantization, "model_quantization": None,
+                         "seed": 0, "adapter": None}
+    summary_path(path).write_text(json.dumps(summary))
+    return path
+
+
+def test_probe_sampling_counts_mixed_groups_truncation_and_short_right_answers(tmp_path):
+    """Three prompts x 2 samples: only the prompt with a right and a wrong sample is a mixed group; truncation,
+    length and the right answers within --short come from the samples' own fields."""
+    path = _write_eval(tmp_path / "e.jsonl", [[(True, 3, False), (True, 8, True)],
+                                              [(True, 5, False), (False, 8, True)],
+                                              [(False, 2, False), (False, 8, True)]])
+    run = _probe(path, "--short", "4")
+    assert run.returncode == 0, run.stderr
+    line = json.loads(run.stdout)
+    assert line == {"model": "nvfp4", "temperature": 0.7, "max_new_tokens": 8, "prompts": 3, "n": 2, "reward": 0.5,
+                    "mixed_groups": 1, "cut_at_limit": 0.5, "mean_length": 5.7, "right_within_4": round(1 / 6, 4),
+                    "seed": 0, "eval_seconds": None, "source": str(path)}
+    assert {k: line[k] for k in _by_hand(path, 4)} == _by_hand(path, 4)
+    bf16 = _write_eval(tmp_path / "b.jsonl", [[(True, 3, False)] * 2], quantization=None)
+    assert json.loads(_probe(bf16).stdout)["model"] == "bf16"
+
+
+def test_probe_sampling_bad_inputs(tmp_path):
+    """Each bad input fails with exit status 1, before any line is printed, naming the file and the fix."""
+    good = _write_eval(tmp_path / "good.jsonl", [[(True, 3, False), (False, 8, True)]] * 2)
+
+    def error(*args) -> str:
+        run = _probe(*args)
+        assert run.returncode == 1 and run.stdout == "", (run.stdout, run.stderr)
+        return run.stderr
+
+    missing = tmp_path / "missing.jsonl"
+    assert f"{missing}: no such file" in error(good, missing) and "qerl eval" in error(missing)
+
+    greedy = _write_eval(tmp_path / "greedy.jsonl", [None, None])  # qerl eval --n 1 without --temperature
+    msg = error(greedy)
+    assert f"{greedy}: no sampled results" in msg and "--n 8" in msg
+
+    one = _write_eval(tmp_path / "one.jsonl", [[(True, 3, False)], [(False, 8, True)]])  # --n 1 --temperature 0.7
+    msg = error(one)
+    assert f"{one}: one sample per prompt" in msg and "--n 8" in msg
+
+    joined = tmp_path / "joined.jsonl"  # two runs' lines in one file
+    joined.write_text(good.read_text() * 2)
+    (tmp_path / "joined.summary.json").write_text((tmp_path / "good.summary.json").read_text())
+    msg = error(joined)
+    assert f"{joined}: mixed settings" in msg and "more than once" in msg and "its own --out" in msg
+
+    uneven = _write_eval(tmp_path / "uneven.jsonl", [[(True, 3, False)] * 2, [(False, 3, False)] * 3], n=2)
+    assert "rows with [2, 3] samples, the summary says --n 2" in error(uneven)
+
+    longer = _write_eval(tmp_path / "longer.jsonl", [[(True, 30, False)] * 2], max_new_tokens=8)
+    assert "longer than the summary's --max-new-tokens 8" in error(longer)
+
+    alone = tmp_path / "alone.jsonl"
+    alone.write_text(good.read_text())
+    msg = error(alone)
+    assert f"{alone}: its summary {tmp_path / 'alone.summary.json'} is missing" in msg
+
+    (tmp_path / "text.jsonl").write_text("not json\n")
+    (tmp_path / "text.summary.json").write_text((tmp_path / "good.summary.json").read_text())
+    assert f"{tmp_path / 'text.jsonl'}:1: not JSON" in error(tmp_path / "text.jsonl")
