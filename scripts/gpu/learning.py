@@ -32,6 +32,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -331,11 +332,9 @@ def timing_rows(work: Path, first: int = 2, only: list[str] | None = None) -> li
         used = [s for s in sorted(steps) if s >= first and "timing_s/step" in steps[s]]
         row = {"run": d.name, "steps": len(used), "from": first}
         for key in TIMING_KEYS:
-            vals = sorted(v for s in used if isinstance(v := steps[s].get(key), (int, float)))
+            vals = [v for s in used if isinstance(v := steps[s].get(key), (int, float))]
             if vals:
-                mid = len(vals) // 2
-                median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
-                row[key] = {"median": round(median, 3), "min": round(vals[0], 3), "max": round(vals[-1], 3)}
+                row[key] = {"median": round(statistics.median(vals), 3), "min": round(min(vals), 3), "max": round(max(vals), 3)}
         rows.append(row)
     return rows
 

@@ -95,8 +95,9 @@ run_step() {
         step smol 300 bash -c 'cat /tmp/stage_smol/gguf.part* > /tmp/smol.gguf && python3 examples/smollm2/prepare.py /tmp/qerl_smollm2 --gguf /tmp/smol.gguf --nvfp4 --overwrite --no-sample' ;;
     steptime_bf16)  # the demo's settings on the BF16 base, alone on the GPU, 12 steps without validation
         step steptime_bf16 420 python3 scripts/gpu/learning.py launch --runs bf16:0 --work "$work/steptime" --override trainer.total_training_steps=12 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 && python3 scripts/gpu/learning.py wait --work "$work/steptime" --timeout 400 --every 20 ;;
-    steptime_big)  # the demo's config alone, 20 steps, no validation, one micro-batch per phase (64k tokens instead of 8k/16k):
-        # the 135M model's update and log-prob are launch-bound, not compute-bound (ARM=aqn|nvfp4|bf16, default aqn)
+    steptime_big)  # the demo's config (decoupled mode) alone, 20 steps, no validation, one micro-batch per phase (64k tokens
+        # instead of 8k/16k), on the guess that the 135M model's phases are launch-bound; it ran out of GPU memory in the
+        # first update on 2026-11-24 (ARM=aqn|nvfp4|bf16, default aqn)
         step steptime_big 580 bash -c 'python3 scripts/gpu/learning.py launch --runs '"${ARM:-aqn}"':0 --tag big --work '"$work"'/steptime --override trainer.total_training_steps=20 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 '"$BIG $DECOUPLED"' && python3 scripts/gpu/learning.py wait --work '"$work"'/steptime --every 30 --timeout 520' ;;
     steptime_watch)  # wait for the step-time run to end, then its breakdown (timing.json)
         step steptime_watch 580 python3 scripts/gpu/learning.py wait --work "$work/steptime" --every 30 --timeout $((deadline - SECONDS - 60))
@@ -117,7 +118,7 @@ run_step() {
         step demo 60 python3 scripts/gpu/learning.py launch --runs aqn:0 --work "$work/learn" ;;
     arms)  # one seed of each arm side by side (the demo's run is aqn-s0), with the sampling profiler on
         step arms 120 env QERL_PROFILE_DIR="$work/prof" python3 scripts/gpu/learning.py launch --work "$work/learn" --stagger 45 --runs aqn:0,nvfp4:0,bf16:0 --override +actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=2147483648 ;;
-    # the study of 2026-11-24 ran the config as it was then (sampling temperature 1.0, 40 steps); the demo now samples at 0.7
+    # the study of 2026-11-24 ran the config as it was then (sampling temperature 1.0, 40 steps, decoupled mode): $STUDY_T1
     study5)  # the study's first wave: AQN at seeds 0-2 and NVFP4-LoRA at seeds 1-2, side by side, memory-lean
         # (at most five SmolLM2 runs at once: each takes ~17 GiB of the machine's 126 GiB host memory)
         step study5 120 python3 scripts/gpu/learning.py launch --work "$work/learn" --lean --stagger 10 $STUDY_T1 --runs aqn:0,nvfp4:1,aqn:1,nvfp4:2,aqn:2 ;;
