@@ -273,3 +273,23 @@ def test_learning_names_why_a_run_failed(learning, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "aqn-s2 failed: AssertionError: Memory usage increased after sleeping. (run.log line 3)" in out
     assert learning.failure_reason("all fine\n") is None
+
+
+@pytest.mark.parametrize("name", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("extra", [[], ["--bypass", "--response", "2048", "--ppo-micro", "1", "--steps", "5"]])
+def test_7b_pair_runs_pass_qerls_config_check(name, extra):
+    """The 7B step-time pair (scripts/gpu/verl_7b_memory_step.py): each run's overrides compose through verl's Hydra
+    config and pass qerl's checks; with --bypass both runs skip the old-log-prob pass (verl's bypass mode). The
+    actor's loss is set to bypass_mode by qerl's normalisation in the NVFP4 run only; the BF16 run (qerl off) keeps
+    verl's vanilla loss, the same PPO-clip objective without the rollout_corr metrics."""
+    from verl_ext.config import compose, validate
+
+    v7 = _import_script("verl_7b_memory_step")
+    args = v7.parser().parse_args(["bf16", *extra])
+    cfg = compose(ROOT / "examples" / "tiny" / "config.yaml", v7.overrides_for(name, Path("/tmp/qerl-7b"), args))
+    settings, _ = validate(cfg)
+    assert settings.nvfp4 == (name == "nvfp4") and settings.aqn_enabled == (name == "nvfp4")
+    assert cfg.data.max_response_length == args.response
+    bypass = "--bypass" in extra
+    assert cfg.algorithm.rollout_correction.bypass_mode is bypass
+    assert (cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "bypass_mode") is (bypass and name == "nvfp4")

@@ -23,8 +23,10 @@ __all__ = ["dequantize", "dequantize_nvfp4_triton", "triton_available", "triton_
 logger = logging.getLogger("qerl.verl.kernels")
 Backend = Literal["auto", "triton", "torch"]
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# tile of packed bytes per program (each byte gives two outputs) and warps per program
 BLOCK_R = 16
-BLOCK_C = 256
+BLOCK_B = 128
+NUM_WARPS = 4
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
     import triton
@@ -51,37 +53,32 @@ if triton is not None:
 
     @triton.jit
     def _nvfp4_dequant_kernel(
-        packed_ptr,  # uint8 [rows, cols/2]
+        packed_ptr,  # uint8 [rows, cols/2]: two E2M1 codes per byte
         scale_ptr,  # uint8 [rows, cols/16]: the float8_e4m3fn bytes
         gscale_ptr,  # float32 [1]
-        out_ptr,  # float32 / float16 [rows, cols], or int16 [rows, cols] holding bf16 bits
+        out_ptr,  # the output's storage as one word per byte: int32 [rows, cols/2] (bf16/fp16), int64 (fp32)
         rows,
-        cols,
+        n_bytes,  # cols / 2
         stride_packed,
         stride_scale,
-        stride_out,
-        OUT_KIND: tl.constexpr,  # 0 float32, 1 bfloat16 (bits), 2 float16
+        stride_out,  # in words
+        OUT_KIND: tl.constexpr,  # 0 float32, 1 bfloat16, 2 float16
         BLOCK_R: tl.constexpr,
-        BLOCK_C: tl.constexpr,
+        BLOCK_B: tl.constexpr,
     ):
+        # Each program decodes a [BLOCK_R, BLOCK_B] tile of packed bytes. A byte holds columns 2j (low nibble) and
+        # 2j+1 (high nibble), which share one group scale; both decoded values leave as one word (low half = column
+        # 2j, little-endian), so every load and store is a contiguous run and the scale is decoded once per byte.
         pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
+        pid_b = tl.program_id(1)
         r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
-        c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)[None, :]
-        mask = (r < rows) & (c < cols)
+        j = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)[None, :]
+        mask = (r < rows) & (j < n_bytes)
 
-        # E2M1 code: column 2j in the low nibble of byte j, column 2j+1 in the high nibble
-        byte = tl.load(packed_ptr + r * stride_packed + c // 2, mask=mask, other=0).to(tl.int32)
-        code = (byte >> ((c & 1) * 4).to(tl.int32)) & 15
-        mag = code & 7
-        e = mag >> 1
-        m = mag & 1
-        val_bits = tl.where(mag == 0, 0, tl.where(e == 0, 126 << 23, ((e + 126) << 23) | (m << 22)))
-        val_bits = val_bits | ((code >> 3) << 31)  # sign: -0.0 for code 8, as the codec's table
-        val = val_bits.to(tl.float32, bitcast=True)
+        byte = tl.load(packed_ptr + r * stride_packed + j, mask=mask, other=0).to(tl.int32)
 
-        # FP8-E4M3 (fn) group scale from its byte
-        sb = tl.load(scale_ptr + r * stride_scale + c // 16, mask=mask, other=0).to(tl.int32)
+        # FP8-E4M3 (fn) group scale from its byte (column 2j is in group 2j // 16 = j // 8)
+        sb = tl.load(scale_ptr + r * stride_scale + j // 8, mask=mask, other=0).to(tl.int32)
         s_exp = (sb >> 3) & 15
         s_man = sb & 7
         s_normal = (((s_exp + 120) << 23) | (s_man << 20)).to(tl.float32, bitcast=True)
@@ -90,21 +87,42 @@ if triton is not None:
         s_abs = tl.where((s_exp == 15) & (s_man == 7), float("nan"), s_abs)
         # the sign as a bit (negation would be 0 - x, turning -0.0 into +0.0)
         scale = (s_abs.to(tl.int32, bitcast=True) | ((sb >> 7) << 31)).to(tl.float32, bitcast=True)
+        step = tl.math.div_rn(scale, tl.load(gscale_ptr))  # IEEE division, as torch
 
-        gscale = tl.load(gscale_ptr)
-        step = tl.math.div_rn(scale, gscale)  # IEEE division, as torch
-        w = val * step
-
-        out_offs = r * stride_out + c
+        lo = _e2m1_value(byte & 15) * step
+        hi = _e2m1_value(byte >> 4) * step
         if OUT_KIND == 0:
-            tl.store(out_ptr + out_offs, w, mask=mask)
-        elif OUT_KIND == 1:
-            bits = w.to(tl.uint32, bitcast=True)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            rounded = tl.where(w != w, 0x7FC0, rounded)
-            tl.store(out_ptr + out_offs, rounded.to(tl.int16), mask=mask)
+            word = _f32_bits(lo).to(tl.uint64) | (_f32_bits(hi).to(tl.uint64) << 32)
+            tl.store(out_ptr + r * stride_out + j, word.to(tl.int64, bitcast=True), mask=mask)
         else:
-            tl.store(out_ptr + out_offs, w.to(tl.float16), mask=mask)
+            if OUT_KIND == 1:
+                lo_bits = _bf16_bits(lo)
+                hi_bits = _bf16_bits(hi)
+            else:
+                lo_bits = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+                hi_bits = hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+            word = lo_bits | (hi_bits << 16)
+            tl.store(out_ptr + r * stride_out + j, word.to(tl.int32, bitcast=True), mask=mask)
+
+    @triton.jit
+    def _e2m1_value(code):
+        """float32 value of a 4-bit E2M1 code (int32 0..15); code 8 gives -0.0, as the codec's table."""
+        mag = code & 7
+        e = mag >> 1
+        m = mag & 1
+        bits = tl.where(mag == 0, 0, tl.where(e == 0, 126 << 23, ((e + 126) << 23) | (m << 22)))
+        return (bits | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _f32_bits(x):
+        return x.to(tl.uint32, bitcast=True)
+
+    @triton.jit
+    def _bf16_bits(x):
+        """bfloat16 bits of float32 ``x`` (round to nearest even; NaN to the canonical 0x7FC0), as uint32."""
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(x != x, 0x7FC0, rounded)
 
 
 def _check_inputs(packed: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -> tuple[int, int]:
@@ -158,30 +176,36 @@ def dequantize_nvfp4_triton(
         )
     if out is None:
         out = torch.empty((rows, cols), dtype=dtype, device=device)
-    elif out.shape != (rows, cols) or out.dtype != dtype or not out.is_contiguous() or out.device != device:
-        raise NVFP4Error(f"out must be a contiguous {dtype} tensor of shape {(rows, cols)} on {device}")
+    elif (out.shape != (rows, cols) or out.dtype != dtype or not out.is_contiguous() or out.device != device
+          or out.storage_offset() % 2):
+        raise NVFP4Error(
+            f"out must be a contiguous {dtype} tensor of shape {(rows, cols)} on {device}, starting at an even element "
+            "(the kernel writes two values per store)"
+        )
     if rows == 0 or cols == 0:
         return out
     packed = packed.contiguous()
     scale_bytes = scale.contiguous().view(torch.uint8)
     gscale = gscale.reshape(1).contiguous()
     kind = _OUT_KIND[dtype]
-    target = out.view(torch.int16) if kind == 1 else out
-    grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(cols, BLOCK_C))
+    # one word per packed byte: int32 holds two bf16/fp16 values, int64 two fp32 values
+    words = out.view(torch.int64 if kind == 0 else torch.int32)
+    n_bytes = cols // 2
+    grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(n_bytes, BLOCK_B))
     _nvfp4_dequant_kernel[grid](
         packed,
         scale_bytes,
         gscale,
-        target,
+        words,
         rows,
-        cols,
+        n_bytes,
         packed.stride(0),
         scale_bytes.stride(0),
-        out.stride(0),
+        words.stride(0),
         OUT_KIND=kind,
         BLOCK_R=BLOCK_R,
-        BLOCK_C=BLOCK_C,
-        num_warps=4,
+        BLOCK_B=BLOCK_B,
+        num_warps=NUM_WARPS,
     )
     return out
 

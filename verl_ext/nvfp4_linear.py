@@ -2,7 +2,12 @@
 
 The base weight stays on the device as compressed-tensors' NVFP4 tensors (about 0.56 bytes per weight); each
 forward decodes a transient dense weight with :func:`verl_ext.kernels.dequantize` and runs one matmul, and
-the backward decodes it again and returns a gradient for the input only. It subclasses ``nn.Linear`` (with
+the backward returns a gradient for the input only. The backward reuses the forward's decoded weight while the
+decoded weights kept for backward, all layers together, stay within a budget (``QERL_ACTOR_SAVED_WEIGHT_MIB``,
+default 1024 MiB; 0 keeps none); past it, it decodes the weight again. Under gradient checkpointing (verl's
+non-reentrant one) a kept weight lives only from a layer's recomputation to its backward, so the budget is one
+decoder layer's weights at a time and each layer is decoded twice per micro-batch instead of three times; without
+checkpointing the budget caps how many layers keep theirs. It subclasses ``nn.Linear`` (with
 ``weight = None``) so that PEFT wraps it in its ordinary ``lora.Linear``. Not supported: merging an adapter
 into the base, DoRA, and adapter inits that read the base weight (PiSSA/OLoRA). Under FSDP keep
 ``mixed_precision.buffer_dtype`` at fp32 (verl's default). Models are converted by
@@ -11,6 +16,10 @@ checkpoint).
 """
 
 from __future__ import annotations
+
+import os
+import threading
+import weakref
 
 import torch
 import torch.nn as nn
@@ -21,7 +30,7 @@ from qerl_plugin import nvfp4
 from qerl_plugin.nvfp4 import GROUP_SIZE, NVFP4Error
 from verl_ext import kernels
 
-__all__ = ["NVFP4Linear"]
+__all__ = ["NVFP4Linear", "SAVED_WEIGHT_ENV", "saved_weight_budget", "saved_weight_bytes"]
 
 # compressed-tensors' names of a layer's three NVFP4 tensors, NVFP4Linear's buffers of the same names
 PACKED_BUFFERS = fmt.PARAM_NAMES
@@ -32,27 +41,90 @@ _BUFFER_DTYPES = {"weight_packed": torch.uint8, "weight_scale": torch.float8_e4m
 # autograd
 
 
+SAVED_WEIGHT_ENV = "QERL_ACTOR_SAVED_WEIGHT_MIB"
+DEFAULT_SAVED_WEIGHT_MIB = 1024
+
+
+class _KeptWeights:
+    """Bytes of decoded weights that forwards keep for their backward, alive right now (all layers together).
+
+    A kept weight is counted from its forward until the tensor is freed (its backward ran, or a checkpoint's
+    saved-tensor hook dropped it): a ``weakref.finalize`` returns its bytes. Backward runs on autograd's own
+    thread, hence the lock.
+    """
+
+    lock = threading.Lock()
+    live = 0
+
+    @classmethod
+    def reserve(cls, w: torch.Tensor, budget: int) -> bool:
+        n = w.numel() * w.element_size()
+        with cls.lock:
+            if cls.live + n > budget:
+                return False
+            cls.live += n
+        weakref.finalize(w, cls.release, n)
+        return True
+
+    @classmethod
+    def release(cls, n: int) -> None:
+        with cls.lock:
+            cls.live -= n
+
+
+def saved_weight_budget() -> int:
+    """The budget in bytes for decoded weights kept from forward to backward (``QERL_ACTOR_SAVED_WEIGHT_MIB``)."""
+    raw = os.environ.get(SAVED_WEIGHT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SAVED_WEIGHT_MIB << 20
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = -1.0
+    if not mib >= 0:  # also NaN
+        raise NVFP4Error(
+            f"{SAVED_WEIGHT_ENV}={raw!r}: give the MiB of decoded weights the actor may keep for backward, a number "
+            f">= 0 (0 decodes again in every backward; default {DEFAULT_SAVED_WEIGHT_MIB})"
+        )
+    return int(mib * (1 << 20))
+
+
+def saved_weight_bytes() -> int:
+    """Bytes of decoded weights kept for backward right now (for tests and memory reports)."""
+    return _KeptWeights.live
+
+
 class _NVFP4MatmulFn(torch.autograd.Function):
-    """``y = x @ dequant(W).T + b`` with a recomputed weight in backward and no gradient for the base."""
+    """``y = x @ dequant(W).T + b``; no gradient for the base. The backward reuses the decoded weight when the
+    budget allowed keeping it, else decodes it again."""
 
     @staticmethod
     def forward(ctx, x, packed, scale, gscale, bias):  # type: ignore[override]
         w = kernels.dequantize(packed, scale, gscale, dtype=x.dtype)
         y = F.linear(x, w, None if bias is None else bias.to(x.dtype))
+        ctx.kept_weight = bool(ctx.needs_input_grad[0]) and _KeptWeights.reserve(w, saved_weight_budget())
+        if ctx.kept_weight:
+            ctx.save_for_backward(packed, scale, gscale, w)
+        else:
+            ctx.save_for_backward(packed, scale, gscale)  # the 4-bit buffers themselves: no extra memory
         del w
-        ctx.save_for_backward(packed, scale, gscale)  # the 4-bit buffers themselves: no extra memory
         ctx.bias_needs_grad = bias is not None and ctx.needs_input_grad[4]
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        packed, scale, gscale = ctx.saved_tensors
+        saved = ctx.saved_tensors
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            w = kernels.dequantize(packed, scale, gscale, dtype=grad_out.dtype)
-            grad_x = grad_out @ w  # [..., out] @ [out, in]
+            if ctx.kept_weight:
+                w = saved[3]
+            else:
+                packed, scale, gscale = saved[:3]
+                w = kernels.dequantize(packed, scale, gscale, dtype=grad_out.dtype)
+            grad_x = grad_out @ w.to(grad_out.dtype)  # [..., out] @ [out, in]
             del w
+        del saved
         if ctx.bias_needs_grad:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0).to(ctx.bias_dtype)
         return grad_x, None, None, None, grad_bias

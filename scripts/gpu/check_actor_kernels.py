@@ -11,11 +11,14 @@ Run from the repository root on the GPU machine (needs torch, triton, transforme
 Steps (each survives the failure of another; results go to $OUT, default ./.out):
   exact    Triton dequant == torch codec dequant, bit for bit, on Qwen2.5-7B projection shapes, bf16/fp16/fp32
            outputs, plus every FP8 scale byte and every E2M1 code
-  dequant  time and bandwidth of the Triton kernel vs the torch codec (bf16 output)
+  dequant  time and bandwidth of the Triton kernel (GB/s, % of the H100's 3.35 TB/s, next to a plain device copy),
+           its host launch time, and the torch codec (bf16 output)
   layer    forward+backward of NVFP4Linear + LoRA vs bf16 nn.Linear + LoRA, 7B layer shapes, tokens 4096 / 16384:
-           time, the share spent decoding, peak memory
-  model    a 7B-shaped Qwen2 (28 layers) built on the GPU in bf16: weight memory and the peak of one LoRA
-           forward+backward step (gradient checkpointing, sdpa), bf16 base vs NVFP4 base
+           time, the share spent decoding, peak memory; NVFP4 with the decoded weight kept for backward (the
+           default) and decoded again (QERL_ACTOR_SAVED_WEIGHT_MIB=0)
+  model    a 7B-shaped Qwen2 (28 layers) built on the GPU in bf16: weight memory, tokens/s and the peak of one
+           LoRA forward+backward step (gradient checkpointing, sdpa; median of 5 after a warm-up), bf16 base vs
+           NVFP4 base (kept weight / decoded again)
 
 Writes $OUT/check_actor_kernels.jsonl (one JSON object per measurement), $OUT/check_actor_kernels.log, and
 prints a summary table last.
@@ -106,13 +109,14 @@ def _empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+def cuda_times_ms(fn, warmup: int = 3, iters: int = 10) -> list[float]:
+    """GPU time of each of ``iters`` calls after ``warmup`` calls (CUDA events), in ms."""
     import torch
 
     if DEVICE != "cuda":
         t0 = time.perf_counter()
         fn()
-        return (time.perf_counter() - t0) * 1e3
+        return [(time.perf_counter() - t0) * 1e3]
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -124,7 +128,38 @@ def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
+
+
+def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+    return statistics.median(cuda_times_ms(fn, warmup, iters))
+
+
+def launch_us(fn, calls: int = 200) -> float:
+    """Host time per call of ``fn`` issued back to back (no sync between calls), in µs: the launch overhead when
+    the GPU keeps up."""
+    import torch
+
+    fn()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = time.perf_counter() - t0
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return dt / calls * 1e6
+
+
+def _set_budget(value: str | None) -> None:
+    """QERL_ACTOR_SAVED_WEIGHT_MIB for the next NVFP4 forwards ("" = the default, "0" = decode again in backward)."""
+    from verl_ext.nvfp4_linear import SAVED_WEIGHT_ENV
+
+    if value is None or value == "":
+        os.environ.pop(SAVED_WEIGHT_ENV, None)
+    else:
+        os.environ[SAVED_WEIGHT_ENV] = value
 
 
 def random_nvfp4(shape, seed=0):
@@ -171,6 +206,9 @@ def step_exact(rec: Recorder, shapes: dict) -> None:
             rec.record(step="exact", case=f"all-bytes gs={gs:g}", dtype=str(dt), ok=bool(ok))
 
 
+HBM_PEAK_GBPS = 3350.0  # H100 SXM5 80GB HBM3, NVIDIA's datasheet figure (3.35 TB/s)
+
+
 def step_dequant(rec: Recorder, shapes: dict) -> None:
     import torch
 
@@ -181,16 +219,23 @@ def step_dequant(rec: Recorder, shapes: dict) -> None:
         q = random_nvfp4(shape)
         n = shape[0] * shape[1]
         out = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
-        t_tri = cuda_time_ms(
-            lambda: kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, torch.bfloat16, out=out)
-        )
+        tri = lambda: kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, torch.bfloat16, out=out)
+        t_tri = cuda_times_ms(tri, iters=20)
         t_torch = cuda_time_ms(lambda: nvfp4.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16))
+        # a plain device copy of an equally large bf16 tensor: what this GPU moves in practice (read + write)
+        src = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
+        t_copy = cuda_time_ms(lambda: out.copy_(src), iters=20)
         moved = n // 2 + n // 16 + 2 * n  # read packed + scales, write bf16
+        med = statistics.median(t_tri)
         rec.record(
-            step="dequant", case=name, shape=list(shape), triton_ms=round(t_tri, 4), torch_ms=round(t_torch, 4),
-            triton_GBps=round(moved / t_tri / 1e6, 1), torch_GBps=round(moved / t_torch / 1e6, 1),
-            speedup=round(t_torch / t_tri, 2),
+            step="dequant", case=name, shape=list(shape), triton_ms=round(med, 4),
+            triton_ms_min=round(min(t_tri), 4), triton_ms_max=round(max(t_tri), 4), torch_ms=round(t_torch, 4),
+            triton_GBps=round(moved / med / 1e6, 1), torch_GBps=round(moved / t_torch / 1e6, 1),
+            hbm_peak_GBps=HBM_PEAK_GBPS, triton_pct_of_peak=round(100 * moved / med / 1e6 / HBM_PEAK_GBPS, 1),
+            copy_GBps=round(4 * n / t_copy / 1e6, 1), speedup=round(t_torch / med, 2),
+            launch_us=round(launch_us(tri), 1),
         )
+        del src, out
 
 
 def step_layer(rec: Recorder, shapes: dict, tokens_list: list[int], rank: int) -> None:
@@ -214,7 +259,9 @@ def step_layer(rec: Recorder, shapes: dict, tokens_list: list[int], rank: int) -
             x = torch.randn(tokens, in_f, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
             gy = torch.randn(tokens, out_f, device=DEVICE, dtype=torch.bfloat16)
             row = {"step": "layer", "case": name, "shape": [out_f, in_f], "tokens": tokens, "rank": rank}
-            for label, base in (("bf16", dense), ("nvfp4", quant)):
+            for label, base, budget in (("bf16", dense, None), ("nvfp4", quant, ""), ("nvfp4_redecode", quant, "0")):
+                _set_budget(budget)
+
                 def fwd_bwd():
                     y = base(x) + (x @ a.T) @ b.T * 2.0
                     y.backward(gy)
@@ -237,9 +284,12 @@ def step_layer(rec: Recorder, shapes: dict, tokens_list: list[int], rank: int) -
             t_deq = cuda_time_ms(lambda: kernels.dequantize_nvfp4_triton(quant.weight_packed, quant.weight_scale,
                                                                          quant.weight_global_scale, torch.bfloat16, out=out))
             row["dequant_ms"] = round(t_deq, 4)
+            _set_budget("")
             if "nvfp4_fwd_bwd_ms" in row and "bf16_fwd_bwd_ms" in row:
                 row["nvfp4_over_bf16"] = round(row["nvfp4_fwd_bwd_ms"] / row["bf16_fwd_bwd_ms"], 3)
-                row["dequant_share_fwd_bwd"] = round(2 * t_deq / row["nvfp4_fwd_bwd_ms"], 3)
+                row["dequant_share_fwd_bwd"] = round(t_deq / row["nvfp4_fwd_bwd_ms"], 3)  # one decode (kept weight)
+            if "nvfp4_redecode_fwd_bwd_ms" in row and "bf16_fwd_bwd_ms" in row:
+                row["nvfp4_redecode_over_bf16"] = round(row["nvfp4_redecode_fwd_bwd_ms"] / row["bf16_fwd_bwd_ms"], 3)
             rec.record(**row)
             del x, gy, out
         del dense, quant, a, b
@@ -271,7 +321,8 @@ def step_model(rec: Recorder, layers: int, tokens: int, rank: int) -> None:
     from verl_ext.nvfp4_replace import replace_linears_with_nvfp4
 
     cfg = _qwen2_7b_config(layers)
-    for variant in ("bf16", "nvfp4"):
+    for variant in ("bf16", "nvfp4", "nvfp4_redecode"):
+        _set_budget("0" if variant == "nvfp4_redecode" else "")
         _empty_cache()
         _reset_peak()
         row = {"step": "model", "case": variant, "layers": layers, "tokens": tokens, "rank": rank}
@@ -280,7 +331,7 @@ def step_model(rec: Recorder, layers: int, tokens: int, rank: int) -> None:
             with torch.device(DEVICE):
                 model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
             row["build_s"] = round(time.time() - t0, 1)
-            if variant == "nvfp4":
+            if variant != "bf16":
                 t1 = time.time()
                 report = replace_linears_with_nvfp4(model, quant_dtype=None)
                 row["quantize_s"] = round(time.time() - t1, 1)
@@ -301,7 +352,10 @@ def step_model(rec: Recorder, layers: int, tokens: int, rank: int) -> None:
                 loss.backward()
                 model.zero_grad(set_to_none=True)
 
-            row["step_ms"] = round(cuda_time_ms(train_step, warmup=1, iters=3), 1)
+            times = cuda_times_ms(train_step, warmup=1, iters=5)
+            row["step_ms"] = round(statistics.median(times), 1)
+            row["step_ms_all"] = [round(t, 1) for t in times]
+            row["tokens_per_s"] = round(tokens / (row["step_ms"] / 1e3), 1)
             row["step_peak_GiB"] = round(_peak() / 2**30, 3)
             row["step_extra_GiB"] = round((_peak() - start) / 2**30, 3)
         except Exception as exc:  # OOM or anything else: record, go on
@@ -310,6 +364,7 @@ def step_model(rec: Recorder, layers: int, tokens: int, rank: int) -> None:
         rec.record(**row)
         model = None
         _empty_cache()
+    _set_budget("")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -324,31 +379,38 @@ def summary(rows: list[dict]) -> str:
         lines.append(f"exact:   {len(exact) - len(bad)}/{len(exact)} cases bit-identical{failed}")
     deq = [r for r in rows if r.get("step") == "dequant"]
     if deq:
-        lines.append(f"{'dequant':10} {'shape':>14} {'triton ms':>10} {'GB/s':>8} {'torch ms':>10} {'speedup':>8}")
+        lines.append(f"{'dequant':10} {'shape':>14} {'triton ms':>10} {'GB/s':>8} {'% peak':>7} {'copy GB/s':>10} "
+                     f"{'launch us':>10} {'torch ms':>10} {'speedup':>8}")
         for r in deq:
             lines.append(
                 f"{r['case']:10} {str(tuple(r['shape'])):>14} {r['triton_ms']:>10} {r['triton_GBps']:>8} "
+                f"{r.get('triton_pct_of_peak', '-'):>7} {r.get('copy_GBps', '-'):>10} {r.get('launch_us', '-'):>10} "
                 f"{r['torch_ms']:>10} {r['speedup']:>8}"
             )
     lay = [r for r in rows if r.get("step") == "layer"]
     if lay:
         lines.append(
-            f"{'layer':10} {'tokens':>7} {'bf16 f+b ms':>12} {'nvfp4 f+b ms':>13} {'ratio':>6} {'deq share':>9} "
-            f"{'bf16 MiB':>9} {'nvfp4 MiB':>10}"
+            f"{'layer':10} {'tokens':>7} {'bf16 f+b ms':>12} {'nvfp4 f+b ms':>13} {'ratio':>6} {'redecode ms':>12} "
+            f"{'ratio':>6} {'deq share':>9} {'bf16 MiB':>9} {'nvfp4 MiB':>10}"
         )
         for r in lay:
             lines.append(
                 f"{r['case']:10} {r['tokens']:>7} {r.get('bf16_fwd_bwd_ms', '-'):>12} {r.get('nvfp4_fwd_bwd_ms', '-'):>13} "
-                f"{r.get('nvfp4_over_bf16', '-'):>6} {r.get('dequant_share_fwd_bwd', '-'):>9} "
+                f"{r.get('nvfp4_over_bf16', '-'):>6} {r.get('nvfp4_redecode_fwd_bwd_ms', '-'):>12} "
+                f"{r.get('nvfp4_redecode_over_bf16', '-'):>6} {r.get('dequant_share_fwd_bwd', '-'):>9} "
                 f"{r.get('bf16_peak_extra_MiB', '-'):>9} {r.get('nvfp4_peak_extra_MiB', '-'):>10}"
             )
     mod = [r for r in rows if r.get("step") == "model"]
     if mod:
-        lines.append(f"{'model':8} {'layers':>6} {'tokens':>7} {'weights GiB':>12} {'step peak GiB':>14} {'step ms':>9}  error")
+        bf16_ms = next((r["step_ms"] for r in mod if r["case"] == "bf16" and "step_ms" in r), None)
+        lines.append(f"{'model':15} {'layers':>6} {'tokens':>7} {'weights GiB':>12} {'step peak GiB':>14} {'step ms':>9} "
+                     f"{'runs ms':>30} {'time / bf16':>11}  error")
         for r in mod:
+            ratio = round(r["step_ms"] / bf16_ms, 3) if bf16_ms and "step_ms" in r else "-"
             lines.append(
-                f"{r['case']:8} {r.get('layers', '-'):>6} {r.get('tokens', '-'):>7} {r.get('weights_GiB', '-'):>12} "
-                f"{r.get('step_peak_GiB', '-'):>14} {r.get('step_ms', '-'):>9}  {r.get('error', '')}"
+                f"{r['case']:15} {r.get('layers', '-'):>6} {r.get('tokens', '-'):>7} {r.get('weights_GiB', '-'):>12} "
+                f"{r.get('step_peak_GiB', '-'):>14} {r.get('step_ms', '-'):>9} {str(r.get('step_ms_all', '-')):>30} "
+                f"{ratio:>11}  {r.get('error', '')}"
             )
     errs = [r for r in rows if r.get("step") == "error"]
     for r in errs:

@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -109,10 +110,9 @@ class SmiPeak:
         self._t.join(timeout=10)
 
 
-def run(name: str, out: Path, args) -> dict:
+def overrides_for(name: str, out: Path, args) -> list[str]:
+    """The main_ppo overrides of one run ("bf16" or "nvfp4") on the tiny example config."""
     model, data = out / "model", out / "data"
-    if not (model / "config.json").exists():
-        return {"problems": ["no model: run the build phase first"]}
     overrides = [
         f"actor_rollout_ref.model.path={model}",
         f"data.train_files={data}/train.parquet",
@@ -141,17 +141,34 @@ def run(name: str, out: Path, args) -> dict:
             "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true",
             "actor_rollout_ref.actor.entropy_checkpointing=true",
         ]
+    if args.bypass:  # verl's bypass mode: the rollout's log-probs are the PPO anchor, no old-log-prob pass (both runs)
+        overrides += ["algorithm.rollout_correction.bypass_mode=true"]
     if name == "bf16":
         overrides += ["actor_rollout_ref.rollout.quantization=null", "actor_rollout_ref.rollout.custom.qerl.aqn.enable=false"]
-    (out / name).mkdir(parents=True, exist_ok=True)
-    with SmiPeak(out / name / "smi.csv") as smi:
-        rc, text, res = tiny.run_verl(name, out, out, overrides, args.timeout, eager=False)
+    return overrides
+
+
+def run(name: str, out: Path, args) -> dict:
+    if not (out / "model" / "config.json").exists():
+        return {"problems": ["no model: run the build phase first"]}
+    overrides = overrides_for(name, out, args)
+    run_name = name + args.tag
+    (out / run_name).mkdir(parents=True, exist_ok=True)
+    with SmiPeak(out / run_name / "smi.csv") as smi:
+        rc, text, res = tiny.run_verl(run_name, out, out, overrides, args.timeout, eager=False)
     steps = res["steps"]
     timed = [d for s, d in sorted(steps.items()) if s >= 2] or list(steps.values())
 
     def mean(key):
         vals = [d[key] for d in timed if isinstance(d.get(key), (int, float))]
         return round(sum(vals) / len(vals), 3) if vals else None
+
+    def spread(key):  # median, min, max over the timed steps
+        vals = sorted(d[key] for d in timed if isinstance(d.get(key), (int, float)))
+        if not vals:
+            return None
+        return {"median": round(statistics.median(vals), 3), "min": round(vals[0], 3), "max": round(vals[-1], 3),
+                "n": len(vals)}
 
     def peak(key):
         vals = [d[key] for d in steps.values() if isinstance(d.get(key), (int, float))]
@@ -162,7 +179,12 @@ def run(name: str, out: Path, args) -> dict:
     rec = {
         "rc": rc,
         "settings": {"ppo_micro": args.ppo_micro, "logprob_micro": args.logprob_micro,
-                     "chunked_entropy": args.chunked_entropy, "response": args.response, "gpu_mem": args.gpu_mem},
+                     "chunked_entropy": args.chunked_entropy, "response": args.response, "gpu_mem": args.gpu_mem,
+                     "bypass": args.bypass, "steps": args.steps},
+        "step_s_each": {s: d.get("timing_s/step") for s, d in sorted(steps.items())},
+        "step_s_spread": spread("timing_s/step"),
+        "gen_s_spread": spread("timing_s/gen"),
+        "update_actor_s_spread": spread("timing_s/update_actor"),
         "steps_logged": len(steps),
         "gen_s": mean("timing_s/gen"),
         "old_log_prob_s": mean("timing_s/old_log_prob"),
@@ -181,7 +203,7 @@ def run(name: str, out: Path, args) -> dict:
     return rec
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("phases", nargs="*", default=list(PHASES), help=f"any of {', '.join(PHASES)} (default: all)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".out")) / "verl_7b")
@@ -192,7 +214,15 @@ def main() -> int:
     p.add_argument("--logprob-micro", type=int, default=8, help="rollout.log_prob_micro_batch_size_per_gpu")
     p.add_argument("--chunked-entropy", action="store_true",
                    help="verl's entropy_from_logits_with_chunking + entropy_checkpointing (smaller logit peaks)")
+    p.add_argument("--bypass", action="store_true",
+                   help="algorithm.rollout_correction.bypass_mode=true for both runs (no old-log-prob pass)")
+    p.add_argument("--tag", default="", help="suffix of the run folders and result phases, e.g. -r2048")
     p.add_argument("--timeout", type=int, default=570)
+    return p
+
+
+def main() -> int:
+    p = parser()
     args = p.parse_args()
     bad = [x for x in args.phases if x not in PHASES]
     if bad:
@@ -209,7 +239,7 @@ def main() -> int:
             rec = build(out) if name == "build" else run(name, out, args)
         except Exception as e:
             rec = {"problems": [f"{type(e).__name__}: {e}"]}
-        rec = {"phase": name, **rec}
+        rec = {"phase": name + (args.tag if name in ("bf16", "nvfp4") else ""), **rec}
         with open(results_file, "a") as fh:
             fh.write(json.dumps(rec) + "\n")
         log(json.dumps(rec))
@@ -223,16 +253,19 @@ def main() -> int:
             "device_peak_used_gb", "vllm_weights_gib", "vllm_kv_cache_gib")  # fmt: skip
     print("\n" + "=" * 110)
     print(f"{'run':6} " + " ".join(f"{c:>16}" for c in cols))
-    for name in ("bf16", "nvfp4"):
+    for name in ("bf16" + args.tag, "nvfp4" + args.tag):
         r = latest.get(name)
         if r:
             print(f"{name:6} " + " ".join(f"{str(r.get(c, '-')):>16}" for c in cols))
+            if r.get("step_s_spread"):
+                print(f"    step s over steps 2..: {r['step_s_spread']}  each: {r.get('step_s_each')}")
             for prob in r.get("problems", []):
                 print(f"    ! {prob}")
     if "build" in latest:
         print(f"model: {latest['build']}")
     print(f"results: {results_file}")
-    ran = [latest[n] for n in args.phases if n in latest]
+    ran = [latest[n + (args.tag if n in ("bf16", "nvfp4") else "")] for n in args.phases
+           if n + (args.tag if n in ("bf16", "nvfp4") else "") in latest]
     return 0 if all(not r.get("problems") for r in ran) else 1
 
 

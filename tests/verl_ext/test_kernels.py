@@ -50,6 +50,18 @@ KERNEL_CHECK = textwrap.dedent(
     a = kernels.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16, backend="triton")
     if not torch.equal(a.view(torch.int16), q.dequantize(torch.bfloat16).view(torch.int16)):
         bad.append("quantized weight")
+    # into a caller's buffer (reused scratch), and a buffer that starts at an odd element is refused
+    buf = torch.full((48, 160), 7.0, dtype=torch.bfloat16)
+    kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, torch.bfloat16, out=buf)
+    if not torch.equal(buf.view(torch.int16), q.dequantize(torch.bfloat16).view(torch.int16)):
+        bad.append("out= buffer")
+    odd = torch.empty(48 * 160 + 1, dtype=torch.bfloat16)[1:].view(48, 160)
+    try:
+        kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, torch.bfloat16, out=odd)
+        bad.append("odd out accepted")
+    except nvfp4.NVFP4Error as e:
+        if "even element" not in str(e):
+            bad.append("odd out message: " + str(e))
     print("BAD", bad)
     sys.exit(1 if bad else 0)
     """

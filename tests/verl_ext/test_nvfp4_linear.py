@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from qerl_plugin import nvfp4
 from qerl_plugin.nvfp4 import NVFP4Error
-from verl_ext import kernels
+from verl_ext import kernels, nvfp4_linear
 from verl_ext.nvfp4_linear import NVFP4Linear
 
 
@@ -113,10 +113,9 @@ def test_lora_grads_match_float64():
     )
 
 
-def test_backward_keeps_no_dense_weight():
-    """The autograd graph holds the 4-bit buffers, not a dense copy (saved tensors are recorded)."""
-    layer, _, _ = make_layer(out_f=64, in_f=128)
-    x = torch.randn(4, 128, requires_grad=True)
+def _saved_dense(layer, x, budget_env, monkeypatch):
+    """The floating tensors of at least the layer's weight size that autograd saves for the layer's backward."""
+    monkeypatch.setenv(nvfp4_linear.SAVED_WEIGHT_ENV, budget_env)
     saved = []
 
     def pack(t):
@@ -125,10 +124,111 @@ def test_backward_keeps_no_dense_weight():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = layer(x)
-    dense = [t for t in saved if t.is_floating_point() and t.numel() >= 64 * 128 and t.dtype != torch.float8_e4m3fn]
-    assert dense == [], [(t.dtype, tuple(t.shape)) for t in dense]
+    n = layer.out_features * layer.in_features
+    return y, [t for t in saved if t.is_floating_point() and t.numel() >= n and t.dtype != torch.float8_e4m3fn]
+
+
+def test_budget_zero_keeps_no_dense_weight(monkeypatch):
+    """QERL_ACTOR_SAVED_WEIGHT_MIB=0: the autograd graph holds the 4-bit buffers only; backward decodes again."""
+    layer, _, _ = make_layer(out_f=64, in_f=128)
+    x = torch.randn(4, 128, requires_grad=True)
+    before = nvfp4_linear.saved_weight_bytes()
+    y, dense = _saved_dense(layer, x, "0", monkeypatch)
+    assert dense == [] and nvfp4_linear.saved_weight_bytes() == before
     y.sum().backward()
     assert x.grad is not None
+
+
+def test_kept_weight_is_counted_until_backward_and_gives_the_same_grads(monkeypatch):
+    """Default budget: the forward's decoded weight (one [out, in] tensor) is kept for backward, counted while it
+    lives and released once backward has run; input and LoRA-free gradients are bit-equal to decoding again."""
+    layer, w_deq, _ = make_layer(out_f=64, in_f=128)
+    x = torch.randn(4, 128, requires_grad=True)
+    gy = torch.randn(4, 64)
+    before = nvfp4_linear.saved_weight_bytes()
+    y, dense = _saved_dense(layer, x, "", monkeypatch)
+    assert len(dense) == 1 and torch.equal(dense[0], w_deq)
+    del dense
+    assert nvfp4_linear.saved_weight_bytes() == before + 64 * 128 * 4  # float32 input: a float32 weight
+    y.backward(gy)
+    del y
+    assert nvfp4_linear.saved_weight_bytes() == before
+    kept_grad = x.grad.clone()
+    x.grad = None
+    monkeypatch.setenv(nvfp4_linear.SAVED_WEIGHT_ENV, "0")
+    layer(x).backward(gy)
+    assert torch.equal(kept_grad, x.grad)
+
+
+def test_no_weight_kept_without_input_grad(monkeypatch):
+    monkeypatch.setenv(nvfp4_linear.SAVED_WEIGHT_ENV, "")
+    layer, _, _ = make_layer(out_f=64, in_f=128)
+    before = nvfp4_linear.saved_weight_bytes()
+    layer.bias.requires_grad_(True)  # a graph, but no gradient for the input
+    y = layer(torch.randn(4, 128))
+    assert nvfp4_linear.saved_weight_bytes() == before
+    y.sum().backward()
+    assert layer.bias.grad is not None
+
+
+class _Block(nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        self.up = make_layer(out_f=96, in_f=64, bias=False, seed=seed)[0]
+        self.down = make_layer(out_f=64, in_f=96, bias=False, seed=seed + 100)[0]
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def _run_blocks(checkpointed: bool, budget_env: str, monkeypatch):
+    """Four blocks of two NVFP4 layers, forward + backward; the most kept bytes seen at any layer's backward."""
+    monkeypatch.setenv(nvfp4_linear.SAVED_WEIGHT_ENV, budget_env)
+    blocks = nn.ModuleList([_Block(seed) for seed in range(4)])
+    seen = []
+    for blk in blocks:
+        for lin in (blk.up, blk.down):
+            lin.register_full_backward_pre_hook(lambda m, g: seen.append(nvfp4_linear.saved_weight_bytes()))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    before = nvfp4_linear.saved_weight_bytes()
+    h = x
+    for blk in blocks:
+        h = torch.utils.checkpoint.checkpoint(blk, h, use_reentrant=False) if checkpointed else blk(h)
+    after_forward = nvfp4_linear.saved_weight_bytes() - before
+    h.square().sum().backward()
+    assert nvfp4_linear.saved_weight_bytes() == before
+    return x.grad, after_forward, max(seen) - before
+
+
+def test_checkpointing_keeps_one_block_at_a_time(monkeypatch):
+    """Under verl's non-reentrant checkpointing nothing stays kept after the forward, and during backward only the
+    recomputed block's two weights are (2 x 96 x 64 float32 = 48 KiB); gradients equal decoding again."""
+    block_bytes = 2 * 96 * 64 * 4
+    grad_kept, after_fwd, most = _run_blocks(True, "", monkeypatch)
+    assert after_fwd == 0
+    assert 0 < most <= block_bytes
+    grad_again, after_fwd0, most0 = _run_blocks(True, "0", monkeypatch)
+    assert after_fwd0 == 0 and most0 == 0
+    assert torch.equal(grad_kept, grad_again)
+
+
+def test_budget_caps_what_is_kept_without_checkpointing(monkeypatch):
+    """Without checkpointing every forward would keep its weight; a budget of 3 weights' bytes keeps three (the
+    first three forwards) and the other five decode again; the gradients are the same."""
+    one = 96 * 64 * 4
+    grad_capped, after_fwd, _ = _run_blocks(False, str(3 * one / 2**20), monkeypatch)
+    assert after_fwd == 3 * one
+    grad_all, after_fwd_all, _ = _run_blocks(False, "1024", monkeypatch)
+    assert after_fwd_all == 8 * one
+    assert torch.equal(grad_capped, grad_all)
+
+
+@pytest.mark.parametrize("raw", ["-1", "lots", "nan"])
+def test_bad_budget_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv(nvfp4_linear.SAVED_WEIGHT_ENV, raw)
+    layer, _, _ = make_layer()
+    with pytest.raises(NVFP4Error, match="QERL_ACTOR_SAVED_WEIGHT_MIB"):
+        layer(torch.randn(2, 64, requires_grad=True))
 
 
 # ---------------------------------------------------------------------------------------------------------
