@@ -279,9 +279,9 @@ def test_learning_names_why_a_run_failed(learning, tmp_path, capsys):
 @pytest.mark.parametrize("extra", [[], ["--bypass", "--response", "2048", "--ppo-micro", "1", "--steps", "5"]])
 def test_7b_pair_runs_pass_qerls_config_check(name, extra):
     """The 7B step-time pair (scripts/gpu/verl_7b_memory_step.py): each run's overrides compose through verl's Hydra
-    config and pass qerl's checks; with --bypass both runs skip the old-log-prob pass (verl's bypass mode). The
-    actor's loss is set to bypass_mode by qerl's normalisation in the NVFP4 run only; the BF16 run (qerl off) keeps
-    verl's vanilla loss, the same PPO-clip objective without the rollout_corr metrics."""
+    config and pass qerl's checks; with --bypass both runs skip the old-log-prob pass (verl's bypass mode) and both
+    actors run verl's bypass_mode loss with the same rollout-correction block: qerl's normalisation sets it in the
+    NVFP4 run, the script's overrides in the BF16 run (qerl off)."""
     from verl_ext.config import compose, validate
 
     v7 = _import_script("verl_7b_memory_step")
@@ -292,4 +292,12 @@ def test_7b_pair_runs_pass_qerls_config_check(name, extra):
     assert cfg.data.max_response_length == args.response
     bypass = "--bypass" in extra
     assert cfg.algorithm.rollout_correction.bypass_mode is bypass
-    assert (cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "bypass_mode") is (bypass and name == "nvfp4")
+    assert (cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "bypass_mode") is bypass
+    if bypass:
+        block = cfg.actor_rollout_ref.actor.policy_loss.rollout_correction
+        assert (block.rollout_is, block.rollout_is_threshold, block.bypass_mode, block.loss_type) == (
+            "token", 2.0, True, "ppo_clip")
+    if name == "bf16" and bypass:  # the first fifth-session pair: BF16 left on verl's vanilla loss
+        args = v7.parser().parse_args(["bf16", *extra, "--bf16-vanilla-loss"])
+        cfg = compose(ROOT / "examples" / "tiny" / "config.yaml", v7.overrides_for(name, Path("/tmp/qerl-7b"), args))
+        assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"

@@ -23,9 +23,9 @@ __all__ = ["dequantize", "dequantize_nvfp4_triton", "triton_available", "triton_
 logger = logging.getLogger("qerl.verl.kernels")
 Backend = Literal["auto", "triton", "torch"]
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# tile of packed bytes per program (each byte gives two outputs) and warps per program
+# tile per program: rows x scale groups (16 values, 8 packed bytes each), and warps per program
 BLOCK_R = 16
-BLOCK_B = 128
+BLOCK_G = 16
 NUM_WARPS = 4
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
@@ -58,27 +58,32 @@ if triton is not None:
         gscale_ptr,  # float32 [1]
         out_ptr,  # the output's storage as one word per byte: int32 [rows, cols/2] (bf16/fp16), int64 (fp32)
         rows,
-        n_bytes,  # cols / 2
+        n_groups,  # cols / 16: scale groups per row (8 packed bytes each)
         stride_packed,
         stride_scale,
         stride_out,  # in words
         OUT_KIND: tl.constexpr,  # 0 float32, 1 bfloat16, 2 float16
-        BLOCK_R: tl.constexpr,
-        BLOCK_B: tl.constexpr,
+        BLOCK_R: tl.constexpr,  # rows per program
+        BLOCK_G: tl.constexpr,  # scale groups per program
+        WIDE: tl.constexpr,  # 64-bit offsets (tensors of 2**31 or more words)
     ):
-        # Each program decodes a [BLOCK_R, BLOCK_B] tile of packed bytes. A byte holds columns 2j (low nibble) and
-        # 2j+1 (high nibble), which share one group scale; both decoded values leave as one word (low half = column
-        # 2j, little-endian), so every load and store is a contiguous run and the scale is decoded once per byte.
+        # Each program decodes a [BLOCK_R, BLOCK_G, 8] tile of packed bytes: BLOCK_G groups of 16 values per row.
+        # The group's FP8 scale and its quotient by the global scale are computed once per group; a byte holds
+        # columns 2j (low nibble) and 2j+1 (high nibble), and both decoded values leave as one word (low half =
+        # column 2j, little-endian), so loads and stores are contiguous runs.
         pid_r = tl.program_id(0)
-        pid_b = tl.program_id(1)
-        r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
-        j = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)[None, :]
-        mask = (r < rows) & (j < n_bytes)
+        pid_g = tl.program_id(1)
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        g = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
+        if WIDE:
+            r = r.to(tl.int64)
+            g = g.to(tl.int64)
+        r2 = r[:, None]
+        g2 = g[None, :]
+        mask2 = (r2 < rows) & (g2 < n_groups)
 
-        byte = tl.load(packed_ptr + r * stride_packed + j, mask=mask, other=0).to(tl.int32)
-
-        # FP8-E4M3 (fn) group scale from its byte (column 2j is in group 2j // 16 = j // 8)
-        sb = tl.load(scale_ptr + r * stride_scale + j // 8, mask=mask, other=0).to(tl.int32)
+        # FP8-E4M3 (fn) group scale from its byte, then the step scale / global scale (IEEE division, as torch)
+        sb = tl.load(scale_ptr + r2 * stride_scale + g2, mask=mask2, other=0).to(tl.int32)
         s_exp = (sb >> 3) & 15
         s_man = sb & 7
         s_normal = (((s_exp + 120) << 23) | (s_man << 20)).to(tl.float32, bitcast=True)
@@ -87,13 +92,17 @@ if triton is not None:
         s_abs = tl.where((s_exp == 15) & (s_man == 7), float("nan"), s_abs)
         # the sign as a bit (negation would be 0 - x, turning -0.0 into +0.0)
         scale = (s_abs.to(tl.int32, bitcast=True) | ((sb >> 7) << 31)).to(tl.float32, bitcast=True)
-        step = tl.math.div_rn(scale, tl.load(gscale_ptr))  # IEEE division, as torch
+        step = tl.math.div_rn(scale, tl.load(gscale_ptr))[:, :, None]
 
+        j = g2[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # packed byte (= output word) within the row
+        r3 = r2[:, :, None]
+        mask = mask2[:, :, None]
+        byte = tl.load(packed_ptr + r3 * stride_packed + j, mask=mask, other=0).to(tl.int32)
         lo = _e2m1_value(byte & 15) * step
         hi = _e2m1_value(byte >> 4) * step
         if OUT_KIND == 0:
             word = _f32_bits(lo).to(tl.uint64) | (_f32_bits(hi).to(tl.uint64) << 32)
-            tl.store(out_ptr + r * stride_out + j, word.to(tl.int64, bitcast=True), mask=mask)
+            tl.store(out_ptr + r3 * stride_out + j, word.to(tl.int64, bitcast=True), mask=mask)
         else:
             if OUT_KIND == 1:
                 lo_bits = _bf16_bits(lo)
@@ -102,7 +111,7 @@ if triton is not None:
                 lo_bits = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
                 hi_bits = hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
             word = lo_bits | (hi_bits << 16)
-            tl.store(out_ptr + r * stride_out + j, word.to(tl.int32, bitcast=True), mask=mask)
+            tl.store(out_ptr + r3 * stride_out + j, word.to(tl.int32, bitcast=True), mask=mask)
 
     @triton.jit
     def _e2m1_value(code):
@@ -190,21 +199,23 @@ def dequantize_nvfp4_triton(
     kind = _OUT_KIND[dtype]
     # one word per packed byte: int32 holds two bf16/fp16 values, int64 two fp32 values
     words = out.view(torch.int64 if kind == 0 else torch.int32)
-    n_bytes = cols // 2
-    grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(n_bytes, BLOCK_B))
+    n_groups = cols // GROUP_SIZE
+    grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(n_groups, BLOCK_G))
+    wide = max(packed.numel(), words.numel(), scale_bytes.numel(), packed.stride(0) * rows, words.stride(0) * rows) >= 2**31
     _nvfp4_dequant_kernel[grid](
         packed,
         scale_bytes,
         gscale,
         words,
         rows,
-        n_bytes,
+        n_groups,
         packed.stride(0),
         scale_bytes.stride(0),
         words.stride(0),
         OUT_KIND=kind,
         BLOCK_R=BLOCK_R,
-        BLOCK_B=BLOCK_B,
+        BLOCK_G=BLOCK_G,
+        WIDE=wide,
         num_warps=NUM_WARPS,
     )
     return out

@@ -50,7 +50,8 @@ SHAPES_7B = {
 }
 SHAPES_QUICK = {"q_proj": (1024, 1024), "k_proj": (256, 1024), "gate_proj": (2816, 1024), "down_proj": (1024, 2816)}
 SHAPES_SMOKE = {"q_proj": (64, 128), "gate_proj": (96, 128)}
-STEPS = ("exact", "dequant", "layer", "model")
+STEPS = ("exact", "dequant", "layer", "model", "tune")
+DEFAULT_STEPS = ("exact", "dequant", "layer", "model")
 DEVICE = "cuda"  # --smoke-cpu: "cpu", with the Triton interpreter (checks this script's plumbing, times nothing)
 
 
@@ -238,6 +239,39 @@ def step_dequant(rec: Recorder, shapes: dict) -> None:
         del src, out
 
 
+TUNE_CONFIGS = [(16, 16, 4), (8, 16, 4), (4, 32, 4), (32, 8, 4), (16, 32, 8), (8, 32, 4), (16, 8, 2), (4, 16, 2),
+                (2, 64, 4), (1, 128, 4), (8, 8, 2), (32, 16, 8)]
+
+
+def step_tune(rec: Recorder, shapes: dict) -> None:
+    """Time the dequant kernel at several tile sizes (BLOCK_R rows x BLOCK_G groups, warps), each checked bit for bit."""
+    import torch
+
+    from qerl_plugin import nvfp4
+    from verl_ext import kernels
+
+    saved = (kernels.BLOCK_R, kernels.BLOCK_G, kernels.NUM_WARPS)
+    try:
+        for name, shape in shapes.items():
+            if name not in ("q_proj", "gate_proj", "down_proj"):
+                continue
+            q = random_nvfp4(shape)
+            ref = nvfp4.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16).view(torch.int16)
+            out = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
+            n = shape[0] * shape[1]
+            moved = n // 2 + n // 16 + 2 * n
+            for br, bg, nw in TUNE_CONFIGS if DEVICE == "cuda" else TUNE_CONFIGS[:2]:
+                kernels.BLOCK_R, kernels.BLOCK_G, kernels.NUM_WARPS = br, bg, nw
+                fn = lambda: kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, torch.bfloat16, out=out)
+                fn()
+                exact = bool(torch.equal(out.view(torch.int16), ref))
+                ms = cuda_time_ms(fn, iters=20)
+                rec.record(step="tune", case=name, block_r=br, block_g=bg, warps=nw, exact=exact, ms=round(ms, 4),
+                           GBps=round(moved / ms / 1e6, 1), default=(br, bg, nw) == saved)
+    finally:
+        kernels.BLOCK_R, kernels.BLOCK_G, kernels.NUM_WARPS = saved
+
+
 def step_layer(rec: Recorder, shapes: dict, tokens_list: list[int], rank: int) -> None:
     import torch
 
@@ -420,7 +454,8 @@ def summary(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {', '.join(STEPS)} (default: all)")
+    p.add_argument("--steps", default=",".join(DEFAULT_STEPS),
+                   help=f"comma list of {', '.join(STEPS)} (default: {','.join(DEFAULT_STEPS)})")
     p.add_argument("--quick", action="store_true", help="small shapes, 2 model layers, 1024 tokens")
     p.add_argument("--tokens", default="4096,16384", help="token counts for the layer step (default 4096,16384)")
     p.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32)")
@@ -471,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                 step_layer(rec, shapes, tokens, args.rank)
             elif step == "model":
                 step_model(rec, layers, model_tokens, args.rank)
+            elif step == "tune":
+                step_tune(rec, shapes)
         except Exception as exc:
             rec.log(traceback.format_exc())
             rec.record(step="error", failed=step, error=f"{type(exc).__name__}: {exc}"[:500])

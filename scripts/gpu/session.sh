@@ -88,13 +88,16 @@ run_step() {
     verl_resume8b)  # ... then the resume from its step-4 checkpoint (left in /tmp/qerl-out by verl_resume8a)
         step verl_resume8b 580 bash scripts/gpu/verl_grpo_tiny.sh resume --steps 8 --eager --out "$work/verl_resume8/verl_grpo_tiny" --override actor_rollout_ref.rollout.gpu_memory_utilization=0.15 ;;
     v7_pair_bg)  # the 7B end-to-end pair in the background (setsid: outlives the call while the machine stays warm):
-        # build the model if absent, then BF16-LoRA and NVFP4-LoRA back to back, verl's bypass mode, 5 steps each;
-        # RESP=512|2048 (response length), V7_ARGS more options (e.g. --ppo-micro 1); v7_watch follows it
-        step v7_pair_bg 30 bash -c 'r=${RESP:-512}; mkdir -p '"$work"'/verl_7b && rm -f '"$work"'/verl_7b/DONE-r$r &&
-            setsid nohup bash -c "bash scripts/gpu/verl_7b_memory_step.sh build bf16 nvfp4 summary --out '"$work"'/verl_7b --bypass --steps 5 --response $r --tag=-r$r --timeout 1500 ${V7_ARGS:-}; echo \$? > '"$work"'/verl_7b/DONE-r$r" >'"$work"'/verl_7b/pair-r$r.log 2>&1 </dev/null & echo "started the r$r pair"' ;;
-    v7_watch)  # wait for the background pair (RESP) to end or the call's time to run out; its log's tail and a pack
-        step v7_watch 580 bash -c 'r=${RESP:-512}; end=$((SECONDS + '"$((deadline - SECONDS - 40))"')); while [ ! -f '"$work"'/verl_7b/DONE-r$r ] && [ $SECONDS -lt $end ]; do sleep 15; done;
-            grep -h "\[verl_7b\]\|step:" '"$work"'/verl_7b/pair-r$r.log | cut -c1-300 | tail -n 12; ls '"$work"'/verl_7b; cat '"$work"'/verl_7b/DONE-r$r 2>/dev/null || echo "still running"' ;;
+        # build the model if absent, then BF16-LoRA and NVFP4-LoRA back to back, verl's bypass mode in both (the same
+        # actor loss); RESP=512|2048 (response length), STEPS (default 5), PHASES (default "build bf16 nvfp4 summary"),
+        # TAG (run-folder suffix, default -r$RESP), AFTER=<tag> (start once that tag's runs are done), V7_ARGS more
+        # options (e.g. --ppo-micro 1); v7_watch (same TAG) follows it
+        step v7_pair_bg 30 bash -c 'r=${RESP:-512}; t=${TAG:--r$r}; d='"$work"'/verl_7b; mkdir -p $d && rm -f $d/DONE$t &&
+            setsid nohup bash -c "while [ -n \"${AFTER:-}\" ] && [ ! -f $d/DONE${AFTER:-} ]; do sleep 5; done;
+                bash scripts/gpu/verl_7b_memory_step.sh ${PHASES:-build bf16 nvfp4 summary} --out $d --bypass --steps ${STEPS:-5} --response $r --tag=$t --timeout 1500 ${V7_ARGS:-}; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null & echo "started the $t runs${AFTER:+ (after $AFTER)}"' ;;
+    v7_watch)  # wait for the background runs (TAG, default -r$RESP) to end or the call's time to run out; their log's tail
+        step v7_watch 580 bash -c 'r=${RESP:-512}; t=${TAG:--r$r}; d='"$work"'/verl_7b; end=$((SECONDS + '"$((deadline - SECONDS - 40))"')); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
+            grep -h "\[verl_7b\]\|step:" $d/pair*.log | cut -c1-300 | tail -n 12; ls $d; cat $d/DONE$t 2>/dev/null || echo "still running"' ;;
     v7_build) step v7_build 400 bash scripts/gpu/verl_7b_memory_step.sh build --out "$work/verl_7b" ;;
     v7_nvfp4) step v7_nvfp4 580 bash scripts/gpu/verl_7b_memory_step.sh nvfp4 summary --out "$work/verl_7b" ${V7_ARGS:-} ;;
     v7_bf16) step v7_bf16 580 bash scripts/gpu/verl_7b_memory_step.sh bf16 summary --out "$work/verl_7b" ${V7_ARGS:-} ;;

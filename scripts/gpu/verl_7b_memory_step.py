@@ -145,6 +145,14 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
         overrides += ["algorithm.rollout_correction.bypass_mode=true"]
     if name == "bf16":
         overrides += ["actor_rollout_ref.rollout.quantization=null", "actor_rollout_ref.rollout.custom.qerl.aqn.enable=false"]
+        if args.bypass and not args.bf16_vanilla_loss:
+            # the actor loss qerl's normalisation gives the NVFP4 run (verl's bypass_mode loss with the
+            # rollout-correction block), set by hand here: with qerl off, verl 0.9.1 leaves the workers on 'vanilla'
+            overrides += [
+                "actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+                "+actor_rollout_ref.actor.policy_loss.rollout_correction={rollout_is:token,rollout_is_threshold:2.0,"
+                "bypass_mode:true,loss_type:ppo_clip}",
+            ]
     return overrides
 
 
@@ -216,6 +224,9 @@ def parser() -> argparse.ArgumentParser:
                    help="verl's entropy_from_logits_with_chunking + entropy_checkpointing (smaller logit peaks)")
     p.add_argument("--bypass", action="store_true",
                    help="algorithm.rollout_correction.bypass_mode=true for both runs (no old-log-prob pass)")
+    p.add_argument("--bf16-vanilla-loss", action="store_true",
+                   help="with --bypass, leave the BF16 run's actor loss on verl's 'vanilla' (as verl 0.9.1 does without "
+                        "qerl; the run of 2026-11-24 fifth session's first pair)")
     p.add_argument("--tag", default="", help="suffix of the run folders and result phases, e.g. -r2048")
     p.add_argument("--timeout", type=int, default=570)
     return p
