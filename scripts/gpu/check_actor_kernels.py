@@ -50,7 +50,7 @@ SHAPES_7B = {
 }
 SHAPES_QUICK = {"q_proj": (1024, 1024), "k_proj": (256, 1024), "gate_proj": (2816, 1024), "down_proj": (1024, 2816)}
 SHAPES_SMOKE = {"q_proj": (64, 128), "gate_proj": (96, 128)}
-STEPS = ("exact", "dequant", "layer", "model", "tune")
+STEPS = ("exact", "dequant", "layer", "model", "tune", "profile")
 DEFAULT_STEPS = ("exact", "dequant", "layer", "model")
 DEVICE = "cuda"  # --smoke-cpu: "cpu", with the Triton interpreter (checks this script's plumbing, times nothing)
 
@@ -330,6 +330,88 @@ def step_layer(rec: Recorder, shapes: dict, tokens_list: list[int], rank: int) -
         _empty_cache()
 
 
+def step_profile(rec: Recorder, layers: int, tokens: int, rank: int, out: Path) -> None:
+    """Where a LoRA forward+backward step's time goes, BF16 vs NVFP4 base: host time per call of one layer (tiny
+    input, so the host is the bound), then the model step under torch.profiler (CPU and CUDA): wall time, the sum
+    of GPU kernel time, and the top ops by host and by device time (tables in $OUT/profile_<variant>.txt)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+    from peft import LoraConfig, get_peft_model
+
+    from verl_ext.nvfp4_linear import NVFP4Linear
+    from verl_ext.nvfp4_replace import replace_linears_with_nvfp4
+
+    # host microcosts of one 3584 x 3584 layer at 16 tokens
+    w = (torch.randn(3584, 3584, device=DEVICE) * 0.02).to(torch.bfloat16)
+    dense = torch.nn.Linear(3584, 3584, bias=False, device=DEVICE, dtype=torch.bfloat16).requires_grad_(False)
+    quant = NVFP4Linear.from_weight(w, quant_dtype=None)
+    x = torch.randn(16, 3584, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    row = {"step": "profile", "case": "host_us_per_call"}
+    for label, layer in (("bf16", dense), ("nvfp4", quant)):
+        def fb():
+            layer(x).sum().backward()
+
+        def fwd_autocast():
+            with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+                layer(x)
+
+        with torch.no_grad():
+            row[f"{label}_fwd"] = round(launch_us(lambda: layer(x)), 1)
+        row[f"{label}_fwd_autocast"] = round(launch_us(fwd_autocast), 1)
+        row[f"{label}_fwd_bwd"] = round(launch_us(fb), 1)
+    from verl_ext import kernels
+    row["dequantize_call"] = round(launch_us(lambda: kernels.dequantize(quant.weight_packed, quant._buffers["weight_scale"],
+                                                                       quant.weight_global_scale)), 1)
+    rec.record(**row)
+    del w, dense, quant, x
+
+    cfg = _qwen2_7b_config(layers)
+    for variant in ("bf16", "nvfp4"):
+        _empty_cache()
+        with torch.device(DEVICE):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+        if variant == "nvfp4":
+            replace_linears_with_nvfp4(model, quant_dtype=None)
+        _empty_cache()
+        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        model.train()
+        ids = torch.randint(0, cfg.vocab_size, (1, tokens), device=DEVICE)
+
+        def train_step():
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        for _ in range(2):
+            train_step()
+        _sync()
+        mem0 = torch.cuda.memory_stats() if DEVICE == "cuda" else {}
+        t_plain = cuda_times_ms(train_step, warmup=0, iters=3)
+        mem1 = torch.cuda.memory_stats() if DEVICE == "cuda" else {}
+        # the caching allocator's own calls into the driver over those 3 steps (cudaMalloc / cudaFree) and retries
+        alloc = {k: mem1.get(k, 0) - mem0.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            train_step()
+            _sync()
+        wall = (time.perf_counter() - t0) * 1e3
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        kernels_n = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        tables = [events.table(sort_by="self_cpu_time_total", row_limit=30),
+                  events.table(sort_by="self_device_time_total", row_limit=30)]
+        (out / f"profile_{variant}.txt").write_text("\n\n".join(tables))
+        rec.record(step="profile", case=variant, tokens=tokens, layers=layers, profiled_wall_ms=round(wall, 1),
+                   gpu_kernel_ms=round(gpu_us / 1e3, 1), gpu_kernels=kernels_n,
+                   step_ms_unprofiled=[round(t, 1) for t in t_plain], allocator_calls_3_steps=alloc)
+        model = None
+        _empty_cache()
+
+
 def _qwen2_7b_config(layers: int):
     from transformers import Qwen2Config
 
@@ -508,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
                 step_model(rec, layers, model_tokens, args.rank)
             elif step == "tune":
                 step_tune(rec, shapes)
+            elif step == "profile":
+                step_profile(rec, layers, model_tokens, args.rank, Path(args.out))
         except Exception as exc:
             rec.log(traceback.format_exc())
             rec.record(step="error", failed=step, error=f"{type(exc).__name__}: {exc}"[:500])
