@@ -94,39 +94,15 @@ def saved_weight_bytes() -> int:
     return _KeptWeights.live
 
 
-SCRATCH_ENV = "QERL_DEQUANT_SCRATCH"
-_SCRATCH: dict[tuple, torch.Tensor] = {}
-
-
-def _use_scratch(packed: torch.Tensor) -> bool:
-    """``QERL_DEQUANT_SCRATCH=1`` (experimental, off by default): decode weights that are not kept for backward into
-    one reused buffer per (device, stream, shape, dtype) instead of a fresh allocation. Safe because the decoded
-    weight is read only by the next matmul, which the same stream runs before any later decode overwrites it."""
-    return packed.is_cuda and os.environ.get(SCRATCH_ENV, "0").strip() not in ("", "0")
-
-
-def _decode_into_scratch(packed, scale, gscale, dtype) -> torch.Tensor:
-    shape = (packed.shape[0], packed.shape[1] * 2)
-    key = (packed.device, torch.cuda.current_stream(packed.device).cuda_stream, shape, dtype)
-    buf = _SCRATCH.get(key)
-    if buf is None:
-        buf = _SCRATCH[key] = torch.empty(shape, dtype=dtype, device=packed.device)
-    return kernels.dequantize_nvfp4_triton(packed, scale, gscale, dtype, out=buf)
-
-
 class _NVFP4MatmulFn(torch.autograd.Function):
     """``y = x @ dequant(W).T + b``; no gradient for the base. The backward reuses the decoded weight when the
     budget allowed keeping it, else decodes it again."""
 
     @staticmethod
     def forward(ctx, x, packed, scale, gscale, bias):  # type: ignore[override]
-        keep = bool(ctx.needs_input_grad[0]) and saved_weight_budget() > 0
-        if keep or not _use_scratch(packed):
-            w = kernels.dequantize(packed, scale, gscale, dtype=x.dtype)
-        else:  # a transient weight: decode into the per-shape scratch buffer instead of a fresh allocation
-            w = _decode_into_scratch(packed, scale, gscale, x.dtype)
+        w = kernels.dequantize(packed, scale, gscale, dtype=x.dtype)
         y = F.linear(x, w, None if bias is None else bias.to(x.dtype))
-        ctx.kept_weight = keep and _KeptWeights.reserve(w, saved_weight_budget())
+        ctx.kept_weight = bool(ctx.needs_input_grad[0]) and _KeptWeights.reserve(w, saved_weight_budget())
         if ctx.kept_weight:
             ctx.save_for_backward(packed, scale, gscale, w)
         else:
@@ -145,10 +121,7 @@ class _NVFP4MatmulFn(torch.autograd.Function):
                 w = saved[3]
             else:
                 packed, scale, gscale = saved[:3]
-                if _use_scratch(packed):
-                    w = _decode_into_scratch(packed, scale, gscale, grad_out.dtype)
-                else:
-                    w = kernels.dequantize(packed, scale, gscale, dtype=grad_out.dtype)
+                w = kernels.dequantize(packed, scale, gscale, dtype=grad_out.dtype)
             grad_x = grad_out @ w.to(grad_out.dtype)  # [..., out] @ [out, in]
             del w
         del saved

@@ -367,10 +367,8 @@ def step_profile(rec: Recorder, layers: int, tokens: int, rank: int, out: Path) 
     del w, dense, quant, x
 
     cfg = _qwen2_7b_config(layers)
-    # nvfp4_scratch: decode into reused per-shape buffers, nothing kept for backward (QERL_DEQUANT_SCRATCH=1, budget 0)
-    for variant in ("bf16", "nvfp4", "nvfp4_scratch"):
-        _set_budget("0" if variant == "nvfp4_scratch" else "")
-        os.environ["QERL_DEQUANT_SCRATCH"] = "1" if variant == "nvfp4_scratch" else "0"
+    # (the fifth session's run at 88453c8 also had "nvfp4_scratch", an experiment since removed: docs/benchmarks.md §4e)
+    for variant in ("bf16", "nvfp4"):
         _empty_cache()
         with torch.device(DEVICE):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -413,8 +411,6 @@ def step_profile(rec: Recorder, layers: int, tokens: int, rank: int, out: Path) 
                    step_ms_unprofiled=[round(t, 1) for t in t_plain], allocator_calls_3_steps=alloc)
         model = None
         _empty_cache()
-    _set_budget("")
-    os.environ.pop("QERL_DEQUANT_SCRATCH", None)
 
 
 def _qwen2_7b_config(layers: int):
