@@ -276,7 +276,8 @@ def test_learning_names_why_a_run_failed(learning, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("extra", [[], ["--bypass", "--response", "2048", "--ppo-micro", "1", "--steps", "5"]])
+@pytest.mark.parametrize("extra", [[], ["--bypass", "--response", "2048", "--ppo-micro", "1", "--steps", "5"],
+                                   ["--bypass", "--max-token-len", "16384"]])
 def test_7b_pair_runs_pass_qerls_config_check(name, extra):
     """The 7B step-time pair (scripts/gpu/verl_7b_memory_step.py): each run's overrides compose through verl's Hydra
     config and pass qerl's checks; with --bypass both runs skip the old-log-prob pass (verl's bypass mode) and both
@@ -290,6 +291,9 @@ def test_7b_pair_runs_pass_qerls_config_check(name, extra):
     settings, _ = validate(cfg)
     assert settings.nvfp4 == (name == "nvfp4") and settings.aqn_enabled == (name == "nvfp4")
     assert cfg.data.max_response_length == args.response
+    actor = cfg.actor_rollout_ref.actor
+    assert (actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu if args.max_token_len else 0) == (
+        bool(args.max_token_len), args.max_token_len)
     bypass = "--bypass" in extra
     assert cfg.algorithm.rollout_correction.bypass_mode is bypass
     assert (cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "bypass_mode") is bypass

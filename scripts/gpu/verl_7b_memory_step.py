@@ -136,6 +136,11 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
         f"actor_rollout_ref.rollout.custom.qerl.aqn.num_stages={min(args.steps, 3)}",  # AQN on from step 2 (stage 0 is noise-free)
         "trainer.save_freq=-1",
     ]
+    if args.max_token_len:  # verl's dynamic micro-batches: up to this many tokens each (the example recipes' 16k)
+        overrides += [
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.max_token_len}",
+        ]
     if args.chunked_entropy:  # verl's own switches: entropy over the vocabulary in chunks, recomputed in backward
         overrides += [
             "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true",
@@ -186,7 +191,7 @@ def run(name: str, out: Path, args) -> dict:
     kv = [float(x) for x in re.findall(r"Available KV cache memory: ([0-9.]+) GiB", text)]
     rec = {
         "rc": rc,
-        "settings": {"ppo_micro": args.ppo_micro, "logprob_micro": args.logprob_micro,
+        "settings": {"ppo_micro": args.ppo_micro, "max_token_len": args.max_token_len, "logprob_micro": args.logprob_micro,
                      "chunked_entropy": args.chunked_entropy, "response": args.response, "gpu_mem": args.gpu_mem,
                      "bypass": args.bypass, "steps": args.steps},
         "step_s_each": {s: d.get("timing_s/step") for s, d in sorted(steps.items())},
@@ -220,6 +225,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem", type=float, default=0.5, help="rollout.gpu_memory_utilization (the same for both)")
     p.add_argument("--ppo-micro", type=int, default=4, help="actor.ppo_micro_batch_size_per_gpu")
     p.add_argument("--logprob-micro", type=int, default=8, help="rollout.log_prob_micro_batch_size_per_gpu")
+    p.add_argument("--max-token-len", type=int, default=0,
+                   help="actor.use_dynamic_bsz with ppo_max_token_len_per_gpu=N (0: fixed micro-batches of --ppo-micro)")
     p.add_argument("--chunked-entropy", action="store_true",
                    help="verl's entropy_from_logits_with_chunking + entropy_checkpointing (smaller logit peaks)")
     p.add_argument("--bypass", action="store_true",
