@@ -4,7 +4,9 @@ The base weight stays on the device as compressed-tensors' NVFP4 tensors (about 
 forward decodes a transient dense weight with :func:`verl_ext.kernels.dequantize` and runs one matmul, and
 the backward returns a gradient for the input only. The backward reuses the forward's decoded weight while the
 decoded weights kept for backward, all layers together, stay within a budget (``QERL_ACTOR_SAVED_WEIGHT_MIB``,
-default 1024 MiB; 0 keeps none); past it, it decodes the weight again. Under gradient checkpointing (verl's
+default 1024 MiB; 0 keeps none): then the forward is the decode and torch's own matmul, whose autograd keeps the
+weight and runs the backward without Python. Past the budget a custom autograd function keeps only the 4-bit
+buffers and decodes the weight again in backward. Under gradient checkpointing (verl's
 non-reentrant one) a kept weight lives only from a layer's recomputation to its backward, so the budget is one
 decoder layer's weights at a time and each layer is decoded twice per micro-batch instead of three times; without
 checkpointing the budget caps how many layers keep theirs. It subclasses ``nn.Linear`` (with
@@ -48,7 +50,7 @@ DEFAULT_SAVED_WEIGHT_MIB = 1024
 class _KeptWeights:
     """Bytes of decoded weights that forwards keep for their backward, alive right now (all layers together).
 
-    A kept weight is counted from its forward until the tensor is freed (its backward ran, or a checkpoint's
+    A kept weight is counted from its forward until its storage is freed (its backward ran, or a checkpoint's
     saved-tensor hook dropped it): a ``weakref.finalize`` returns its bytes. Backward runs on autograd's own
     thread, hence the lock.
     """
@@ -57,14 +59,18 @@ class _KeptWeights:
     live = 0
 
     @classmethod
-    def reserve(cls, w: torch.Tensor, budget: int) -> bool:
-        n = w.numel() * w.element_size()
+    def reserve(cls, n: int, budget: int) -> bool:
+        """Count ``n`` more bytes if the total stays within ``budget``; :meth:`attach` the tensor then."""
         with cls.lock:
             if cls.live + n > budget:
                 return False
             cls.live += n
-        weakref.finalize(w, cls.release, n)
         return True
+
+    @classmethod
+    def attach(cls, w: torch.Tensor, n: int) -> None:
+        # on the storage: autograd saves a transposed view of w, which outlives w's own tensor object
+        weakref.finalize(w.untyped_storage(), cls.release, n)
 
     @classmethod
     def release(cls, n: int) -> None:
@@ -95,36 +101,27 @@ def saved_weight_bytes() -> int:
 
 
 class _NVFP4MatmulFn(torch.autograd.Function):
-    """``y = x @ dequant(W).T + b``; no gradient for the base. The backward reuses the decoded weight when the
-    budget allowed keeping it, else decodes it again."""
+    """``y = x @ dequant(W).T + b`` that saves only the 4-bit buffers and decodes the weight again in backward (for
+    the input gradient only): the path past the kept-weight budget."""
 
     @staticmethod
     def forward(ctx, x, packed, scale, gscale, bias):  # type: ignore[override]
         w = kernels.dequantize(packed, scale, gscale, dtype=x.dtype)
         y = F.linear(x, w, None if bias is None else bias.to(x.dtype))
-        ctx.kept_weight = bool(ctx.needs_input_grad[0]) and _KeptWeights.reserve(w, saved_weight_budget())
-        if ctx.kept_weight:
-            ctx.save_for_backward(packed, scale, gscale, w)
-        else:
-            ctx.save_for_backward(packed, scale, gscale)  # the 4-bit buffers themselves: no extra memory
         del w
+        ctx.save_for_backward(packed, scale, gscale)  # the 4-bit buffers themselves: no extra memory
         ctx.bias_needs_grad = bias is not None and ctx.needs_input_grad[4]
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        saved = ctx.saved_tensors
+        packed, scale, gscale = ctx.saved_tensors
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            if ctx.kept_weight:
-                w = saved[3]
-            else:
-                packed, scale, gscale = saved[:3]
-                w = kernels.dequantize(packed, scale, gscale, dtype=grad_out.dtype)
-            grad_x = grad_out @ w.to(grad_out.dtype)  # [..., out] @ [out, in]
+            w = kernels.dequantize(packed, scale, gscale, dtype=grad_out.dtype)
+            grad_x = grad_out @ w  # [..., out] @ [out, in]
             del w
-        del saved
         if ctx.bias_needs_grad:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0).to(ctx.bias_dtype)
         return grad_x, None, None, None, grad_bias
@@ -349,7 +346,19 @@ class NVFP4Linear(nn.Linear):
             # compute in the autocast dtype: the weight is decoded in x's dtype, so the matmul's own autocast cast is
             # a no-op (cheaper on the host than leaving autocast around the call)
             x = x.to(torch.get_autocast_dtype(device_type))
-        return _NVFP4MatmulFn.apply(x, self.weight_packed, self._scale_bytes(), self.weight_global_scale, self.bias)
+        packed, scale, gscale = self.weight_packed, self._scale_bytes(), self.weight_global_scale
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if torch.is_grad_enabled() and x.requires_grad:
+            # the input gradient needs the weight: keep the decoded one (autograd's own matmul saves it) while the
+            # budget allows, else the 4-bit buffers only and a second decode in backward
+            n = self.out_features * self.in_features * x.element_size()
+            if not _KeptWeights.reserve(n, saved_weight_budget()):
+                return _NVFP4MatmulFn.apply(x, packed, scale, gscale, self.bias)
+            w = kernels.dequantize(packed, scale, gscale, dtype=x.dtype)
+            _KeptWeights.attach(w, n)
+            return F.linear(x, w, bias)
+        # no gradient through the weight (no_grad, or a frozen input): decode and multiply, no autograd function
+        return F.linear(x, kernels.dequantize(packed, scale, gscale, dtype=x.dtype), bias)
 
     def _scale_bytes(self) -> torch.Tensor:
         s = self._buffers["weight_scale"]
