@@ -27,6 +27,7 @@ _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BLOCK_R = 16
 BLOCK_G = 16
 NUM_WARPS = 4
+_WIDE_FROM = 2**31  # tensors from this many elements/words on use 64-bit offsets (tests lower it to cover that path)
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
     import triton
@@ -202,7 +203,8 @@ def dequantize_nvfp4_triton(
     n_groups = cols // GROUP_SIZE
     # plain integer ceil-division: triton.cdiv goes through Triton's constexpr-function machinery (~5 µs a call)
     grid = (-(-rows // BLOCK_R), -(-n_groups // BLOCK_G))
-    wide = max(packed.numel(), words.numel(), scale_bytes.numel(), packed.stride(0) * rows, words.stride(0) * rows) >= 2**31
+    wide = max(packed.numel(), words.numel(), scale_bytes.numel(), packed.stride(0) * rows,
+               words.stride(0) * rows) >= _WIDE_FROM
     _nvfp4_dequant_kernel[grid](
         packed,
         scale_bytes,

@@ -50,6 +50,14 @@ KERNEL_CHECK = textwrap.dedent(
     a = kernels.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16, backend="triton")
     if not torch.equal(a.view(torch.int16), q.dequantize(torch.bfloat16).view(torch.int16)):
         bad.append("quantized weight")
+    # the 64-bit-offset variant (tensors of 2**31 words and more), forced on small inputs: the same bits
+    kernels._WIDE_FROM = 0
+    for dt in (torch.float32, torch.bfloat16):
+        a = kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, dt)
+        iv = torch.int32 if dt == torch.float32 else torch.int16
+        if not torch.equal(a.view(iv), q.dequantize(dt).view(iv)):
+            bad.append("64-bit offsets " + str(dt))
+    kernels._WIDE_FROM = 2**31
     # into a caller's buffer (reused scratch), and a buffer that starts at an odd element is refused
     buf = torch.full((48, 160), 7.0, dtype=torch.bfloat16)
     kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, torch.bfloat16, out=buf)
