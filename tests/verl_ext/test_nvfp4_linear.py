@@ -374,3 +374,24 @@ def test_gpu_forward_backward():
     wd = w.cuda().double()
     torch.testing.assert_close(y.double(), x.detach().double() @ wd.T + b.cuda().double(), rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(x.grad.double(), g.double() @ wd, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_kept_and_decode_again_paths_agree_with_bias_and_3d_inputs(monkeypatch, autocast):
+    """The two backward paths (autograd's own matmul keeping the decoded weight; the custom function decoding again)
+    give the same output and the same input and bias gradients, for [B, T, in] inputs, fp32 and bf16 autocast."""
+    layer, _, _ = make_layer(out_f=48, in_f=64, bias=True)
+    layer.bias.requires_grad_(True)
+    x0 = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))
+    results = []
+    for budget in ("", "0"):
+        monkeypatch.setenv(nvfp4_linear.SAVED_WEIGHT_ENV, budget)
+        x = x0.clone().requires_grad_(True)
+        layer.bias.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(x)
+        y.float().square().sum().backward()
+        results.append((y.detach(), x.grad, layer.bias.grad))
+    assert results[0][0].dtype == (torch.bfloat16 if autocast else torch.float32)
+    for kept, again in zip(*results):
+        torch.testing.assert_close(kept, again, rtol=0, atol=0)
