@@ -347,18 +347,21 @@ class NVFP4Linear(nn.Linear):
             # a no-op (cheaper on the host than leaving autocast around the call)
             x = x.to(torch.get_autocast_dtype(device_type))
         packed, scale, gscale = self.weight_packed, self._scale_bytes(), self.weight_global_scale
-        bias = None if self.bias is None else self.bias.to(x.dtype)
         if torch.is_grad_enabled() and x.requires_grad:
             # the input gradient needs the weight: keep the decoded one (autograd's own matmul saves it) while the
             # budget allows, else the 4-bit buffers only and a second decode in backward
             n = self.out_features * self.in_features * x.element_size()
             if not _KeptWeights.reserve(n, saved_weight_budget()):
                 return _NVFP4MatmulFn.apply(x, packed, scale, gscale, self.bias)
-            w = kernels.dequantize(packed, scale, gscale, dtype=x.dtype)
+            try:
+                w = kernels.dequantize(packed, scale, gscale, dtype=x.dtype)
+            except BaseException:
+                _KeptWeights.release(n)  # nothing was kept: the budget must not shrink
+                raise
             _KeptWeights.attach(w, n)
-            return F.linear(x, w, bias)
-        # no gradient through the weight (no_grad, or a frozen input): decode and multiply, no autograd function
-        return F.linear(x, kernels.dequantize(packed, scale, gscale, dtype=x.dtype), bias)
+        else:  # no gradient through the weight (no_grad, or a frozen input): decode and multiply, nothing kept
+            w = kernels.dequantize(packed, scale, gscale, dtype=x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     def _scale_bytes(self) -> torch.Tensor:
         s = self._buffers["weight_scale"]

@@ -395,3 +395,15 @@ def test_kept_and_decode_again_paths_agree_with_bias_and_3d_inputs(monkeypatch, 
     assert results[0][0].dtype == (torch.bfloat16 if autocast else torch.float32)
     for kept, again in zip(*results):
         torch.testing.assert_close(kept, again, rtol=0, atol=0)
+
+
+def test_a_failed_decode_keeps_no_bytes_reserved(monkeypatch):
+    """A decode that raises (here: an FP8 scale buffer of the wrong shape) leaves the kept-byte count as it was, so
+    later layers still get the whole budget."""
+    monkeypatch.setenv(nvfp4_linear.SAVED_WEIGHT_ENV, "")
+    layer, _, _ = make_layer()
+    layer._buffers["weight_scale"] = torch.zeros(layer.out_features, layer.in_features // 16 + 1, dtype=torch.uint8)
+    before = nvfp4_linear.saved_weight_bytes()
+    with pytest.raises(NVFP4Error, match="weight_scale has shape"):
+        layer(torch.randn(2, 64, requires_grad=True))
+    assert nvfp4_linear.saved_weight_bytes() == before
