@@ -330,17 +330,55 @@ def step_layer(rec: Recorder, shapes: dict, tokens_list: list[int], rank: int) -
         _empty_cache()
 
 
+def _lora_model(cfg, nvfp4: bool, rank: int, row: dict | None = None):
+    """A model of ``cfg`` built on the device in bf16 (random weights), its linears NVFP4 when ``nvfp4``, PEFT LoRA
+    on all linears, non-reentrant gradient checkpointing (as verl), in train mode; build facts go into ``row``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from verl_ext.nvfp4_replace import replace_linears_with_nvfp4
+
+    row = {} if row is None else row
+    t0 = time.time()
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    row["build_s"] = round(time.time() - t0, 1)
+    if nvfp4:
+        t1 = time.time()
+        report = replace_linears_with_nvfp4(model, quant_dtype=None)
+        row["quantize_s"] = round(time.time() - t1, 1)
+        row["replaced"] = len(report.replaced)
+    _empty_cache()
+    row["weights_GiB"] = round(_allocated() / 2**30, 3)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    model.train()
+    return model
+
+
+def _train_step(model, ids):
+    """One LoRA forward + backward on ``ids`` under bf16 autocast (labels = inputs), gradients dropped."""
+    import torch
+
+    def train_step():
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return train_step
+
+
 def step_profile(rec: Recorder, layers: int, tokens: int, rank: int, out: Path) -> None:
     """Where a LoRA forward+backward step's time goes, BF16 vs NVFP4 base: host time per call of one layer (tiny
     input, so the host is the bound), then the model step under torch.profiler (CPU and CUDA): wall time, the sum
     of GPU kernel time, and the top ops by host and by device time (tables in $OUT/profile_<variant>.txt)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from transformers import AutoModelForCausalLM
-    from peft import LoraConfig, get_peft_model
 
     from verl_ext.nvfp4_linear import NVFP4Linear
-    from verl_ext.nvfp4_replace import replace_linears_with_nvfp4
 
     # host microcosts of one 3584 x 3584 layer at 16 tokens
     w = (torch.randn(3584, 3584, device=DEVICE) * 0.02).to(torch.bfloat16)
@@ -370,23 +408,8 @@ def step_profile(rec: Recorder, layers: int, tokens: int, rank: int, out: Path) 
     # (the fifth session's run at 88453c8 also had "nvfp4_scratch", an experiment since removed: docs/benchmarks.md §4e)
     for variant in ("bf16", "nvfp4"):
         _empty_cache()
-        with torch.device(DEVICE):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-        if variant != "bf16":
-            replace_linears_with_nvfp4(model, quant_dtype=None)
-        _empty_cache()
-        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-        model.train()
-        ids = torch.randint(0, cfg.vocab_size, (1, tokens), device=DEVICE)
-
-        def train_step():
-            with torch.autocast(DEVICE, dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-
+        model = _lora_model(cfg, variant == "nvfp4", rank)
+        train_step = _train_step(model, torch.randint(0, cfg.vocab_size, (1, tokens), device=DEVICE))
         for _ in range(2):
             train_step()
         _sync()
@@ -428,14 +451,12 @@ def _qwen2_7b_config(layers: int):
 
 def step_model(rec: Recorder, layers: int, tokens: int, rank: int) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
 
     try:
-        from peft import LoraConfig, get_peft_model
+        import peft  # noqa: F401  (the LoRA wrapper of _lora_model)
     except ImportError as exc:
         rec.record(step="model", error=f"peft not importable: {exc}")
         return
-    from verl_ext.nvfp4_replace import replace_linears_with_nvfp4
 
     cfg = _qwen2_7b_config(layers)
     for variant in ("bf16", "nvfp4", "nvfp4_redecode"):
@@ -443,32 +464,12 @@ def step_model(rec: Recorder, layers: int, tokens: int, rank: int) -> None:
         _empty_cache()
         _reset_peak()
         row = {"step": "model", "case": variant, "layers": layers, "tokens": tokens, "rank": rank}
-        t0 = time.time()
         try:
-            with torch.device(DEVICE):
-                model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-            row["build_s"] = round(time.time() - t0, 1)
-            if variant != "bf16":
-                t1 = time.time()
-                report = replace_linears_with_nvfp4(model, quant_dtype=None)
-                row["quantize_s"] = round(time.time() - t1, 1)
-                row["replaced"] = len(report.replaced)
-            _empty_cache()
-            row["weights_GiB"] = round(_allocated() / 2**30, 3)
-            model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.enable_input_require_grads()
-            model.train()
+            model = _lora_model(cfg, variant != "bf16", rank, row)
             ids = torch.randint(0, cfg.vocab_size, (1, tokens), device=DEVICE)
             _reset_peak()
             start = _allocated()
-
-            def train_step():
-                with torch.autocast(DEVICE, dtype=torch.bfloat16):
-                    loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                model.zero_grad(set_to_none=True)
-
+            train_step = _train_step(model, ids)
             times = cuda_times_ms(train_step, warmup=1, iters=5)
             row["step_ms"] = round(statistics.median(times), 1)
             row["step_ms_all"] = [round(t, 1) for t in times]

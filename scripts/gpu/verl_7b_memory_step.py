@@ -110,6 +110,11 @@ class SmiPeak:
         self._t.join(timeout=10)
 
 
+def phase_key(name: str, tag: str) -> str:
+    """The results key (and run folder) of a phase: the runs carry --tag, build and summary do not."""
+    return name + tag if name in ("bf16", "nvfp4") else name
+
+
 def overrides_for(name: str, out: Path, args) -> list[str]:
     """The main_ppo overrides of one run ("bf16" or "nvfp4") on the tiny example config."""
     model, data = out / "model", out / "data"
@@ -165,7 +170,7 @@ def run(name: str, out: Path, args) -> dict:
     if not (out / "model" / "config.json").exists():
         return {"problems": ["no model: run the build phase first"]}
     overrides = overrides_for(name, out, args)
-    run_name = name + args.tag
+    run_name = phase_key(name, args.tag)
     (out / run_name).mkdir(parents=True, exist_ok=True)
     with SmiPeak(out / run_name / "smi.csv") as smi:
         rc, text, res = tiny.run_verl(run_name, out, out, overrides, args.timeout, eager=False)
@@ -257,7 +262,7 @@ def main() -> int:
             rec = build(out) if name == "build" else run(name, out, args)
         except Exception as e:
             rec = {"problems": [f"{type(e).__name__}: {e}"]}
-        rec = {"phase": name + (args.tag if name in ("bf16", "nvfp4") else ""), **rec}
+        rec = {"phase": phase_key(name, args.tag), **rec}
         with open(results_file, "a") as fh:
             fh.write(json.dumps(rec) + "\n")
         log(json.dumps(rec))
@@ -271,7 +276,7 @@ def main() -> int:
             "device_peak_used_gb", "vllm_weights_gib", "vllm_kv_cache_gib")  # fmt: skip
     print("\n" + "=" * 110)
     print(f"{'run':6} " + " ".join(f"{c:>16}" for c in cols))
-    for name in ("bf16" + args.tag, "nvfp4" + args.tag):
+    for name in (phase_key("bf16", args.tag), phase_key("nvfp4", args.tag)):
         r = latest.get(name)
         if r:
             print(f"{name:6} " + " ".join(f"{str(r.get(c, '-')):>16}" for c in cols))
@@ -282,8 +287,7 @@ def main() -> int:
     if "build" in latest:
         print(f"model: {latest['build']}")
     print(f"results: {results_file}")
-    ran = [latest[n + (args.tag if n in ("bf16", "nvfp4") else "")] for n in args.phases
-           if n + (args.tag if n in ("bf16", "nvfp4") else "") in latest]
+    ran = [latest[phase_key(n, args.tag)] for n in args.phases if phase_key(n, args.tag) in latest]
     return 0 if all(not r.get("problems") for r in ran) else 1
 
 
