@@ -68,6 +68,7 @@ run_step() {
     lora) step lora 420 python3 scripts/gpu/check_lora_correctness.py ;;
     actor) step actor 240 python3 scripts/gpu/check_actor_kernels.py --quick ;;
     actor_full) step actor_full 420 python3 scripts/gpu/check_actor_kernels.py ;;
+    actor_model) step actor_model 300 python3 scripts/gpu/check_actor_kernels.py --steps model --model-tokens ${TOKENS:-4096} ;;
     actor_profile) step actor_profile 300 python3 scripts/gpu/check_actor_kernels.py --steps profile --model-tokens ${TOKENS:-2560} ;;
     actor_tune) step actor_tune 300 python3 scripts/gpu/check_actor_kernels.py --steps tune,dequant,model ;;
     gputests) step gputests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
