@@ -305,3 +305,247 @@ def test_7b_pair_runs_pass_qerls_config_check(name, extra):
         args = v7.parser().parse_args(["bf16", *extra, "--bf16-vanilla-loss"])
         cfg = compose(ROOT / "examples" / "tiny" / "config.yaml", v7.overrides_for(name, Path("/tmp/qerl-7b"), args))
         assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the 32B shape: checkpoints written directly (scripts/gpu/random_checkpoint.py) and the runs' overrides
+
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=320, tie_word_embeddings=False, max_position_embeddings=256, rope_theta=1_000_000.0,
+                  rms_norm_eps=1e-6)
+
+
+@pytest.fixture(scope="module")
+def rc():
+    return _import_script("random_checkpoint")
+
+
+@pytest.fixture(scope="module")
+def v7():
+    return _import_script("verl_7b_memory_step")
+
+
+def _tiny_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**TINY_SHAPE, architectures=["Qwen2ForCausalLM"], dtype="bfloat16")
+
+
+def _bytes(t):
+    import torch
+
+    return t.contiguous().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def test_32b_shape_is_qwen25_32b(v7):
+    s = v7.QWEN25_32B
+    assert (s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["num_attention_heads"],
+            s["num_key_value_heads"], s["vocab_size"], s["tie_word_embeddings"]) == (5120, 64, 27648, 40, 8, 152064, False)
+    assert v7.MODEL_SHAPES["7B"] is v7.QWEN25_7B
+
+
+def test_direct_nvfp4_checkpoint_is_what_qerl_quantize_writes(rc, tmp_path):
+    """The 32B build's NVFP4 writer, at a tiny size on the CPU: the same tensors (names, dtypes, bytes) and the same
+    config.json as `qerl quantize` of the BF16 checkpoint holding the same random values; verl_ext sees an NVFP4
+    checkpoint and loads it into a model built from its config with nothing left on the meta device."""
+    import torch
+    from accelerate import init_empty_weights
+    from helpers import read_safetensors_dir
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qerl_plugin.quantize import quantize_checkpoint
+    from verl_ext.nvfp4_checkpoint import load_nvfp4_checkpoint_into
+    from verl_ext.nvfp4_replace import replace_linears_with_nvfp4
+    from verl_ext.settings import checkpoint_quantization
+
+    cfg = _tiny_config()
+    quiet = lambda m: None  # noqa: E731
+    rc.write_checkpoint(tmp_path / "bf16", cfg, "bf16", seed=3, device="cpu", log=quiet)
+    info = rc.write_checkpoint(tmp_path / "nvfp4", cfg, "nvfp4", seed=3, device="cpu", max_shard_size=20_000, log=quiet)
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "ref", progress=False, log=quiet)
+
+    got, want = read_safetensors_dir(tmp_path / "nvfp4"), read_safetensors_dir(tmp_path / "ref")
+    assert sorted(got) == sorted(want) and len(got) == 14 * 3 + 2 * (2 + 3) + 3  # 14 NVFP4 triples, norms, biases, ...
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        assert torch.equal(_bytes(got[k]), _bytes(want[k])), k
+    assert got["model.layers.0.self_attn.q_proj.weight_global_scale"] == got["model.layers.0.self_attn.v_proj.weight_global_scale"]
+    assert got["lm_head.weight"].dtype == torch.bfloat16 and got["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert (tmp_path / "nvfp4" / "config.json").read_text() == (tmp_path / "ref" / "config.json").read_text()
+    assert json.loads((tmp_path / "nvfp4" / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head"]
+
+    # shards and their index: every tensor in the file the index names, no shard past the limit (+ its header)
+    index = json.loads((tmp_path / "nvfp4" / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in (tmp_path / "nvfp4").glob("*.safetensors"))
+    assert info["files"] == len(files) > 1 and set(index["weight_map"]) == set(got) and set(index["weight_map"].values()) == set(files)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in got.values())
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(tmp_path / "nvfp4" / f), framework="pt") as fh:
+            keys = set(fh.keys())
+        assert keys == {k for k, v in index["weight_map"].items() if v == f}
+        assert sum(got[k].numel() * got[k].element_size() for k in keys) <= 20_000 or len(keys) <= 3
+
+    assert checkpoint_quantization(str(tmp_path / "nvfp4")) == "nvfp4"
+    assert checkpoint_quantization(str(tmp_path / "bf16")) == "bf16"
+
+    # the actor's build (verl_ext.actor.build_from_nvfp4_checkpoint): a meta model from the config, the bytes loaded
+    hf = AutoConfig.from_pretrained(tmp_path / "nvfp4")
+    del hf.quantization_config
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
+    report = load_nvfp4_checkpoint_into(model, tmp_path / "nvfp4", device="cpu")
+    assert len(report.replaced) == 14 and report.meta_left == []
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    # and it is the model the BF16 checkpoint gives once its projections are quantized as vLLM does
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    replace_linears_with_nvfp4(dense)
+    ids = torch.randint(0, 259, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, dense(input_ids=ids).logits)
+
+
+def _read_header(path):
+    import struct
+
+    raw = Path(path).read_bytes()[:8]
+    (n,) = struct.unpack("<Q", raw)
+    with open(path, "rb") as f:
+        f.seek(8)
+        text = f.read(n)
+    return n, text
+
+
+def test_zero_safetensors_file_follows_the_format(rc, tmp_path):
+    """write_zero_safetensors: safetensors' layout (u64 LE header length, JSON header with dtype/shape/data_offsets,
+    padded with spaces to 8 bytes, contiguous offsets to the end of the file), read back by safe_open as zeros."""
+    import torch
+    from safetensors import safe_open
+
+    specs = [rc.TensorSpec("a.weight", (3, 5), "normal"), rc.TensorSpec("b", (7,), "normal"), rc.TensorSpec("c", (2, 2, 2), "ones")]
+    path = tmp_path / "z.safetensors"
+    n_data = rc.write_zero_safetensors(path, specs)
+    assert n_data == 2 * (15 + 7 + 8)
+    n, text = _read_header(path)
+    assert (8 + n) % 8 == 0 and n % 8 == 0
+    body = text.rstrip(b" ")  # the JSON object, then fewer than 8 spaces of padding
+    assert body.endswith(b"}") and len(text) - len(body) < 8
+    header = json.loads(body.decode("utf-8"))
+    assert header.pop("__metadata__") == {"format": "pt"}
+    offsets = sorted(tuple(h["data_offsets"]) for h in header.values())
+    assert offsets[0][0] == 0 and all(a[1] == b[0] for a, b in zip(offsets, offsets[1:]))
+    assert path.stat().st_size == 8 + n + offsets[-1][1]
+    assert {k: (h["dtype"], h["shape"]) for k, h in header.items()} == {
+        "a.weight": ("BF16", [3, 5]), "b": ("BF16", [7]), "c": ("BF16", [2, 2, 2])}
+    with safe_open(str(path), framework="pt") as fh:
+        for s in specs:
+            t = fh.get_tensor(s.name)
+            assert t.dtype == torch.bfloat16 and tuple(t.shape) == s.shape and not t.any()
+
+
+def test_sparse_bf16_checkpoint_loads_as_zeros_and_takes_no_disk(rc, tmp_path):
+    """The 32B BF16 run's checkpoint at a tiny size: transformers loads it; the matrices are zeros, the norms ones, the
+    biases zeros; the matrices' shards are holes (their allocated blocks far below their size)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl_ext.settings import checkpoint_quantization
+
+    if not rc.sparse_files_supported(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} does not keep holes in files (no sparse files)")
+    cfg = _tiny_config()
+    dst = tmp_path / "sparse"
+    rc.write_checkpoint(dst, cfg, "bf16_sparse", device="cpu", max_shard_size=100_000, log=lambda m: None)
+    assert checkpoint_quantization(str(dst)) == "bf16"
+    assert "quantization_config" not in json.loads((dst / "config.json").read_text())
+    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    files = sorted(set(index.values()))
+    assert len(files) >= 3 and files[0] == "model-00001-of-%05d.safetensors" % len(files)
+    first = {k for k, f in index.items() if f == files[0]}
+    assert first == {k for k in index if k.endswith(("norm.weight", ".bias"))}  # the small tensors, written for real
+    for f in files[1:]:
+        size, disk = (dst / f).stat().st_size, rc.allocated_bytes(dst / f)
+        assert size > 30_000 and disk <= size // 4, (f, size, disk)
+
+    model = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.bfloat16)
+    sd = model.state_dict()
+    assert set(index) <= set(sd)
+    for k, v in sd.items():
+        if k not in index:
+            continue
+        if k.endswith("norm.weight"):
+            assert torch.equal(v, torch.ones_like(v)), k
+        else:
+            assert v.dtype == torch.bfloat16 and not v.any(), k
+    assert model.lm_head.weight.shape == (320, 64)
+
+
+def test_32b_build_writes_both_checkpoints_once_and_the_runs_use_them(v7, tmp_path, monkeypatch):
+    """The build phase of --shape 32B (at a tiny size, on the CPU): model_nvfp4/ (NVFP4), model_bf16_sparse/ (BF16) and
+    the data; a second build keeps them. Each run's overrides compose through verl's Hydra config and pass qerl's
+    checks: the nvfp4 run on the NVFP4 checkpoint, the bf16 run on the sparse one; --param-offload and
+    --bf16-gpu-mem land where verl reads them."""
+    from verl_ext.config import compose, validate
+    from verl_ext.settings import checkpoint_quantization
+
+    monkeypatch.setitem(v7.MODEL_SHAPES, "32B", TINY_SHAPE)
+    out = tmp_path / "verl_32b"
+    rec = v7.build(out, "32B")
+    assert rec["shape"] == "32B" and "nvfp4_write_s" in rec and "bf16_sparse_write_s" in rec
+    assert checkpoint_quantization(str(out / "model_nvfp4")) == "nvfp4"
+    assert checkpoint_quantization(str(out / "model_bf16_sparse")) == "bf16"
+    assert (out / "model_nvfp4" / "tokenizer.json").exists() and (out / "model_bf16_sparse" / "generation_config.json").exists()
+    assert (out / "data" / "train.parquet").exists() and not (out / "model").exists()
+    stamp = (out / "model_nvfp4" / "config.json").stat().st_mtime_ns
+    again = v7.build(out, "32B")
+    assert "nvfp4_write_s" not in again and (out / "model_nvfp4" / "config.json").stat().st_mtime_ns == stamp
+
+    args = v7.parser().parse_args(["bf16", "--shape", "32B", "--bypass", "--param-offload", "--gpu-mem", "0.4",
+                                   "--bf16-gpu-mem", "0.85"])
+    for name, path, mem in (("nvfp4", out / "model_nvfp4", 0.4), ("bf16", out / "model_bf16_sparse", 0.85)):
+        overrides = v7.overrides_for(name, out, args)
+        cfg = compose(ROOT / "examples" / "tiny" / "config.yaml", overrides)
+        settings, _ = validate(cfg)
+        assert settings.nvfp4 == (name == "nvfp4") and settings.aqn_enabled == (name == "nvfp4")
+        assert cfg.actor_rollout_ref.model.path == str(path)
+        if name == "nvfp4":
+            assert settings.model_quant == "nvfp4" and settings.nvfp4_checkpoint  # the actor is built from the 4-bit bytes
+        fsdp = cfg.actor_rollout_ref.actor.fsdp_config
+        assert fsdp.param_offload is True and fsdp.optimizer_offload is True
+        assert cfg.actor_rollout_ref.rollout.gpu_memory_utilization == mem == v7.rollout_gpu_mem(name, args)
+        assert cfg.actor_rollout_ref.model.lora_rank == 32 and cfg.data.max_prompt_length == 512
+
+    # the "no model" check looks at the run's own folder
+    (out / "model_bf16_sparse" / "config.json").rename(out / "model_bf16_sparse" / "config.off")
+    assert v7.run("bf16", out, args) == {"problems": ["no model: run the build phase first"]}
+    args7 = v7.parser().parse_args(["nvfp4"])
+    assert v7.run("nvfp4", out, args7) == {"problems": ["no model: run the build phase first"]}  # 7B: out/model
+
+
+def test_7b_runs_are_unchanged_by_the_32b_options(v7, monkeypatch):
+    """Without the new options the 7B runs train on model/ with --gpu-mem and no offload; the default folder stays
+    $OUT/verl_7b."""
+    monkeypatch.setenv("OUT", "/tmp/o")
+    args = v7.parser().parse_args([])
+    assert (args.shape, args.out, args.bf16_gpu_mem, args.param_offload) == ("7B", None, None, False)
+    assert v7.default_out("7B") == Path("/tmp/o/verl_7b") and v7.default_out("32B") == Path("/tmp/o/verl_32b")
+    for name in ("bf16", "nvfp4"):
+        ov = v7.overrides_for(name, Path("/x"), args)
+        assert "actor_rollout_ref.model.path=/x/model" in ov and "actor_rollout_ref.rollout.gpu_memory_utilization=0.5" in ov
+        assert not [o for o in ov if "offload" in o]
+    args = v7.parser().parse_args(["--bf16-gpu-mem", "0.7"])
+    assert "actor_rollout_ref.rollout.gpu_memory_utilization=0.7" in v7.overrides_for("bf16", Path("/x"), args)
+    assert "actor_rollout_ref.rollout.gpu_memory_utilization=0.5" in v7.overrides_for("nvfp4", Path("/x"), args)
+
+
+def test_v7_session_steps_take_the_shape():
+    """session.sh: v7_pair_bg, v7_watch, v7_build (and v7_nvfp4/v7_bf16) pass --shape and use $work/verl_<shape>."""
+    text = (GPU / "session.sh").read_text()
+    assert 'v7_shape=${SHAPE:-7B}' in text and 'v7_dir="$work/verl_${v7_shape,,}"' in text
+    steps = {m.group(1): m.group(2) for m in re.finditer(r"^    (v7_\w+)\)(.*?);;", text, flags=re.M | re.S)}
+    assert set(steps) >= {"v7_pair_bg", "v7_watch", "v7_build", "v7_nvfp4", "v7_bf16"}
+    assert "--shape $s --out $d" in steps["v7_pair_bg"] and "d='\"$work\"'/verl_${s,,}" in steps["v7_pair_bg"]
+    assert "d='\"$work\"'/verl_${s,,}" in steps["v7_watch"]
+    for name in ("v7_build", "v7_nvfp4", "v7_bf16"):
+        assert '--shape "$v7_shape" --out "$v7_dir"' in steps[name], name

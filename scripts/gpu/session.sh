@@ -36,6 +36,9 @@ BIG="--override actor_rollout_ref.actor.ppo_max_token_len_per_gpu=65536 --overri
 # Steps that reproduce runs made before the demo's config switched to verl's bypass mode (2026-11-24, fourth session)
 DECOUPLED="--override algorithm.rollout_correction.bypass_mode=false"
 STUDY_T1="$DECOUPLED --override actor_rollout_ref.rollout.temperature=1.0 --override trainer.total_training_steps=40 --override trainer.save_freq=40"
+# The v7_* steps' model shape, SHAPE=7B|32B (default 7B), and its folder: $work/verl_7b or $work/verl_32b
+v7_shape=${SHAPE:-7B}
+v7_dir="$work/verl_${v7_shape,,}"
 
 step() {  # step NAME LIMIT_S CMD...
     local name=$1 limit=$2
@@ -94,16 +97,18 @@ run_step() {
         # build the model if absent, then BF16-LoRA and NVFP4-LoRA back to back, verl's bypass mode in both (the same
         # actor loss); RESP=512|2048 (response length), STEPS (default 5), PHASES (default "build bf16 nvfp4 summary"),
         # TAG (run-folder suffix, default -r$RESP), AFTER=<tag> (start once that tag's runs are done), V7_ARGS more
-        # options (e.g. --ppo-micro 1); v7_watch (same TAG) follows it
-        step v7_pair_bg 30 bash -c 'r=${RESP:-512}; t=${TAG:--r$r}; d='"$work"'/verl_7b; mkdir -p $d && rm -f $d/DONE$t &&
+        # options (e.g. --ppo-micro 1; for 32B e.g. --param-offload --bf16-gpu-mem 0.9), SHAPE=7B|32B (default 7B;
+        # folder $work/verl_7b or $work/verl_32b); v7_watch (same TAG and SHAPE) follows it
+        step v7_pair_bg 30 bash -c 's=${SHAPE:-7B}; r=${RESP:-512}; t=${TAG:--r$r}; d='"$work"'/verl_${s,,}; mkdir -p $d && rm -f $d/DONE$t &&
             setsid nohup bash -c "while [ -n \"${AFTER:-}\" ] && [ ! -f $d/DONE${AFTER:-} ]; do sleep 5; done;
-                bash scripts/gpu/verl_7b_memory_step.sh ${PHASES:-build bf16 nvfp4 summary} --out $d --bypass --steps ${STEPS:-5} --response $r --tag=$t --timeout 1500 ${V7_ARGS:-}; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null & echo "started the $t runs${AFTER:+ (after $AFTER)}"' ;;
-    v7_watch)  # wait for the background runs (TAG, default -r$RESP) to end or the call's time to run out; their log's tail
-        step v7_watch 580 bash -c 'r=${RESP:-512}; t=${TAG:--r$r}; d='"$work"'/verl_7b; end=$((SECONDS + '"$((deadline - SECONDS - 40))"')); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
-            grep -h "\[verl_7b\]\|step:" $d/pair*.log | cut -c1-300 | tail -n 12; ls $d; cat $d/DONE$t 2>/dev/null || echo "still running"' ;;
-    v7_build) step v7_build 400 bash scripts/gpu/verl_7b_memory_step.sh build --out "$work/verl_7b" ;;
-    v7_nvfp4) step v7_nvfp4 580 bash scripts/gpu/verl_7b_memory_step.sh nvfp4 summary --out "$work/verl_7b" ${V7_ARGS:-} ;;
-    v7_bf16) step v7_bf16 580 bash scripts/gpu/verl_7b_memory_step.sh bf16 summary --out "$work/verl_7b" ${V7_ARGS:-} ;;
+                bash scripts/gpu/verl_7b_memory_step.sh ${PHASES:-build bf16 nvfp4 summary} --shape $s --out $d --bypass --steps ${STEPS:-5} --response $r --tag=$t --timeout 1500 ${V7_ARGS:-}; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null & echo "started the $s $t runs${AFTER:+ (after $AFTER)}"' ;;
+    v7_watch)  # wait for the background runs (TAG, default -r$RESP; SHAPE) to end or the call's time to run out; their log's tail
+        step v7_watch 580 bash -c 's=${SHAPE:-7B}; r=${RESP:-512}; t=${TAG:--r$r}; d='"$work"'/verl_${s,,}; end=$((SECONDS + '"$((deadline - SECONDS - 40))"')); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
+            grep -h "\[verl_[0-9a-z]*\]\|step:" $d/pair*.log | cut -c1-300 | tail -n 12; ls $d; cat $d/DONE$t 2>/dev/null || echo "still running"' ;;
+    v7_build)  # SHAPE=32B writes the NVFP4 and sparse BF16 checkpoints directly (~21 GB of disk)
+        step v7_build "$([ "$v7_shape" = 7B ] && echo 400 || echo 580)" bash scripts/gpu/verl_7b_memory_step.sh build --shape "$v7_shape" --out "$v7_dir" ;;
+    v7_nvfp4) step v7_nvfp4 580 bash scripts/gpu/verl_7b_memory_step.sh nvfp4 summary --shape "$v7_shape" --out "$v7_dir" ${V7_ARGS:-} ;;
+    v7_bf16) step v7_bf16 580 bash scripts/gpu/verl_7b_memory_step.sh bf16 summary --shape "$v7_shape" --out "$v7_dir" ${V7_ARGS:-} ;;
     # --- the learning study on SmolLM2-135M-Instruct (docs/learning.md): model, step time, demo, study, entropy
     smol)  # the GGUF travels in parts (/tmp/stage_smol); prepare writes /tmp/qerl_smollm2/{bf16,nvfp4,data}
         step smol 300 bash -c 'cat /tmp/stage_smol/gguf.part* > /tmp/smol.gguf && python3 examples/smollm2/prepare.py /tmp/qerl_smollm2 --gguf /tmp/smol.gguf --nvfp4 --overwrite --no-sample' ;;

@@ -20,6 +20,18 @@ No time is measured with enforce_eager (CUDA graphs on; attention is sdpa in the
     bash scripts/gpu/verl_7b_memory_step.sh nvfp4      # then: ... summary  (or all phases in one call if time allows)
 
 Writes $OUT/verl_7b/{<phase>/run.log, <phase>/metrics.jsonl, <phase>/smi.csv, results.jsonl} and prints a table.
+
+--shape 32B (Qwen2.5-32B: 64 layers, hidden 5120, intermediate 27648; default folder $OUT/verl_32b): a BF16 copy
+(~65 GB) does not fit the GPU machine's disk, so the build writes two checkpoints directly, tensor by tensor
+(scripts/gpu/random_checkpoint.py, generated and quantized on the GPU, one shard in host memory at a time):
+
+  model_nvfp4/        the NVFP4A16 checkpoint `qerl quantize` would make of the random BF16 model (~21 GB); the
+                      nvfp4 run trains on it (the actor is built from the 4-bit bytes, vLLM loads it natively)
+  model_bf16_sparse/  a BF16 checkpoint of the same config whose matrices are zeros stored as holes of sparse files
+                      (only norms and biases take disk); the bf16 run trains on it (memory and time only)
+
+Options for the 32B runs: --param-offload (verl's actor param + optimizer offload), --bf16-gpu-mem (the BF16 run's
+rollout.gpu_memory_utilization; its weights alone take ~61 GiB). With the default --shape 7B nothing changes.
 """
 
 from __future__ import annotations
@@ -45,13 +57,31 @@ PHASES = ("build", "bf16", "nvfp4", "summary")
 from vllm_ext.bench import SHAPES  # noqa: E402
 
 QWEN25_7B = dict(**SHAPES["7B"], max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+# Qwen2.5-32B(-Instruct)'s: the same extra fields as the 7B's
+QWEN25_32B = dict(**SHAPES["32B"], max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+MODEL_SHAPES = {"7B": QWEN25_7B, "32B": QWEN25_32B}
+LOG_TAG = "verl_7b"  # verl_32b with --shape 32B
 
 
 def log(msg):
-    print(f"[verl_7b] {msg}", flush=True)
+    print(f"[{LOG_TAG}] {msg}", flush=True)
 
 
-def build(out: Path) -> dict:
+def default_out(shape: str) -> Path:
+    return Path(os.environ.get("OUT", ".out")) / f"verl_{shape.lower()}"
+
+
+def model_dir(name: str, out: Path, shape: str = "7B") -> Path:
+    """The checkpoint a run trains on: 7B's model/ (BF16; both runs quantize at load as they need); 32B's
+    model_nvfp4/ (the nvfp4 run) or model_bf16_sparse/ (the bf16 run)."""
+    if shape == "7B":
+        return out / "model"
+    return out / ("model_nvfp4" if name == "nvfp4" else "model_bf16_sparse")
+
+
+def build(out: Path, shape: str = "7B") -> dict:
+    if shape != "7B":
+        return build_direct(out, shape)
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
@@ -77,6 +107,52 @@ def build(out: Path) -> dict:
         make_synthetic_arithmetic(data_dir, n_train=256, n_test=16, seed=0, difficulty=2)
     size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     return {"model_gb": round(size / 2**30, 2), "build_s": round(time.time() - t0, 1)}
+
+
+def qwen2_config(shape: str, tok):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**MODEL_SHAPES[shape], eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                       bos_token_id=None, architectures=["Qwen2ForCausalLM"], dtype="bfloat16")
+
+
+def build_direct(out: Path, shape: str) -> dict:
+    """The shape's NVFP4 checkpoint and sparse BF16 checkpoint, written directly (random_checkpoint), and the data;
+    each folder only if its config.json is absent (a folder is renamed into place only when complete)."""
+    import torch
+    from transformers import GenerationConfig
+
+    sys.path.insert(0, str(ROOT / "examples" / "tiny"))
+    from make_tiny import byte_level_tokenizer
+
+    if str(HERE) not in sys.path:  # when imported as a module by a caller that restored sys.path since
+        sys.path.insert(0, str(HERE))
+    import random_checkpoint as rc
+    from verl_ext.data import make_synthetic_arithmetic
+
+    t0 = time.time()
+    tok = byte_level_tokenizer()
+    cfg = qwen2_config(shape, tok)
+    gen = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rec: dict = {"shape": shape, "device": device}
+    for kind, name in (("nvfp4", "nvfp4"), ("bf16_sparse", "bf16")):
+        target = model_dir(name, out, shape)
+        if not (target / "config.json").exists():
+            log(f"build: writing {target} ({kind}, on {device})")
+            info = rc.write_checkpoint(target, cfg, kind, tokenizer=tok, generation_config=gen, seed=0, device=device,
+                                       log=log)
+            rec[f"{kind}_write_s"] = info["seconds"]
+        files = sorted(target.glob("*.safetensors"))
+        rec[f"{kind}_gb"] = round(sum(f.stat().st_size for f in files) / 2**30, 2)
+        rec[f"{kind}_disk_gb"] = round(sum(rc.allocated_bytes(f) for f in files) / 2**30, 2)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    data_dir = out / "data"
+    if not (data_dir / "train.parquet").exists():
+        make_synthetic_arithmetic(data_dir, n_train=256, n_test=16, seed=0, difficulty=2)
+    rec["build_s"] = round(time.time() - t0, 1)
+    return rec
 
 
 class SmiPeak:
@@ -117,7 +193,8 @@ def phase_key(name: str, tag: str) -> str:
 
 def overrides_for(name: str, out: Path, args) -> list[str]:
     """The main_ppo overrides of one run ("bf16" or "nvfp4") on the tiny example config."""
-    model, data = out / "model", out / "data"
+    shape = getattr(args, "shape", "7B")
+    model, data = model_dir(name, out, shape), out / "data"
     overrides = [
         f"actor_rollout_ref.model.path={model}",
         f"data.train_files={data}/train.parquet",
@@ -134,7 +211,7 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.ppo_micro}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.logprob_micro}",
         "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
-        f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_mem}",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout_gpu_mem(name, args)}",
         "actor_rollout_ref.rollout.max_num_seqs=64",
         "actor_rollout_ref.rollout.max_num_batched_tokens=8192",
         f"trainer.total_training_steps={args.steps}",
@@ -151,6 +228,11 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
             "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true",
             "actor_rollout_ref.actor.entropy_checkpointing=true",
         ]
+    if getattr(args, "param_offload", False):  # verl's own: the actor's parameters and optimizer state wait in host memory
+        overrides += [
+            "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+        ]
     if args.bypass:  # verl's bypass mode: the rollout's log-probs are the PPO anchor, no old-log-prob pass (both runs)
         overrides += ["algorithm.rollout_correction.bypass_mode=true"]
     if name == "bf16":
@@ -166,8 +248,14 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
     return overrides
 
 
+def rollout_gpu_mem(name: str, args) -> float:
+    """rollout.gpu_memory_utilization of a run: --bf16-gpu-mem for the bf16 run when given, else --gpu-mem."""
+    bf16_mem = getattr(args, "bf16_gpu_mem", None)
+    return bf16_mem if name == "bf16" and bf16_mem is not None else args.gpu_mem
+
+
 def run(name: str, out: Path, args) -> dict:
-    if not (out / "model" / "config.json").exists():
+    if not (model_dir(name, out, args.shape) / "config.json").exists():
         return {"problems": ["no model: run the build phase first"]}
     overrides = overrides_for(name, out, args)
     run_name = phase_key(name, args.tag)
@@ -198,7 +286,9 @@ def run(name: str, out: Path, args) -> dict:
         "rc": rc,
         "settings": {"ppo_micro": args.ppo_micro, "max_token_len": args.max_token_len, "logprob_micro": args.logprob_micro,
                      "chunked_entropy": args.chunked_entropy, "response": args.response, "gpu_mem": args.gpu_mem,
-                     "bypass": args.bypass, "steps": args.steps},
+                     "bypass": args.bypass, "steps": args.steps, "shape": args.shape,
+                     "param_offload": args.param_offload, "bf16_gpu_mem": args.bf16_gpu_mem,
+                     "rollout_gpu_mem": rollout_gpu_mem(name, args), "model": str(model_dir(name, out, args.shape))},
         "step_s_each": {s: d.get("timing_s/step") for s, d in sorted(steps.items())},
         "step_s_spread": spread("timing_s/step"),
         "gen_s_spread": spread("timing_s/gen"),
@@ -224,10 +314,18 @@ def run(name: str, out: Path, args) -> dict:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("phases", nargs="*", default=list(PHASES), help=f"any of {', '.join(PHASES)} (default: all)")
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".out")) / "verl_7b")
+    p.add_argument("--shape", choices=tuple(MODEL_SHAPES), default="7B",
+                   help="Qwen2.5 shape: 7B (one BF16 model/, both runs quantize at load) or 32B (the build writes "
+                        "model_nvfp4/ for the nvfp4 run and a sparse all-zero model_bf16_sparse/ for the bf16 run)")
+    p.add_argument("--out", type=Path, default=None, help="run folder (default: $OUT/verl_7b, or $OUT/verl_32b)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--response", type=int, default=512)
-    p.add_argument("--gpu-mem", type=float, default=0.5, help="rollout.gpu_memory_utilization (the same for both)")
+    p.add_argument("--gpu-mem", type=float, default=0.5,
+                   help="rollout.gpu_memory_utilization (the same for both, unless --bf16-gpu-mem)")
+    p.add_argument("--bf16-gpu-mem", type=float, default=None,
+                   help="rollout.gpu_memory_utilization of the bf16 run only (default: --gpu-mem)")
+    p.add_argument("--param-offload", action="store_true",
+                   help="actor.fsdp_config.param_offload and optimizer_offload (both runs)")
     p.add_argument("--ppo-micro", type=int, default=4, help="actor.ppo_micro_batch_size_per_gpu")
     p.add_argument("--logprob-micro", type=int, default=8, help="rollout.log_prob_micro_batch_size_per_gpu")
     p.add_argument("--max-token-len", type=int, default=0,
@@ -250,7 +348,9 @@ def main() -> int:
     bad = [x for x in args.phases if x not in PHASES]
     if bad:
         p.error(f"unknown phase(s) {bad}; choose from {', '.join(PHASES)}")
-    out = args.out.resolve()
+    global LOG_TAG
+    LOG_TAG = f"verl_{args.shape.lower()}"
+    out = (args.out or default_out(args.shape)).resolve()
     out.mkdir(parents=True, exist_ok=True)
     results_file = out / "results.jsonl"
     if any(x in ("bf16", "nvfp4") for x in args.phases):
@@ -259,7 +359,7 @@ def main() -> int:
         if name == "summary":
             continue
         try:
-            rec = build(out) if name == "build" else run(name, out, args)
+            rec = build(out, args.shape) if name == "build" else run(name, out, args)
         except Exception as e:
             rec = {"problems": [f"{type(e).__name__}: {e}"]}
         rec = {"phase": phase_key(name, args.tag), **rec}
