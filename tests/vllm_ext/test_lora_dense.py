@@ -144,7 +144,7 @@ def test_gpu_dense_matches_punica_triton(tokens):
     k, r, out = 512, 16, (512, 128, 128)
     cfg = LoRAConfig(max_loras=1, max_lora_rank=r, lora_dtype=torch.bfloat16)
     w = PunicaWrapperGPU(1024, 256, device="cuda", lora_config=cfg)
-    mapping = tuple(1 if i % 5 else 0 for i in range(tokens))
+    mapping = tuple(0 if i % 5 == 4 else 1 for i in range(tokens))  # every fifth token without the adapter; 1 token: served
     w.update_metadata(LoRAMapping(mapping, mapping, is_prefill=False), [1], 1, 32000)
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     y0 = torch.randn(tokens, sum(out), device="cuda", dtype=torch.bfloat16)
