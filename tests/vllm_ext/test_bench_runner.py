@@ -37,6 +37,10 @@ def test_plan_engine_arguments(tmp_path, rollout_args):
     assert humming["quantization"] == "humming" and humming["model"] == stock["model"] != base["model"]
     assert by["nvfp4-lora@no-fp32-reduce"].spec["engine"]["additional_config"] == {"qerl_nvfp4": {"fp32_reduce": False}}
     combo = by["bf16-lora@dual-stream+specialize"]
+    # log file names keep to [A-Za-z0-9._-] (the device tool drops other names) and stay distinct
+    assert combo.file_stem == "bf16-lora--dual-stream_specialize"
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", r.file_stem) for r in runs)
+    assert len({r.file_stem for r in runs}) == len(runs)
     assert combo.env["VLLM_LORA_ENABLE_DUAL_STREAM"] == "1" and combo.spec["engine"]["specialize_active_lora"] is True
     assert combo.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert {(s["config"], s["variant"]) for s in skipped} == {

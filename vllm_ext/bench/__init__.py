@@ -17,7 +17,7 @@ tokens/s = batch * (new_tokens - 1) / (t(new_tokens) - t(1 token)), i.e. prefill
 different variants (e.g. dense-lora) are checked against its default variant on greedy tokens and their
 chosen-token logprobs (--greedy-check). Written to --out (default $OUT or ./.out): bench_rollout.json (all runs, ratios vs
 bf16-lora of the same variant, LoRA overhead, target checks), bench_rollout.jsonl (one line per engine as
-it finishes) and logs/<config>@<variant>.log. The table is printed last.
+it finishes) and logs/<config>--<variant>.log. The table is printed last.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,12 @@ class Run:
     @property
     def key(self) -> str:
         return f"{self.config}@{self.variant}"
+
+    @property
+    def file_stem(self) -> str:
+        """The key as a file name of letters, digits, '.', '_' and '-' only (``@`` becomes ``--``, ``+`` ``_``): some transfer
+        tools drop files with other characters in their names (the GPU runs of 2026-11-24 lost their engine logs)."""
+        return re.sub(r"[^A-Za-z0-9._-]", "_", self.key.replace("@", "--"))
 
 
 def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
@@ -126,9 +133,9 @@ def _run_child(run_: Run, out: Path, timeout: float) -> dict[str, Any]:
     """Run one engine in its own process (killed after ``timeout`` s); its result, a failed one included."""
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    spec_path = logs / f"{run_.key}.spec.json"
-    result_path = logs / f"{run_.key}.result.json"
-    log_path = logs / f"{run_.key}.log"
+    spec_path = logs / f"{run_.file_stem}.spec.json"
+    result_path = logs / f"{run_.file_stem}.result.json"
+    log_path = logs / f"{run_.file_stem}.log"
     spec_path.write_text(json.dumps(run_.spec, indent=1))
     result_path.unlink(missing_ok=True)
     env = {**os.environ, **run_.env}
