@@ -327,6 +327,38 @@ def _check_aqn(cfg: Any, s: QerlSettings) -> None:
             raise QerlConfigError(f"{AQN_KEY} with {where}={total}: {str(e).replace('AQNConfig.', '')}") from None
 
 
+# Below this many tokens per actor micro-batch the NVFP4 actor is bound by host time per linear (a decode
+# launch per projection and call): on the H100, 7B shape, its forward + backward took 1.48x BF16's time at 2.5k
+# tokens, 1.03x at 4k and 1.005x at 16k (docs/benchmarks.md 4e, 4f); end to end, verl's 7B GRPO step went from
+# 0.92x to 1.20x of BF16's speed when the micro-batches grew from one sample to 16k tokens
+NVFP4_MICRO_BATCH_TOKENS = 4096
+
+
+def hints(cfg: Any, s: QerlSettings) -> list[str]:
+    """Advice that changes no setting: where a run's own values are known to make the NVFP4 actor slow."""
+    if not s.nvfp4:
+        return []
+    n = NVFP4_MICRO_BATCH_TOKENS
+    why = (
+        f"the NVFP4 actor is host-bound below ~{n} tokens per micro-batch (H100, 7B: 1.48x BF16's time at 2.5k "
+        "tokens, parity at 16k; docs/benchmarks.md 4e/4f)"
+    )
+    fix = f"set {ACTOR}.use_dynamic_bsz=true and {ACTOR}.ppo_max_token_len_per_gpu=16384 if memory allows"
+    if get(cfg, f"{ACTOR}.use_dynamic_bsz", False):
+        cap = get(cfg, f"{ACTOR}.ppo_max_token_len_per_gpu")
+        if cap is not None and int(cap) < n:
+            return [f"{ACTOR}.ppo_max_token_len_per_gpu={cap}: {why}; raise it (16384 in the example recipes)"]
+        return []
+    micro = get(cfg, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
+    if not micro:
+        return []
+    seq = int(get(cfg, "data.max_prompt_length", 0) or 0) + int(get(cfg, "data.max_response_length", 0) or 0)
+    most = int(micro) * seq
+    if seq and most < n:
+        return [f"{ACTOR}.ppo_micro_batch_size_per_gpu={micro} holds at most {most} tokens ({micro} x {seq}): {why}; {fix}"]
+    return []
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the patch: qerl's check runs first inside verl's validate_config
 
@@ -347,6 +379,8 @@ def wrap_validate_config(original, target: str):
             print("[qerl] " + "; ".join(what))
             for n in notes:
                 print(f"[qerl] normalised {n}")
+            for h in hints(config, settings):
+                print(f"[qerl] hint: {h}")
         return original(config, use_reference_policy, use_critic, *args, **kwargs)
 
     return validate_config

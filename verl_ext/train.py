@@ -54,7 +54,7 @@ def command(config: str | os.PathLike, overrides: list[str], python: str = sys.e
 
 
 def _summary(cfg, settings, notes) -> str:
-    from verl_ext.config import get
+    from verl_ext.config import get, hints
 
     lines = [
         f"model          {get(cfg, 'actor_rollout_ref.model.path')}",
@@ -75,6 +75,7 @@ def _summary(cfg, settings, notes) -> str:
     else:
         lines.append("AQN            off")
     lines += [f"normalised     {n}" for n in notes]
+    lines += [f"hint           {h}" for h in hints(cfg, settings)]
     return "\n".join(lines)
 
 

@@ -304,3 +304,48 @@ def test_bypass_mode_conflicts_name_both_keys(overrides, words):
         validate(compose(SMOL, overrides))
     for w in words:
         assert w in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# hints: advice from measurements that changes no setting
+
+
+@pytest.mark.parametrize(
+    "overrides, expect",
+    [
+        # the tiny example: 8 x (256 + 32) = 2 304 tokens at most per micro-batch
+        ((), "ppo_micro_batch_size_per_gpu=8 holds at most 2304 tokens (8 x 288)"),
+        (("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",), None),  # 4 608 tokens
+        (("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048"),
+         "ppo_max_token_len_per_gpu=2048"),
+        (("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384"), None),
+        # BF16 runs get no NVFP4 advice
+        (("actor_rollout_ref.rollout.quantization=null", "actor_rollout_ref.rollout.custom.qerl.aqn.enable=false"), None),
+    ],
+)
+def test_hint_for_small_nvfp4_micro_batches(env, overrides, expect):
+    from verl_ext.config import hints
+
+    cfg = _cfg(*overrides)
+    settings, notes = validate(cfg)
+    got = hints(cfg, settings)
+    if expect is None:
+        assert got == []
+    else:
+        assert len(got) == 1 and expect in got[0] and "docs/benchmarks.md" in got[0]
+
+
+def test_hint_is_printed_by_verls_validate_config_and_qerl_train(env, capsys):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+
+    from verl_ext import patches
+    from verl_ext.train import _summary
+
+    patches.apply_all()
+    import verl.utils.config as vc
+
+    cfg = _cfg()
+    vc.validate_config(cfg, need_reference_policy(cfg), need_critic(cfg))
+    assert "[qerl] hint: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8" in capsys.readouterr().out
+    cfg, settings, notes = check(TINY)
+    assert "hint           actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8" in _summary(cfg, settings, notes)
