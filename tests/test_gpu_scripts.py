@@ -545,7 +545,7 @@ def test_v7_session_steps_take_the_shape():
     assert 'v7_shape=${SHAPE:-7B}' in text and 'v7_dir="$work/verl_${v7_shape,,}"' in text
     steps = {m.group(1): m.group(2) for m in re.finditer(r"^    (v7_\w+)\)(.*?);;", text, flags=re.M | re.S)}
     assert set(steps) >= {"v7_pair_bg", "v7_watch", "v7_build", "v7_nvfp4", "v7_bf16"}
-    assert "--shape $s --out $d" in steps["v7_pair_bg"] and "d='\"$work\"'/verl_${s,,}" in steps["v7_pair_bg"]
-    assert "d='\"$work\"'/verl_${s,,}" in steps["v7_watch"]
+    assert "s='\"$v7_shape\"';" in steps["v7_pair_bg"] and "--shape $s --out $d" in steps["v7_pair_bg"]
+    assert "d='\"$v7_dir\"';" in steps["v7_pair_bg"] and "d='\"$v7_dir\"';" in steps["v7_watch"]
     for name in ("v7_build", "v7_nvfp4", "v7_bf16"):
         assert '--shape "$v7_shape" --out "$v7_dir"' in steps[name], name

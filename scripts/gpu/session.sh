@@ -99,11 +99,11 @@ run_step() {
         # TAG (run-folder suffix, default -r$RESP), AFTER=<tag> (start once that tag's runs are done), V7_ARGS more
         # options (e.g. --ppo-micro 1; for 32B e.g. --param-offload --bf16-gpu-mem 0.9), SHAPE=7B|32B (default 7B;
         # folder $work/verl_7b or $work/verl_32b); v7_watch (same TAG and SHAPE) follows it
-        step v7_pair_bg 30 bash -c 's=${SHAPE:-7B}; r=${RESP:-512}; t=${TAG:--r$r}; d='"$work"'/verl_${s,,}; mkdir -p $d && rm -f $d/DONE$t &&
+        step v7_pair_bg 30 bash -c 's='"$v7_shape"'; r=${RESP:-512}; t=${TAG:--r$r}; d='"$v7_dir"'; mkdir -p $d && rm -f $d/DONE$t &&
             setsid nohup bash -c "while [ -n \"${AFTER:-}\" ] && [ ! -f $d/DONE${AFTER:-} ]; do sleep 5; done;
                 bash scripts/gpu/verl_7b_memory_step.sh ${PHASES:-build bf16 nvfp4 summary} --shape $s --out $d --bypass --steps ${STEPS:-5} --response $r --tag=$t --timeout 1500 ${V7_ARGS:-}; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null & echo "started the $s $t runs${AFTER:+ (after $AFTER)}"' ;;
     v7_watch)  # wait for the background runs (TAG, default -r$RESP; SHAPE) to end or the call's time to run out; their log's tail
-        step v7_watch 580 bash -c 's=${SHAPE:-7B}; r=${RESP:-512}; t=${TAG:--r$r}; d='"$work"'/verl_${s,,}; end=$((SECONDS + '"$((deadline - SECONDS - 40))"')); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
+        step v7_watch 580 bash -c 'r=${RESP:-512}; t=${TAG:--r$r}; d='"$v7_dir"'; end=$((SECONDS + '"$((deadline - SECONDS - 40))"')); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
             grep -h "\[verl_[0-9a-z]*\]\|step:" $d/pair*.log | cut -c1-300 | tail -n 12; ls $d; cat $d/DONE$t 2>/dev/null || echo "still running"' ;;
     v7_build)  # SHAPE=32B writes the NVFP4 and sparse BF16 checkpoints directly (~21 GB of disk)
         step v7_build "$([ "$v7_shape" = 7B ] && echo 400 || echo 580)" bash scripts/gpu/verl_7b_memory_step.sh build --shape "$v7_shape" --out "$v7_dir" ;;
