@@ -53,13 +53,12 @@ import verl_grpo_tiny as tiny  # noqa: E402  (run_verl, read_metrics, preflight)
 
 ROOT = HERE.parents[1]
 PHASES = ("build", "bf16", "nvfp4", "summary")
-# Qwen2.5-7B as `qerl bench rollout --shape 7B` knows it, plus the fields a saved config needs
+# Qwen2.5-7B and -32B as `qerl bench rollout --shape` knows them, plus the fields a saved config needs
 from vllm_ext.bench import SHAPES  # noqa: E402
 
-QWEN25_7B = dict(**SHAPES["7B"], max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
-# Qwen2.5-32B(-Instruct)'s: the same extra fields as the 7B's
-QWEN25_32B = dict(**SHAPES["32B"], max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
-MODEL_SHAPES = {"7B": QWEN25_7B, "32B": QWEN25_32B}
+MODEL_SHAPES = {k: dict(**SHAPES[k], max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+                for k in ("7B", "32B")}
+QWEN25_7B, QWEN25_32B = MODEL_SHAPES["7B"], MODEL_SHAPES["32B"]
 LOG_TAG = "verl_7b"  # verl_32b with --shape 32B
 
 
@@ -193,8 +192,7 @@ def phase_key(name: str, tag: str) -> str:
 
 def overrides_for(name: str, out: Path, args) -> list[str]:
     """The main_ppo overrides of one run ("bf16" or "nvfp4") on the tiny example config."""
-    shape = getattr(args, "shape", "7B")
-    model, data = model_dir(name, out, shape), out / "data"
+    model, data = model_dir(name, out, args.shape), out / "data"
     overrides = [
         f"actor_rollout_ref.model.path={model}",
         f"data.train_files={data}/train.parquet",
@@ -228,7 +226,7 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
             "actor_rollout_ref.actor.entropy_from_logits_with_chunking=true",
             "actor_rollout_ref.actor.entropy_checkpointing=true",
         ]
-    if getattr(args, "param_offload", False):  # verl's own: the actor's parameters and optimizer state wait in host memory
+    if args.param_offload:  # verl's own: the actor's parameters and optimizer state wait in host memory
         overrides += [
             "actor_rollout_ref.actor.fsdp_config.param_offload=true",
             "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
@@ -250,8 +248,7 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
 
 def rollout_gpu_mem(name: str, args) -> float:
     """rollout.gpu_memory_utilization of a run: --bf16-gpu-mem for the bf16 run when given, else --gpu-mem."""
-    bf16_mem = getattr(args, "bf16_gpu_mem", None)
-    return bf16_mem if name == "bf16" and bf16_mem is not None else args.gpu_mem
+    return args.bf16_gpu_mem if name == "bf16" and args.bf16_gpu_mem is not None else args.gpu_mem
 
 
 def run(name: str, out: Path, args) -> dict:
