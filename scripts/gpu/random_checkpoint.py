@@ -26,7 +26,6 @@ import copy
 import json
 import math
 import os
-import re
 import shutil
 import struct
 import time
@@ -39,6 +38,7 @@ import torch
 
 from qerl_plugin import format as fmt
 from qerl_plugin import nvfp4
+from qerl_plugin.plan import _LINEAR_RE  # the decoder Linears qerl quantize quantizes (Qwen2/Llama-style)
 from qerl_plugin.shards import write_index
 
 __all__ = [
@@ -57,8 +57,6 @@ __all__ = [
 STD = 0.02
 DEFAULT_MAX_SHARD_SIZE = 4 * 10**9
 KINDS = ("bf16", "nvfp4", "bf16_sparse")
-# the decoder Linears qerl quantize quantizes in a Qwen2/Llama-style checkpoint (qerl_plugin.plan's rule)
-_LINEAR_RE = re.compile(r"^model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight$")
 
 
 @dataclass(frozen=True)
