@@ -444,6 +444,40 @@ def test_zero_safetensors_file_follows_the_format(rc, tmp_path):
             assert t.dtype == torch.bfloat16 and tuple(t.shape) == s.shape and not t.any()
 
 
+def _listing(folder):
+    return sorted((p.relative_to(folder).as_posix(), p.read_bytes()) for p in folder.rglob("*") if p.is_file())
+
+
+def test_random_checkpoint_refuses_bad_input_and_keeps_what_was_there(rc, tmp_path, monkeypatch):
+    """An unknown kind, too little disk, or a filesystem without holes: an error naming the cause, no partial folder
+    left behind, and an existing checkpoint at the destination untouched."""
+    cfg = _tiny_config()
+    dst = tmp_path / "ckpt"
+    rc.write_checkpoint(dst, cfg, "nvfp4", device="cpu", log=lambda m: None)
+    before = _listing(dst)
+
+    with pytest.raises(ValueError, match=r"kind 'fp8': choose from \('bf16', 'nvfp4', 'bf16_sparse'\)"):
+        rc.write_checkpoint(dst, cfg, "fp8", device="cpu", log=lambda m: None)
+
+    import shutil
+
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(rc.shutil, "disk_usage", lambda p: real_usage(p)._replace(free=10_000))
+    with pytest.raises(RuntimeError, match=r"0\.0 GB free, the bf16 checkpoint needs 0\.\d+ GB"):
+        rc.write_checkpoint(dst, cfg, "bf16", device="cpu", log=lambda m: None)
+    monkeypatch.setattr(rc.shutil, "disk_usage", real_usage)
+
+    # every byte on disk: no holes (the check looks at zero shards over 1 MiB: a 16k vocabulary gives 2 MiB matrices)
+    monkeypatch.setattr(rc, "allocated_bytes", lambda path: os.path.getsize(path))
+    wide = _tiny_config()
+    wide.vocab_size = 16384
+    with pytest.raises(RuntimeError, match="does not keep holes"):
+        rc.write_checkpoint(dst, wide, "bf16_sparse", device="cpu", log=lambda m: None)
+
+    assert _listing(dst) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no .ckpt.partial
+
+
 def test_sparse_bf16_checkpoint_loads_as_zeros_and_takes_no_disk(rc, tmp_path):
     """The 32B BF16 run's checkpoint at a tiny size: transformers loads it; the matrices are zeros, the norms ones, the
     biases zeros; the matrices' shards are holes (their allocated blocks far below their size)."""
