@@ -9,6 +9,8 @@ engine built with AQN never reuses a graph compiled without it)::
     {"qerl_aqn": true}                                          AQN: every RMSNorm gets a noise buffer
     {"qerl_nvfp4": {"backend": "emulation", "fp32_reduce": false}}   how nvfp4 layers run
     {"qerl_lora": "dense"}                                      one adapter as two dense GEMMs (vllm_ext.lora_dense)
+    {"qerl_lora": "fused"}                                      one adapter, one Triton launch per linear at decode
+                                                                (vllm_ext.lora_fused; larger calls take punica)
 
     vllm serve MODEL --quantization nvfp4 --additional-config '{"qerl_aqn": true}'
     LLM(MODEL, quantization="nvfp4", additional_config={"qerl_aqn": True})
@@ -47,7 +49,7 @@ AQN_KEY = "qerl_aqn"
 NVFP4_KEY = "qerl_nvfp4"
 NVFP4_BACKENDS = ("auto", "marlin", "emulation")
 LORA_KEY = "qerl_lora"
-LORA_MODES = ("punica", "dense")  # vLLM's multi-adapter kernels (its default) | vllm_ext.lora_dense
+LORA_MODES = ("punica", "dense", "fused")  # vLLM's multi-adapter kernels (its default) | lora_dense | lora_fused
 # vLLM worker extensions: qerl's RPCs alone, and verl's extension with qerl's RPCs (what verl_ext starts).
 WORKER_EXTENSION = "vllm_ext.worker_extension.QerlWorkerExtension"
 VERL_WORKER_EXTENSION = "verl_ext.worker_extension.QerlVerlWorkerExtension"

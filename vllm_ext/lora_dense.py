@@ -6,8 +6,8 @@ uses slot 0, or no adapter (slot -1: requests without LoRA, padding). Then
 ``y += ((x @ A.T) * keep) @ B.T`` with ``keep`` 1 for slot-0 tokens and 0 otherwise is the same arithmetic
 as punica's (fp32 accumulation, bf16 intermediate), done by cuBLAS. It is CUDA-graph safe (no host reads).
 
-On with ``additional_config={"qerl_lora": "dense"}`` for an engine with ``max_loras=1``; otherwise the
-engine runs vLLM's punica wrapper unchanged (:class:`vllm_ext.lora_dense_wrapper.QerlPunicaWrapper` only
+On with ``additional_config={"qerl_lora": "dense"}`` for an engine with ``max_loras=1`` (``"fused"``: the
+one-launch kernel of :mod:`vllm_ext.lora_fused`); otherwise the engine runs vLLM's punica wrapper unchanged (:class:`vllm_ext.lora_dense_wrapper.QerlPunicaWrapper` only
 inherits it). This module imports no vLLM LoRA code: :func:`register` runs in every vLLM process and names
 the wrapper class, which vLLM imports when it builds a LoRA engine.
 """
@@ -50,12 +50,17 @@ def dense_lora_linear(
         offset += size
 
 
-def dense_requested() -> bool:
-    """Whether the engine being built asked for the dense path (``additional_config["qerl_lora"]``)."""
+def requested_mode() -> str:
+    """The LoRA mode the engine being built asked for (``additional_config["qerl_lora"]``; punica by default)."""
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
-    return options.lora_mode(getattr(config, "additional_config", None)) == "dense"
+    return options.lora_mode(getattr(config, "additional_config", None))
+
+
+def dense_requested() -> bool:
+    """Whether the engine being built asked for the dense path."""
+    return requested_mode() == "dense"
 
 
 def register(platform_cls: type | None = None) -> None:

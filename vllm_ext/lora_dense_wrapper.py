@@ -1,40 +1,101 @@
-"""The punica wrapper that :func:`vllm_ext.lora_dense.register` names: vLLM's GPU one, with the dense path.
+"""The punica wrapper that :func:`vllm_ext.lora_dense.register` names: vLLM's GPU one, with qerl's single-adapter
+paths (``additional_config={"qerl_lora": "dense" | "fused"}``).
 
 Imported by vLLM when it builds the LoRA manager of an engine (it subclasses vLLM's GPU punica wrapper, whose
 import loads vLLM's LoRA layers), never at plugin registration.
+
+The ``fused`` path goes through one torch op, ``qerl::lora_linear_fused``, because vLLM compiles the model with
+torch.compile and a symbolic token count: a Python ``if tokens <= 64`` in the wrapper would be decided once,
+when the model is traced (with thousands of tokens), and bake punica into every graph. The op decides per
+call instead, when it runs (eagerly, or while vLLM captures a CUDA graph for one batch size): at most
+:data:`vllm_ext.lora_fused.MAX_TOKENS` tokens take the one-launch kernel, more take punica.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 
+import torch
 from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
-from vllm_ext.lora_dense import dense_lora_linear, dense_requested
+from vllm_ext import lora_fused
+from vllm_ext.lora_dense import dense_lora_linear, requested_mode
 
-__all__ = ["QerlPunicaWrapper"]
+__all__ = ["FUSED_OP", "QerlPunicaWrapper"]
 
 logger = logging.getLogger("qerl.vllm.lora_dense")
 
+FUSED_OP = "qerl::lora_linear_fused"
+_WRAPPERS: "weakref.WeakValueDictionary[int, QerlPunicaWrapper]" = weakref.WeakValueDictionary()
+_LOGGED: set[tuple[str, int]] = set()
+
+
+@torch.library.custom_op(FUSED_OP, mutates_args=("y", "sync"))
+def lora_linear_fused(y: torch.Tensor, x: torch.Tensor, lora_a_stacked: list[torch.Tensor],
+                      lora_b_stacked: list[torch.Tensor], scale: float, output_slices: list[int],
+                      token_lora_indices: torch.Tensor, sync: torch.Tensor, wrapper_id: int) -> None:
+    """``y += LoRA(x)`` for one adapter: the one-launch kernel when it supports the call (at most
+    :data:`~vllm_ext.lora_fused.MAX_TOKENS` tokens), else the punica path of wrapper ``wrapper_id``."""
+    a, b, slices = tuple(lora_a_stacked), tuple(lora_b_stacked), tuple(output_slices)
+    why = lora_fused.supports(x, a, b, slices)
+    tokens = x.numel() // x.shape[-1]
+    path = "fused" if why is None else "punica"
+    if (path, tokens) not in _LOGGED:  # once per path and token count: which path each captured size took
+        _LOGGED.add((path, tokens))
+        logger.info("qerl: LoRA call with %d tokens on the %s path%s", tokens, path, "" if why is None else f" ({why})")
+    if why is None:
+        lora_fused.fused_lora_linear(y, x, a, b, scale, slices, token_lora_indices, sync)
+        return
+    wrapper = _WRAPPERS.get(wrapper_id)
+    if wrapper is None:
+        raise RuntimeError(f"{FUSED_OP}: {why}, and no punica wrapper {wrapper_id} to fall back on")
+    PunicaWrapperGPU.add_lora_linear(wrapper, y, x, a, b, scale, slices)
+
+
+@lora_linear_fused.register_fake
+def _lora_linear_fused_fake(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, token_lora_indices, sync,
+                            wrapper_id) -> None:
+    return None
+
 
 class QerlPunicaWrapper(PunicaWrapperGPU):
-    """vLLM's GPU punica wrapper; linear layers take :func:`~vllm_ext.lora_dense.dense_lora_linear` when the
-    engine asked for it and has one adapter slot (``max_loras=1``)."""
+    """vLLM's GPU punica wrapper. With one adapter slot (``max_loras=1``) its linear layers take
+    :func:`~vllm_ext.lora_dense.dense_lora_linear` (mode ``dense``) or the ``qerl::lora_linear_fused`` op (mode
+    ``fused``: the kernel of :mod:`vllm_ext.lora_fused` for calls of at most 64 tokens, punica for larger ones,
+    decided per call); everything else runs punica."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.qerl_dense = self.max_loras == 1 and dense_requested()
+        mode = requested_mode()
+        self.qerl_mode = mode if self.max_loras == 1 else "punica"
+        self.qerl_dense = self.qerl_mode == "dense"
+        self._qerl_sync = None
+        self._qerl_static_fallbacks: set[str] = set()
+        if self.qerl_mode == "fused":
+            self._qerl_sync = lora_fused.new_sync(self.device)
+            _WRAPPERS[id(self)] = self
         # in the engine's log, so that a benchmark shows which path its LoRA layers took
-        logger.warning("qerl: LoRA linears on the %s path (max_loras=%d)", "dense" if self.qerl_dense else "punica",
+        logger.warning("qerl: LoRA linears on the %s path (asked: %s, max_loras=%d)", self.qerl_mode, mode,
                        self.max_loras)
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs):
-        if not self.qerl_dense:
-            return super().add_lora_linear(
-                y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer, **kwargs
-            )
-        dense_lora_linear(
-            y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, self._token_lora_indices,
-            add_inputs=kwargs.get("add_inputs", True),
-        )  # fmt: skip
-        return None
+        if self.qerl_mode == "dense":
+            dense_lora_linear(
+                y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, self._token_lora_indices,
+                add_inputs=kwargs.get("add_inputs", True),
+            )  # fmt: skip
+            return None
+        if self.qerl_mode == "fused" and buffer is None and kwargs.get("add_inputs", True):
+            # decided when the model is traced: nothing here depends on the token count
+            why = lora_fused.weights_supported(x.dtype, x.shape[-1], lora_a_stacked, lora_b_stacked, output_slices)
+            if why is None:
+                torch.ops.qerl.lora_linear_fused(y, x, list(lora_a_stacked), list(lora_b_stacked), float(scale),
+                                                 list(output_slices), self._token_lora_indices, self._qerl_sync,
+                                                 id(self))
+                return None
+            if why not in self._qerl_static_fallbacks:
+                self._qerl_static_fallbacks.add(why)
+                logger.warning("qerl: fused LoRA not used for a linear with %s; it runs punica", why)
+        return super().add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer,
+                                       **kwargs)

@@ -21,12 +21,18 @@ overhead from Python), for every projection group (qkv, o, gate_up, down) and ba
   marlin_bf16r  the same with use_fp32_reduce=False
   lora_punica   vLLM's LoRA path for one adapter: fp32 buffer, lora_shrink (zeroes it, split-K) + lora_expand
   lora_dense    the same math as two cuBLAS calls: t = x @ A_cat^T, y += t @ B_blockdiag^T (no memset)
+  lora_fused    qerl's one-launch kernel (vllm_ext.lora_fused): shrink and expand of all slices, one Triton launch
   serial        marlin then lora_punica on one stream (vLLM's default)
   overlap       marlin on the main stream, lora_punica on a second stream, joined (VLLM_LORA_ENABLE_DUAL_STREAM's idea)
+  serial_fused  marlin then lora_fused on one stream (additional_config={"qerl_lora": "fused"})
 
 Per-step sums (x layers) estimate the linear-layer share of a decode step and what each LoRA strategy costs.
 Writes $OUT/bench_kernels.json; prints the table last. Needs a CUDA GPU and vLLM's compiled ops.
 """
+
+
+COLUMNS = ("bf16", "marlin", "marlin_bf16r", "lora_punica", "lora_dense", "lora_fused", "serial", "serial_fused",
+           "overlap")
 
 
 def _graph_us(fn, iters: int, reps: int = 5) -> float:
@@ -75,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     from qerl_plugin import nvfp4
+    from vllm_ext import lora_fused
 
     shp = shape_config(args.shape)
     hidden, inter, layers = shp["hidden_size"], shp["intermediate_size"], shp["num_hidden_layers"]
@@ -121,6 +128,12 @@ def run(args: argparse.Namespace) -> int:
                 lora_shrink(x, lora_a, buf, *margs, 1.0)
                 lora_expand(buf, lora_b, target, *margs, offset_start=0, add_inputs=True)
 
+            slots = torch.zeros(m, dtype=torch.long, device=dev)
+            sync = lora_fused.new_sync(dev)
+
+            def fused(target):
+                lora_fused.fused_lora_linear(target, x, lora_a, lora_b, 1.0, tuple(ns), slots, sync)
+
             def dense(target):
                 target.addmm_(x @ a_cat.t(), b_bd.t())
 
@@ -151,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
                 "lora_dense": lambda: dense(y),
                 "serial": serial,
                 "overlap": overlap,
+                "lora_fused": lambda: fused(y),
+                "serial_fused": lambda: fused(marlin()),
             }
             row: dict[str, Any] = {"group": gname, "m": m, "n": n, "k": k_in}
             for cname, fn in cases.items():
@@ -167,12 +182,12 @@ def run(args: argparse.Namespace) -> int:
         sel = [x for x in rows if x["m"] == m]
         per_step[str(m)] = {
             c: (round(layers * sum(x[c] for x in sel) / 1000.0, 3) if all(x.get(c) is not None for x in sel) else None)
-            for c in ("bf16", "marlin", "marlin_bf16r", "lora_punica", "lora_dense", "serial", "overlap")
+            for c in COLUMNS
         }
     report = {"shape": args.shape, "rank": r, "device": torch.cuda.get_device_name(), "rows": rows,
               "per_step_ms": per_step}
     (out / "bench_kernels.json").write_text(json.dumps(report, indent=1))
-    cols = ("bf16", "marlin", "marlin_bf16r", "lora_punica", "lora_dense", "serial", "overlap")
+    cols = COLUMNS
     lines = ["", f"per-layer decode kernels, {args.shape}, LoRA r{r}, {report['device']} (GPU us per call in CUDA graphs)",
              f"{'group':<8}{'m':>4}" + "".join(f"{c:>13}" for c in cols)]
     for x in rows:

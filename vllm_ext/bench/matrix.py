@@ -79,6 +79,8 @@ VARIANTS: dict[str, Variant] = {
     "no-async": Variant("async scheduling off", engine={"async_scheduling": False}),
     "dense-lora": Variant("the adapter as two dense cuBLAS GEMMs per slice instead of punica (vllm_ext.lora_dense)",
                           additional={"qerl_lora": "dense"}, only="lora"),
+    "fused-lora": Variant("the adapter's shrink and expand in one Triton launch per linear for calls of at most 64 "
+                          "tokens, punica above (vllm_ext.lora_fused)", additional={"qerl_lora": "fused"}, only="lora"),
 }
 
 # Speed targets: decode ratios of nvfp4-lora vs bf16-lora in the same run, per shape and batch size; LoRA

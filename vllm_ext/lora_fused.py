@@ -1,0 +1,235 @@
+"""One-launch single-adapter LoRA for decode: shrink and expand of every slice of a linear in one Triton kernel.
+
+vLLM's punica path spends three launches per LoRA linear (zero the buffer, shrink, expand), 12 per decoder
+layer, and they are latency-bound at decode (§4b of docs/benchmarks.md: 1.57 ms of LoRA per 7B decode step at
+batch 1, 70 % of the 4-bit GEMMs). When the engine serves one adapter (the RL rollout), each token either uses
+slot 0 or no adapter, and ``y += cast(B @ cast(scale * (A @ x)))`` needs no per-token adapter lookup.
+
+This kernel does it in one launch. Its programs take a ticket from a counter in launch order, so a program
+that holds ticket *t* knows every ticket below *t* is already running:
+
+* tickets ``0 .. KS-1`` (shrink): a chunk of the input features each, for every slice, into an fp32 partial
+  ``[KS, S, M, R]``, then count themselves done;
+* the other tickets (expand): wait until the KS shrink programs are done (they never wait, and all hold
+  lower tickets, so they are running: no deadlock whatever the scheduling), sum the partials, apply
+  ``scale`` and the token mask, round to the weight dtype, multiply by a block of B and add into ``y``;
+* the last program to leave resets the counters, so the next launch (or CUDA-graph replay) starts from zero.
+
+The arithmetic is punica's: fp32 accumulation of ``A @ x`` (here summed over KS partials instead of atomics),
+``scale`` applied in fp32, the intermediate rounded to bf16/fp16, fp32 accumulation of ``B @ h``, rounded,
+added to ``y`` in its dtype. Under ``TRITON_INTERPRET=1`` programs run one after another in launch order, so
+the shrink programs finish before any expand program starts and the kernel runs (slowly) on the CPU.
+
+Used by :class:`vllm_ext.lora_dense_wrapper.QerlPunicaWrapper` for ``additional_config={"qerl_lora":
+"fused"}`` through its torch op, which decides per call (at run time, not when torch.compile traces the model):
+at most :data:`MAX_TOKENS` tokens (decode, small prefills) take this kernel, larger calls punica. Imports torch
+and Triton only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    _TRITON_IMPORT_ERROR: Exception | None = None
+except Exception as exc:  # pragma: no cover - CPU-only installs may lack Triton
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    _TRITON_IMPORT_ERROR = exc
+
+MAX_TOKENS = 64  # calls with more tokens than this take punica (one program holds all tokens in registers)
+MAX_SLICES = 3  # q/k/v
+CHUNK_K = 512  # input features per shrink program
+BLOCK_K = 64
+BLOCK_N = 128  # output features per expand program
+
+
+def _interpreting() -> bool:
+    """Under ``TRITON_INTERPRET=1`` (CPU) the dots run on float32 copies of the bf16/fp16 tiles: the
+    interpreter of Triton 3.6 returns garbage for ``tl.dot`` of bfloat16 tiles (float16 and float32 are
+    right). Products of bf16/fp16 values are exact in float32 and the sums are float32 either way, so the
+    arithmetic is the GPU's (where the dots take the 16-bit tiles and accumulate in float32)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class FusedLoRAUnsupported(ValueError):
+    """The call's shapes or dtypes are outside what the fused kernel handles; the caller takes punica."""
+
+
+def weights_supported(dtype: torch.dtype, in_features: int, lora_a: tuple[torch.Tensor, ...],
+                      lora_b: tuple[torch.Tensor, ...], output_slices: tuple[int, ...]) -> str | None:
+    """``None`` when the kernel handles a linear with these weights and input dtype, else why not. Nothing here
+    depends on the call's token count, so torch.compile can decide it once when it traces the model."""
+    if triton is None:
+        return f"Triton is not importable ({_TRITON_IMPORT_ERROR})"
+    if not 1 <= len(output_slices) <= MAX_SLICES:
+        return f"{len(output_slices)} slices (1..{MAX_SLICES} supported)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"input dtype {dtype} (bfloat16/float16 supported)"
+    rank = lora_a[0].shape[-2]
+    if rank < 16 or rank & (rank - 1):
+        return f"rank {rank} (a power of two >= 16 supported)"
+    for a, b, size in zip(lora_a, lora_b, output_slices):
+        if a.shape[0] != 1 or b.shape[0] != 1:
+            return f"{a.shape[0]} adapter slots (one supported)"
+        if a.dtype != dtype or b.dtype != dtype:
+            return f"weights in {a.dtype}/{b.dtype} for input {dtype}"
+        if tuple(a.shape[-2:]) != (rank, in_features) or tuple(b.shape[-2:]) != (size, rank):
+            return f"A {tuple(a.shape)} / B {tuple(b.shape)} do not fit input {in_features}, slice {size}, rank {rank}"
+        if not (a.is_contiguous() and b.is_contiguous()):
+            return "non-contiguous LoRA weights"
+    return None
+
+
+def supports(x: torch.Tensor, lora_a: tuple[torch.Tensor, ...], lora_b: tuple[torch.Tensor, ...],
+             output_slices: tuple[int, ...]) -> str | None:
+    """``None`` when :func:`fused_lora_linear` can run this call, else why not (a sentence)."""
+    tokens = x.numel() // x.shape[-1]
+    if tokens > MAX_TOKENS:
+        return f"{tokens} tokens > {MAX_TOKENS}"
+    return weights_supported(x.dtype, x.shape[-1], lora_a, lora_b, output_slices)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _shrink_slice(x_ptr, sxm, a_ptr, part_ptr, t, s, M, K,
+                      S: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                      BK: tl.constexpr, UPCAST: tl.constexpr):
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, R)
+        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for k0 in range(t * CHUNK, t * CHUNK + CHUNK, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            kmask = offs_k < K
+            xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=(offs_m[:, None] < M) & kmask[None, :],
+                         other=0.0)
+            at = tl.load(a_ptr + offs_r[None, :] * K + offs_k[:, None], mask=kmask[:, None], other=0.0)  # [BK, R]
+            if UPCAST:
+                xt = xt.to(tl.float32)
+                at = at.to(tl.float32)
+            acc += tl.dot(xt, at)
+        dst = part_ptr + ((t * S + s) * BLOCK_M + offs_m[:, None]) * R + offs_r[None, :]
+        tl.store(dst, acc)
+
+    @triton.jit
+    def _expand_block(y_ptr, sym, idx_ptr, b_ptr, part_ptr, s, j, col0, n, M, KS, scale,
+                      S: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
+                      UPCAST: tl.constexpr):
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, R)
+        mmask = offs_m < M
+        h = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for p in range(0, KS):
+            src = part_ptr + ((p * S + s) * BLOCK_M + offs_m[:, None]) * R + offs_r[None, :]
+            h += tl.load(src, cache_modifier=".cg")
+        slot = tl.load(idx_ptr + offs_m, mask=mmask, other=-1)
+        h = tl.where((slot == 0)[:, None], h * scale, 0.0)
+        hw = h.to(y_ptr.dtype.element_ty)
+        offs_n = j * BN + tl.arange(0, BN)
+        nmask = offs_n < n
+        bt = tl.load(b_ptr + offs_n[None, :] * R + offs_r[:, None], mask=nmask[None, :], other=0.0)  # [R, BN]
+        if UPCAST:
+            out = tl.dot(hw.to(tl.float32), bt.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        else:
+            out = tl.dot(hw, bt).to(y_ptr.dtype.element_ty)
+        yp = y_ptr + offs_m[:, None] * sym + col0 + offs_n[None, :]
+        ymask = mmask[:, None] & nmask[None, :]
+        yv = tl.load(yp, mask=ymask, other=0.0)
+        tl.store(yp, (yv.to(tl.float32) + out.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=ymask)
+
+    @triton.jit
+    def _fused_lora_kernel(
+        x_ptr, sxm,  # [M, K], unit stride along K
+        y_ptr, sym,  # [M, n0 + n1 + n2], unit stride along the output features
+        idx_ptr,  # [>= M] int: each token's adapter slot (0: the adapter, -1: none)
+        a0, a1, a2,  # [R, K] per slice (unused ones alias a0)
+        b0, b1, b2,  # [n_s, R] per slice
+        n0, n1, n2,
+        part_ptr,  # fp32 [KS, S, BLOCK_M, R]
+        sync_ptr,  # int32 [3]: ticket, shrink programs done, programs left
+        M, K, KS, scale,
+        S: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr,
+        BN: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        t = tl.atomic_add(sync_ptr, 1)
+        nb0 = tl.cdiv(n0, BN)
+        nb1 = tl.cdiv(n1, BN)
+        nb2 = tl.cdiv(n2, BN)
+        total = KS + nb0 + nb1 + nb2
+        if t < KS:
+            _shrink_slice(x_ptr, sxm, a0, part_ptr, t, 0, M, K, S, R, BLOCK_M, CHUNK, BK, UPCAST)
+            if S > 1:
+                _shrink_slice(x_ptr, sxm, a1, part_ptr, t, 1, M, K, S, R, BLOCK_M, CHUNK, BK, UPCAST)
+            if S > 2:
+                _shrink_slice(x_ptr, sxm, a2, part_ptr, t, 2, M, K, S, R, BLOCK_M, CHUNK, BK, UPCAST)
+            tl.atomic_add(sync_ptr + 1, 1, sem="release")
+        else:
+            done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+            while done < KS:
+                done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+            e = t - KS
+            if e < nb0:
+                _expand_block(y_ptr, sym, idx_ptr, b0, part_ptr, 0, e, 0, n0, M, KS, scale, S, R, BLOCK_M, BN, UPCAST)
+            elif e < nb0 + nb1:
+                _expand_block(y_ptr, sym, idx_ptr, b1, part_ptr, 1, e - nb0, n0, n1, M, KS, scale, S, R, BLOCK_M,
+                              BN, UPCAST)
+            else:
+                _expand_block(y_ptr, sym, idx_ptr, b2, part_ptr, 2, e - nb0 - nb1, n0 + n1, n2, M, KS, scale, S, R,
+                              BLOCK_M, BN, UPCAST)
+        left = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel")
+        if left == total - 1:  # the last program out: every other one is past its waits
+            tl.atomic_xchg(sync_ptr + 1, 0)
+            tl.atomic_xchg(sync_ptr + 2, 0)
+            tl.atomic_xchg(sync_ptr, 0)
+
+
+def new_sync(device: torch.device | str) -> torch.Tensor:
+    """The kernel's counters for one device (zeros; the kernel leaves them at zero). One per engine is enough:
+    launches on one stream run one after another."""
+    return torch.zeros(3, dtype=torch.int32, device=device)
+
+
+def fused_lora_linear(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_stacked: tuple[torch.Tensor, ...],
+    lora_b_stacked: tuple[torch.Tensor, ...],
+    scale: float,
+    output_slices: tuple[int, ...],
+    token_lora_indices: torch.Tensor,
+    sync: torch.Tensor,
+) -> None:
+    """punica's ``add_lora_linear`` (``add_inputs=True``) for one adapter in slot 0, in one launch: ``y``
+    ``[tokens, sum(output_slices)]`` gains ``B_s @ (scale * A_s @ x)`` in each slice's columns for tokens whose
+    slot is 0. ``lora_*_stacked[s]``: ``[1, 1, r, in]`` / ``[1, 1, out_s, r]``. Raises
+    :class:`FusedLoRAUnsupported` where :func:`supports` says no."""
+    why = supports(x, lora_a_stacked, lora_b_stacked, output_slices)
+    if why is not None:
+        raise FusedLoRAUnsupported(why)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y2 = y.view(-1, y.shape[-1])
+    if y2.stride(-1) != 1:
+        raise FusedLoRAUnsupported("output with non-unit stride along its features")
+    m, k = x2.shape
+    rank = lora_a_stacked[0].shape[-2]
+    slices = len(output_slices)
+    block_m = max(16, triton.next_power_of_2(m))
+    ks = triton.cdiv(k, CHUNK_K)
+    part = torch.empty((ks, slices, block_m, rank), dtype=torch.float32, device=x.device)
+    a = [t.view(rank, k) for t in lora_a_stacked] + [lora_a_stacked[0].view(rank, k)] * (MAX_SLICES - slices)
+    b = [t.view(t.shape[-2], rank) for t in lora_b_stacked] + [lora_b_stacked[0].view(-1, rank)] * (MAX_SLICES - slices)
+    n = list(output_slices) + [0] * (MAX_SLICES - slices)
+    grid = (ks + sum(triton.cdiv(size, BLOCK_N) for size in output_slices),)
+    _fused_lora_kernel[grid](
+        x2, x2.stride(0), y2, y2.stride(0), token_lora_indices, *a, *b, *n, part, sync, m, k, ks, float(scale),
+        S=slices, R=rank, BLOCK_M=block_m, CHUNK=CHUNK_K, BK=BLOCK_K, BN=BLOCK_N, UPCAST=_interpreting(),
+    )  # fmt: skip
+
