@@ -31,32 +31,47 @@ _WRAPPERS: "weakref.WeakValueDictionary[int, QerlPunicaWrapper]" = weakref.WeakV
 _LOGGED: set[tuple[str, int]] = set()
 
 
-@torch.library.custom_op(FUSED_OP, mutates_args=("y", "sync"))
+@torch.library.custom_op(FUSED_OP, mutates_args=("y",))
 def lora_linear_fused(y: torch.Tensor, x: torch.Tensor, lora_a_stacked: list[torch.Tensor],
                       lora_b_stacked: list[torch.Tensor], scale: float, output_slices: list[int],
-                      token_lora_indices: torch.Tensor, sync: torch.Tensor, wrapper_id: int) -> None:
+                      token_lora_indices: torch.Tensor, wrapper_id: int) -> None:
     """``y += LoRA(x)`` for one adapter: the one-launch kernel when it supports the call (at most
-    :data:`~vllm_ext.lora_fused.MAX_TOKENS` tokens), else the punica path of wrapper ``wrapper_id``."""
+    :data:`~vllm_ext.lora_fused.MAX_TOKENS` tokens), else the punica path of wrapper ``wrapper_id``. The
+    kernel's state (counters, workspace) is the wrapper's and is not an argument: the compiled graph sees only
+    ``y`` change, so it has nothing else to copy back."""
     a, b, slices = tuple(lora_a_stacked), tuple(lora_b_stacked), tuple(output_slices)
     why = lora_fused.supports(x, a, b, slices)
     tokens = x.numel() // x.shape[-1]
     path = "fused" if why is None else "punica"
     if (path, tokens) not in _LOGGED:  # once per path and token count: which path each captured size took
         _LOGGED.add((path, tokens))
-        logger.info("qerl: LoRA call with %d tokens on the %s path%s", tokens, path, "" if why is None else f" ({why})")
-    if why is None:
-        lora_fused.fused_lora_linear(y, x, a, b, scale, slices, token_lora_indices, sync)
-        return
+        logger.warning("qerl: LoRA call with %d tokens on the %s path%s", tokens, path,
+                       "" if why is None else f" ({why})")
     wrapper = _WRAPPERS.get(wrapper_id)
+    if why is None:
+        state = wrapper._qerl_sync if wrapper is not None else _standalone_state(x.device)
+        lora_fused.fused_lora_linear(y, x, a, b, scale, slices, token_lora_indices, state)
+        return
     if wrapper is None:
         raise RuntimeError(f"{FUSED_OP}: {why}, and no punica wrapper {wrapper_id} to fall back on")
     PunicaWrapperGPU.add_lora_linear(wrapper, y, x, a, b, scale, slices)
 
 
 @lora_linear_fused.register_fake
-def _lora_linear_fused_fake(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, token_lora_indices, sync,
+def _lora_linear_fused_fake(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, token_lora_indices,
                             wrapper_id) -> None:
     return None
+
+
+_STANDALONE: dict[str, torch.Tensor] = {}
+
+
+def _standalone_state(device: torch.device) -> torch.Tensor:
+    """Kernel state for calls without a wrapper (``wrapper_id`` -1: tests, benchmarks), one per device."""
+    key = str(device)
+    if key not in _STANDALONE:
+        _STANDALONE[key] = lora_fused.new_sync(device)
+    return _STANDALONE[key]
 
 
 class QerlPunicaWrapper(PunicaWrapperGPU):
@@ -73,7 +88,7 @@ class QerlPunicaWrapper(PunicaWrapperGPU):
         self._qerl_sync = None
         self._qerl_static_fallbacks: set[str] = set()
         if self.qerl_mode == "fused":
-            self._qerl_sync = lora_fused.new_sync(self.device)
+            self._qerl_sync = lora_fused.new_sync(self.device, max(16, self.lora_config.max_lora_rank))
             _WRAPPERS[id(self)] = self
         # in the engine's log, so that a benchmark shows which path its LoRA layers took
         logger.warning("qerl: LoRA linears on the %s path (asked: %s, max_loras=%d)", self.qerl_mode, mode,
@@ -91,8 +106,7 @@ class QerlPunicaWrapper(PunicaWrapperGPU):
             why = lora_fused.weights_supported(x.dtype, x.shape[-1], lora_a_stacked, lora_b_stacked, output_slices)
             if why is None:
                 torch.ops.qerl.lora_linear_fused(y, x, list(lora_a_stacked), list(lora_b_stacked), float(scale),
-                                                 list(output_slices), self._token_lora_indices, self._qerl_sync,
-                                                 id(self))
+                                                 list(output_slices), self._token_lora_indices, id(self))
                 return None
             if why not in self._qerl_static_fallbacks:
                 self._qerl_static_fallbacks.add(why)

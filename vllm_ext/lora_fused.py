@@ -8,17 +8,21 @@ slot 0 or no adapter, and ``y += cast(B @ cast(scale * (A @ x)))`` needs no per-
 This kernel does it in one launch. Its programs take a ticket from a counter in launch order, so a program
 that holds ticket *t* knows every ticket below *t* is already running:
 
-* tickets ``0 .. KS-1`` (shrink): a chunk of the input features each, for every slice, into an fp32 partial
-  ``[KS, S, M, R]``, then count themselves done;
-* the other tickets (expand): wait until the KS shrink programs are done (they never wait, and all hold
-  lower tickets, so they are running: no deadlock whatever the scheduling), sum the partials, apply
-  ``scale`` and the token mask, round to the weight dtype, multiply by a block of B and add into ``y``;
-* the last program to leave resets the counters, so the next launch (or CUDA-graph replay) starts from zero.
+* tickets ``0 .. KS-1`` (shrink): 256 input features each, for every slice, in one load of ``x`` and of ``A``;
+  the fp32 partial is added with atomics into a workspace ``h`` ``[S, tokens, R]`` that is zero between
+  launches; then the program counts itself done;
+* the other tickets (expand): load their block of ``B``, of ``y`` and the token slots first, then wait until
+  the KS shrink programs are done (those never wait and hold lower tickets, so they are running: no deadlock
+  whatever the scheduling), read ``h``, apply ``scale`` and the token mask, round to the weight dtype,
+  multiply by the block of B and add into ``y``;
+* the last program to leave zeroes ``h`` and resets the counters, so the next launch (or CUDA-graph replay)
+  starts from zero.
 
-The arithmetic is punica's: fp32 accumulation of ``A @ x`` (here summed over KS partials instead of atomics),
-``scale`` applied in fp32, the intermediate rounded to bf16/fp16, fp32 accumulation of ``B @ h``, rounded,
-added to ``y`` in its dtype. Under ``TRITON_INTERPRET=1`` programs run one after another in launch order, so
-the shrink programs finish before any expand program starts and the kernel runs (slowly) on the CPU.
+The arithmetic is punica's: fp32 accumulation of ``A @ x`` (split over the input features and summed with fp32
+atomics, as punica's split-K shrink does, so the order of that sum varies from launch to launch), ``scale``
+applied in fp32, the intermediate rounded to bf16/fp16, fp32 accumulation of ``B @ h``, rounded, added to ``y``
+in its dtype. Under ``TRITON_INTERPRET=1`` programs run one after another in launch order, so the shrink
+programs finish before any expand program starts and the kernel runs (slowly) on the CPU.
 
 Used by :class:`vllm_ext.lora_dense_wrapper.QerlPunicaWrapper` for ``additional_config={"qerl_lora":
 "fused"}`` through its torch op, which decides per call (at run time, not when torch.compile traces the model):
@@ -44,8 +48,7 @@ except Exception as exc:  # pragma: no cover - CPU-only installs may lack Triton
 
 MAX_TOKENS = 64  # calls with more tokens than this take punica (one program holds all tokens in registers)
 MAX_SLICES = 3  # q/k/v
-CHUNK_K = 512  # input features per shrink program
-BLOCK_K = 64
+CHUNK_K = 256  # input features per shrink program (one load of x and of each slice's A)
 BLOCK_N = 128  # output features per expand program
 
 
@@ -98,49 +101,51 @@ def supports(x: torch.Tensor, lora_a: tuple[torch.Tensor, ...], lora_b: tuple[to
 if triton is not None:
 
     @triton.jit
-    def _shrink_slice(x_ptr, sxm, a_ptr, part_ptr, t, s, M, K,
-                      S: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                      BK: tl.constexpr, UPCAST: tl.constexpr):
+    def _shrink_slice(x_ptr, sxm, a_ptr, h_ptr, t, s, M, K,
+                      R: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, HROWS: tl.constexpr,
+                      UPCAST: tl.constexpr):
+        # one chunk of the input features in one load each (no loop: the loads of all slices are in flight
+        # together), its fp32 partial added into h with atomics
         offs_m = tl.arange(0, BLOCK_M)
         offs_r = tl.arange(0, R)
-        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-        for k0 in range(t * CHUNK, t * CHUNK + CHUNK, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            kmask = offs_k < K
-            xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=(offs_m[:, None] < M) & kmask[None, :],
-                         other=0.0)
-            at = tl.load(a_ptr + offs_r[None, :] * K + offs_k[:, None], mask=kmask[:, None], other=0.0)  # [BK, R]
-            if UPCAST:
-                xt = xt.to(tl.float32)
-                at = at.to(tl.float32)
-            acc += tl.dot(xt, at)
-        dst = part_ptr + ((t * S + s) * BLOCK_M + offs_m[:, None]) * R + offs_r[None, :]
-        tl.store(dst, acc)
+        offs_k = t * CHUNK + tl.arange(0, CHUNK)
+        kmask = offs_k < K
+        mmask = offs_m < M
+        xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        at = tl.load(a_ptr + offs_r[None, :] * K + offs_k[:, None], mask=kmask[:, None], other=0.0)  # [CHUNK, R]
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            at = at.to(tl.float32)
+        acc = tl.dot(xt, at)
+        dst = h_ptr + (s * HROWS + offs_m[:, None]) * R + offs_r[None, :]
+        tl.atomic_add(dst, acc, mask=mmask[:, None], sem="relaxed")
 
     @triton.jit
-    def _expand_block(y_ptr, sym, idx_ptr, b_ptr, part_ptr, s, j, col0, n, M, KS, scale,
-                      S: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr,
+    def _expand_block(y_ptr, sym, idx_ptr, b_ptr, h_ptr, sync_ptr, s, j, col0, n, M, KS, scale,
+                      R: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, HROWS: tl.constexpr,
                       UPCAST: tl.constexpr):
         offs_m = tl.arange(0, BLOCK_M)
         offs_r = tl.arange(0, R)
         mmask = offs_m < M
-        h = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-        for p in range(0, KS):
-            src = part_ptr + ((p * S + s) * BLOCK_M + offs_m[:, None]) * R + offs_r[None, :]
-            h += tl.load(src, cache_modifier=".cg")
-        slot = tl.load(idx_ptr + offs_m, mask=mmask, other=-1)
-        h = tl.where((slot == 0)[:, None], h * scale, 0.0)
-        hw = h.to(y_ptr.dtype.element_ty)
         offs_n = j * BN + tl.arange(0, BN)
         nmask = offs_n < n
+        # what does not depend on the shrink is loaded before waiting for it
+        slot = tl.load(idx_ptr + offs_m, mask=mmask, other=-1)
         bt = tl.load(b_ptr + offs_n[None, :] * R + offs_r[:, None], mask=nmask[None, :], other=0.0)  # [R, BN]
+        yp = y_ptr + offs_m[:, None] * sym + col0 + offs_n[None, :]
+        ymask = mmask[:, None] & nmask[None, :]
+        yv = tl.load(yp, mask=ymask, other=0.0)
+        done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+        while done < KS:
+            done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+        h = tl.load(h_ptr + (s * HROWS + offs_m[:, None]) * R + offs_r[None, :], mask=mmask[:, None], other=0.0,
+                    cache_modifier=".cg")
+        h = tl.where((slot == 0)[:, None], h * scale, 0.0)
+        hw = h.to(y_ptr.dtype.element_ty)
         if UPCAST:
             out = tl.dot(hw.to(tl.float32), bt.to(tl.float32)).to(y_ptr.dtype.element_ty)
         else:
             out = tl.dot(hw, bt).to(y_ptr.dtype.element_ty)
-        yp = y_ptr + offs_m[:, None] * sym + col0 + offs_n[None, :]
-        ymask = mmask[:, None] & nmask[None, :]
-        yv = tl.load(yp, mask=ymask, other=0.0)
         tl.store(yp, (yv.to(tl.float32) + out.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=ymask)
 
     @triton.jit
@@ -151,11 +156,11 @@ if triton is not None:
         a0, a1, a2,  # [R, K] per slice (unused ones alias a0)
         b0, b1, b2,  # [n_s, R] per slice
         n0, n1, n2,
-        part_ptr,  # fp32 [KS, S, BLOCK_M, R]
-        sync_ptr,  # int32 [3]: ticket, shrink programs done, programs left
+        sync_ptr,  # int32 [4]: ticket, shrink programs done, programs left, (padding)
+        h_ptr,  # fp32 [MAX_SLICES, HROWS, R], zero between launches
         M, K, KS, scale,
-        S: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr,
-        BN: tl.constexpr, UPCAST: tl.constexpr,
+        S: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
+        HROWS: tl.constexpr, UPCAST: tl.constexpr,
     ):
         t = tl.atomic_add(sync_ptr, 1)
         nb0 = tl.cdiv(n0, BN)
@@ -163,36 +168,43 @@ if triton is not None:
         nb2 = tl.cdiv(n2, BN)
         total = KS + nb0 + nb1 + nb2
         if t < KS:
-            _shrink_slice(x_ptr, sxm, a0, part_ptr, t, 0, M, K, S, R, BLOCK_M, CHUNK, BK, UPCAST)
+            _shrink_slice(x_ptr, sxm, a0, h_ptr, t, 0, M, K, R, BLOCK_M, CHUNK, HROWS, UPCAST)
             if S > 1:
-                _shrink_slice(x_ptr, sxm, a1, part_ptr, t, 1, M, K, S, R, BLOCK_M, CHUNK, BK, UPCAST)
+                _shrink_slice(x_ptr, sxm, a1, h_ptr, t, 1, M, K, R, BLOCK_M, CHUNK, HROWS, UPCAST)
             if S > 2:
-                _shrink_slice(x_ptr, sxm, a2, part_ptr, t, 2, M, K, S, R, BLOCK_M, CHUNK, BK, UPCAST)
+                _shrink_slice(x_ptr, sxm, a2, h_ptr, t, 2, M, K, R, BLOCK_M, CHUNK, HROWS, UPCAST)
             tl.atomic_add(sync_ptr + 1, 1, sem="release")
         else:
-            done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-            while done < KS:
-                done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
             e = t - KS
             if e < nb0:
-                _expand_block(y_ptr, sym, idx_ptr, b0, part_ptr, 0, e, 0, n0, M, KS, scale, S, R, BLOCK_M, BN, UPCAST)
+                _expand_block(y_ptr, sym, idx_ptr, b0, h_ptr, sync_ptr, 0, e, 0, n0, M, KS, scale, R, BLOCK_M, BN,
+                              HROWS, UPCAST)
             elif e < nb0 + nb1:
-                _expand_block(y_ptr, sym, idx_ptr, b1, part_ptr, 1, e - nb0, n0, n1, M, KS, scale, S, R, BLOCK_M,
-                              BN, UPCAST)
+                _expand_block(y_ptr, sym, idx_ptr, b1, h_ptr, sync_ptr, 1, e - nb0, n0, n1, M, KS, scale, R, BLOCK_M,
+                              BN, HROWS, UPCAST)
             else:
-                _expand_block(y_ptr, sym, idx_ptr, b2, part_ptr, 2, e - nb0 - nb1, n0 + n1, n2, M, KS, scale, S, R,
-                              BLOCK_M, BN, UPCAST)
+                _expand_block(y_ptr, sym, idx_ptr, b2, h_ptr, sync_ptr, 2, e - nb0 - nb1, n0 + n1, n2, M, KS, scale,
+                              R, BLOCK_M, BN, HROWS, UPCAST)
         left = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel")
-        if left == total - 1:  # the last program out: every other one is past its waits
+        if left == total - 1:  # the last program out: every other one is past its waits and its reads of h
+            offs_m = tl.arange(0, BLOCK_M)
+            offs_r = tl.arange(0, R)
+            for s in tl.static_range(S):
+                tl.store(h_ptr + (s * HROWS + offs_m[:, None]) * R + offs_r[None, :], tl.zeros((BLOCK_M, R), tl.float32),
+                         mask=(offs_m < M)[:, None])
             tl.atomic_xchg(sync_ptr + 1, 0)
             tl.atomic_xchg(sync_ptr + 2, 0)
             tl.atomic_xchg(sync_ptr, 0)
 
 
-def new_sync(device: torch.device | str) -> torch.Tensor:
-    """The kernel's counters for one device (zeros; the kernel leaves them at zero). One per engine is enough:
-    launches on one stream run one after another."""
-    return torch.zeros(3, dtype=torch.int32, device=device)
+_HEAD = 4  # int32 words of counters in front of the fp32 workspace
+
+
+def new_sync(device: torch.device | str, max_rank: int = 64) -> torch.Tensor:
+    """The kernel's state for one device and ranks up to ``max_rank``: three counters and an fp32 workspace for
+    ``A @ x`` (``MAX_SLICES x MAX_TOKENS x max_rank``), all zero; the kernel leaves them at zero. One per engine
+    is enough: launches on one stream run one after another."""
+    return torch.zeros(_HEAD + MAX_SLICES * MAX_TOKENS * max_rank, dtype=torch.int32, device=device)
 
 
 def fused_lora_linear(
@@ -220,16 +232,18 @@ def fused_lora_linear(
         raise FusedLoRAUnsupported("output with non-unit stride along its features")
     m, k = x2.shape
     rank = lora_a_stacked[0].shape[-2]
+    if sync.dtype != torch.int32 or sync.numel() < _HEAD + MAX_SLICES * MAX_TOKENS * rank:
+        raise FusedLoRAUnsupported(f"state of {sync.numel()} {sync.dtype} words is too small for rank {rank}; "
+                                   f"make it with new_sync(device, max_rank>={rank})")
     slices = len(output_slices)
     block_m = max(16, triton.next_power_of_2(m))
     ks = triton.cdiv(k, CHUNK_K)
-    part = torch.empty((ks, slices, block_m, rank), dtype=torch.float32, device=x.device)
+    h = sync[_HEAD:].view(torch.float32)
     a = [t.view(rank, k) for t in lora_a_stacked] + [lora_a_stacked[0].view(rank, k)] * (MAX_SLICES - slices)
     b = [t.view(t.shape[-2], rank) for t in lora_b_stacked] + [lora_b_stacked[0].view(-1, rank)] * (MAX_SLICES - slices)
     n = list(output_slices) + [0] * (MAX_SLICES - slices)
     grid = (ks + sum(triton.cdiv(size, BLOCK_N) for size in output_slices),)
     _fused_lora_kernel[grid](
-        x2, x2.stride(0), y2, y2.stride(0), token_lora_indices, *a, *b, *n, part, sync, m, k, ks, float(scale),
-        S=slices, R=rank, BLOCK_M=block_m, CHUNK=CHUNK_K, BK=BLOCK_K, BN=BLOCK_N, UPCAST=_interpreting(),
+        x2, x2.stride(0), y2, y2.stride(0), token_lora_indices, *a, *b, *n, sync, h, m, k, ks, float(scale),
+        S=slices, R=rank, BLOCK_M=block_m, CHUNK=CHUNK_K, BN=BLOCK_N, HROWS=MAX_TOKENS, UPCAST=_interpreting(),
     )  # fmt: skip
-
