@@ -158,14 +158,14 @@ run_step() {
         step bench_dense 580 python3 scripts/gpu/bench_rollout.py --shape 7B --configs nvfp4-lora,bf16-lora --variants dense-lora --batches 1,8,64 --repeats 3 ;;
     fused_test)  # the one-launch LoRA kernel against vLLM's punica Triton kernels (bf16, 7B shapes, CUDA-graph replay)
         step fused_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_lora_fused.py ;;
-    bench_fused_bg)  # 7B decode, in the background (setsid): NVFP4-LoRA fused then punica, then BF16-LoRA (punica) and
-        # NVFP4 without LoRA, back to back on this machine; bench_fused_watch follows it
-        step bench_fused_bg 30 bash -c 'd='"$work"'/bench_fused; mkdir -p $d && rm -f $d/DONE &&
-            setsid nohup bash -c "OUT=$d/a python3 scripts/gpu/bench_rollout.py --shape 7B --configs nvfp4-lora --variants fused-lora,default --batches 1,8,64 --repeats 3;
-                OUT=$d/b python3 scripts/gpu/bench_rollout.py --shape 7B --configs bf16-lora,nvfp4 --variants default --batches 1,8,64 --repeats 3; echo \$? > $d/DONE" >$d/bg.log 2>&1 </dev/null & echo started' ;;
-    bench_fused_watch)  # wait for bench_fused_bg to end or the call's time to run out; the finished engines' lines
-        step bench_fused_watch 580 bash -c 'd='"$work"'/bench_fused; end=$((SECONDS + '"$((deadline - SECONDS - 40))"')); while [ ! -f $d/DONE ] && [ $SECONDS -lt $end ]; do sleep 15; done;
-            cat $d/*/bench_rollout.jsonl 2>/dev/null | cut -c1-400; tail -n 5 $d/bg.log; cat $d/DONE 2>/dev/null || echo "still running"' ;;
+    bench_fused_bg)  # 7B decode in the background (setsid), one bench_rollout.py invocation: FUSED_CONFIGS (default
+        # nvfp4-lora,nvfp4) x variants fused-lora,default, into $work/bench_fused$TAG; bench_fused_watch (same TAG) follows it
+        step bench_fused_bg 30 bash -c 'd='"$work"'/bench_fused${TAG:-}; mkdir -p $d && rm -f $d/DONE &&
+            setsid nohup bash -c "OUT=$d/a python3 scripts/gpu/bench_rollout.py --shape 7B --configs ${FUSED_CONFIGS:-nvfp4-lora,nvfp4} --variants fused-lora,default --batches 1,8,64 --repeats 3;
+                echo \$? > $d/DONE" >$d/bg.log 2>&1 </dev/null & echo started' ;;
+    bench_fused_watch)  # wait for bench_fused_bg (same TAG) to end or the call's time to run out; the finished engines' lines
+        step bench_fused_watch 580 bash -c 'd='"$work"'/bench_fused${TAG:-}; end=$((SECONDS + '"$((deadline - SECONDS - 40))"')); while [ ! -f $d/DONE ] && [ $SECONDS -lt $end ]; do sleep 15; done;
+            grep -h "qerl: LoRA" $d/a/logs/*.log | sort | uniq -c; tail -n 12 $d/bg.log | cut -c1-300; cat $d/DONE 2>/dev/null || echo "still running"' ;;
     bench_pair)  # 7B decode, vLLM's punica LoRA: BF16-LoRA, NVFP4-LoRA (qerl), stock NVFP4A16-LoRA, in that order
         step bench_pair 580 python3 scripts/gpu/bench_rollout.py --shape 7B --configs bf16-lora,nvfp4-lora,stock-nvfp4-lora --variants default --batches 1,8,64 --repeats 3 ;;
     watch)  # status of the runs until they end or the call's time is nearly up
