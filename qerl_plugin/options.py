@@ -8,9 +8,11 @@ engine built with AQN never reuses a graph compiled without it)::
 
     {"qerl_aqn": true}                                          AQN: every RMSNorm gets a noise buffer
     {"qerl_nvfp4": {"backend": "emulation", "fp32_reduce": false}}   how nvfp4 layers run
+    {"qerl_lora": "fused"}                                      the default: one adapter slot (max_loras=1), one
+                                                                Triton launch per LoRA linear for calls of <= 64
+                                                                tokens, punica above (vllm_ext.lora_fused)
+    {"qerl_lora": "punica"}                                     vLLM's own multi-adapter kernels for every call
     {"qerl_lora": "dense"}                                      one adapter as two dense GEMMs (vllm_ext.lora_dense)
-    {"qerl_lora": "fused"}                                      one adapter, one Triton launch per linear at decode
-                                                                (vllm_ext.lora_fused; larger calls take punica)
 
     vllm serve MODEL --quantization nvfp4 --additional-config '{"qerl_aqn": true}'
     LLM(MODEL, quantization="nvfp4", additional_config={"qerl_aqn": True})
@@ -26,6 +28,7 @@ __all__ = [
     "AQN_KEY",
     "FORMAT",
     "LORA_KEY",
+    "LORA_DEFAULT",
     "LORA_MODES",
     "METHOD",
     "NVFP4_BACKENDS",
@@ -49,7 +52,10 @@ AQN_KEY = "qerl_aqn"
 NVFP4_KEY = "qerl_nvfp4"
 NVFP4_BACKENDS = ("auto", "marlin", "emulation")
 LORA_KEY = "qerl_lora"
-LORA_MODES = ("punica", "dense", "fused")  # vLLM's multi-adapter kernels (its default) | lora_dense | lora_fused
+LORA_MODES = ("fused", "punica", "dense")  # vllm_ext.lora_fused | vLLM's multi-adapter kernels | vllm_ext.lora_dense
+# The mode of an engine that names none: fused was faster than punica at batch 1, 8 and 64 inside a 7B engine on
+# an H100 (docs/benchmarks.md §4g); engines with more than one adapter slot run punica whatever the mode.
+LORA_DEFAULT = "fused"
 # vLLM worker extensions: qerl's RPCs alone, and verl's extension with qerl's RPCs (what verl_ext starts).
 WORKER_EXTENSION = "vllm_ext.worker_extension.QerlWorkerExtension"
 VERL_WORKER_EXTENSION = "verl_ext.worker_extension.QerlVerlWorkerExtension"
@@ -106,8 +112,9 @@ def nvfp4_options(additional_config: Mapping[str, Any] | None) -> dict[str, Any]
 
 
 def lora_mode(additional_config: Mapping[str, Any] | None) -> str:
-    """``additional_config["qerl_lora"]``: how LoRA layers run (one of :data:`LORA_MODES`, default punica)."""
-    value = (additional_config or {}).get(LORA_KEY, "punica")
+    """``additional_config["qerl_lora"]``: how LoRA layers run (one of :data:`LORA_MODES`, default
+    :data:`LORA_DEFAULT`)."""
+    value = (additional_config or {}).get(LORA_KEY, LORA_DEFAULT)
     choice = str(value).strip().lower()
     if choice not in LORA_MODES:
         raise ValueError(f"additional_config[{LORA_KEY!r}]={value!r}: expected one of {', '.join(LORA_MODES)}")

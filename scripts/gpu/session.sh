@@ -167,7 +167,7 @@ run_step() {
         step bench_fused_watch 580 bash -c 'd='"$work"'/bench_fused${TAG:-}; end=$((SECONDS + '"$((deadline - SECONDS - 40))"')); while [ ! -f $d/DONE ] && [ $SECONDS -lt $end ]; do sleep 15; done;
             grep -h "qerl: LoRA" $d/a/logs/*.log | sort | uniq -c; tail -n 12 $d/bg.log | cut -c1-300; cat $d/DONE 2>/dev/null || echo "still running"' ;;
     bench_pair)  # 7B decode, vLLM's punica LoRA: BF16-LoRA, NVFP4-LoRA (qerl), stock NVFP4A16-LoRA, in that order
-        step bench_pair 580 python3 scripts/gpu/bench_rollout.py --shape 7B --configs bf16-lora,nvfp4-lora,stock-nvfp4-lora --variants default --batches 1,8,64 --repeats 3 ;;
+        step bench_pair 580 python3 scripts/gpu/bench_rollout.py --shape 7B --configs bf16-lora,nvfp4-lora,stock-nvfp4-lora --variants punica-lora --batches 1,8,64 --repeats 3 ;;
     watch)  # status of the runs until they end or the call's time is nearly up
         step watch 580 python3 scripts/gpu/learning.py wait --work "$work/learn" --timeout $((deadline - SECONDS - 40)) ;;
     entropy) step entropy 400 python3 scripts/gpu/entropy_sigma.py --model /tmp/qerl_smollm2/bf16 --data /tmp/qerl_smollm2/data/test.parquet ;;

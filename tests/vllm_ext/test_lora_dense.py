@@ -129,7 +129,7 @@ def test_dense_is_asked_for_per_engine(monkeypatch):
         config = types.SimpleNamespace(additional_config=extra)
         monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: config)
         assert lora_dense.dense_requested() is want
-    with pytest.raises(ValueError, match="qerl_lora.*expected one of punica, dense"):
+    with pytest.raises(ValueError, match="qerl_lora.*expected one of fused, punica, dense"):
         options.lora_mode({"qerl_lora": "cublas"})
 
 

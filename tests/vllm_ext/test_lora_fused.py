@@ -215,10 +215,13 @@ def test_fused_is_a_lora_mode(monkeypatch):
     from vllm_ext import lora_dense
 
     assert options.lora_mode({"qerl_lora": " Fused "}) == "fused"
+    # the default of an engine that names no mode (docs/benchmarks.md §4g: faster than punica at b1, b8, b64)
+    assert options.lora_mode(None) == options.lora_mode({}) == options.LORA_DEFAULT == "fused"
+    assert options.lora_mode({"qerl_lora": "punica"}) == "punica"
     config = types.SimpleNamespace(additional_config={"qerl_lora": "fused"})
     monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: config)
     assert lora_dense.requested_mode() == "fused" and not lora_dense.dense_requested()
-    with pytest.raises(ValueError, match="expected one of punica, dense, fused"):
+    with pytest.raises(ValueError, match="expected one of fused, punica, dense"):
         options.lora_mode({"qerl_lora": "cublas"})
 
 

@@ -56,7 +56,8 @@ class Variant:
 
 
 VARIANTS: dict[str, Variant] = {
-    "default": Variant("vLLM defaults; max_loras=1, max_lora_rank = adapter rank, capture sizes = --batches"),
+    "default": Variant("vLLM defaults and qerl's (LoRA: fused); max_loras=1, max_lora_rank = adapter rank, capture "
+                       "sizes = --batches"),
     "dual-stream": Variant("LoRA shrink/expand on a second CUDA stream, overlapping the base GEMM (and PDL)",
                            env={"VLLM_LORA_ENABLE_DUAL_STREAM": "1"}, only="lora"),
     "lora-tuned": Variant("LoRA Triton kernels with shape-specific configs written by this bench "
@@ -79,6 +80,8 @@ VARIANTS: dict[str, Variant] = {
     "no-async": Variant("async scheduling off", engine={"async_scheduling": False}),
     "dense-lora": Variant("the adapter as two dense cuBLAS GEMMs per slice instead of punica (vllm_ext.lora_dense)",
                           additional={"qerl_lora": "dense"}, only="lora"),
+    "punica-lora": Variant("vLLM's punica kernels for every LoRA call (qerl's default is fused)",
+                           additional={"qerl_lora": "punica"}, only="lora"),
     "fused-lora": Variant("the adapter's shrink and expand in one Triton launch per linear for calls of at most 64 "
                           "tokens, punica above (vllm_ext.lora_fused)", additional={"qerl_lora": "fused"}, only="lora"),
 }
