@@ -29,6 +29,22 @@ logger = logging.getLogger("qerl.vllm.lora_dense")
 FUSED_OP = "qerl::lora_linear_fused"
 _WRAPPERS: "weakref.WeakValueDictionary[int, QerlPunicaWrapper]" = weakref.WeakValueDictionary()
 _LOGGED: set[tuple[str, int]] = set()
+_PUNICA_SIZES_LOGGED = 4  # eager engines see every prefill length: name the first few, then say so once
+
+
+def _log_path(path: str, tokens: int, why: str | None) -> None:
+    """One line per path and token count (which path each captured CUDA-graph size took): every fused size
+    (at most MAX_TOKENS of them) and the first few punica sizes."""
+    if (path, tokens) in _LOGGED:
+        return
+    punica_sizes = sum(1 for p, _ in _LOGGED if p == "punica")
+    if path == "punica" and punica_sizes >= _PUNICA_SIZES_LOGGED:
+        if punica_sizes == _PUNICA_SIZES_LOGGED:
+            _LOGGED.add((path, -1))
+            logger.warning("qerl: further LoRA call sizes on the punica path are not logged")
+        return
+    _LOGGED.add((path, tokens))
+    logger.warning("qerl: LoRA call with %d tokens on the %s path%s", tokens, path, "" if why is None else f" ({why})")
 
 
 @torch.library.custom_op(FUSED_OP, mutates_args=("y",))
@@ -43,10 +59,7 @@ def lora_linear_fused(y: torch.Tensor, x: torch.Tensor, lora_a_stacked: list[tor
     why = lora_fused.supports(x, a, b, slices)
     tokens = x.numel() // x.shape[-1]
     path = "fused" if why is None else "punica"
-    if (path, tokens) not in _LOGGED:  # once per path and token count: which path each captured size took
-        _LOGGED.add((path, tokens))
-        logger.warning("qerl: LoRA call with %d tokens on the %s path%s", tokens, path,
-                       "" if why is None else f" ({why})")
+    _log_path(path, tokens, why)
     wrapper = _WRAPPERS.get(wrapper_id)
     if why is None:
         state = wrapper._qerl_sync if wrapper is not None else _standalone_state(x.device)

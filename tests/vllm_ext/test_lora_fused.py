@@ -207,6 +207,22 @@ def test_a_state_too_small_for_the_rank_is_refused():
                                      torch.zeros(2, dtype=torch.long), lora_fused.new_sync("cpu", max_rank=16))
 
 
+def test_path_lines_are_bounded(monkeypatch, caplog):
+    """An eager engine sees every prefill length; the per-size lines stay few."""
+    import logging
+
+    from vllm_ext import lora_dense_wrapper as w
+
+    monkeypatch.setattr(w, "_LOGGED", set())
+    caplog.set_level(logging.WARNING, logger="qerl.vllm.lora_dense")
+    for tokens in (1, 1, 8, 100, 200, 300, 400, 500, 600, 700):
+        w._log_path("fused" if tokens <= 64 else "punica", tokens, None if tokens <= 64 else f"{tokens} tokens > 64")
+    lines = [r.getMessage() for r in caplog.records if r.name == "qerl.vllm.lora_dense"]
+    assert lines[:2] == ["qerl: LoRA call with 1 tokens on the fused path", "qerl: LoRA call with 8 tokens on the fused path"]
+    assert lines[2:6] == [f"qerl: LoRA call with {n} tokens on the punica path ({n} tokens > 64)" for n in (100, 200, 300, 400)]
+    assert lines[6:] == ["qerl: further LoRA call sizes on the punica path are not logged"]
+
+
 def test_fused_is_a_lora_mode(monkeypatch):
     import types
 
