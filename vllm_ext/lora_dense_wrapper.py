@@ -63,7 +63,7 @@ def lora_linear_fused(y: torch.Tensor, x: torch.Tensor, lora_a_stacked: list[tor
     wrapper = _WRAPPERS.get(wrapper_id)
     if why is None:
         state = wrapper._qerl_sync if wrapper is not None else _standalone_state(x.device)
-        lora_fused.fused_lora_linear(y, x, a, b, scale, slices, token_lora_indices, state)
+        lora_fused.launch(y, x, a, b, scale, slices, token_lora_indices, state)  # supports() said yes above
         return
     if wrapper is None:
         raise RuntimeError(f"{FUSED_OP}: {why}, and no punica wrapper {wrapper_id} to fall back on")
@@ -97,7 +97,6 @@ class QerlPunicaWrapper(PunicaWrapperGPU):
         super().__init__(*args, **kwargs)
         mode = requested_mode()
         self.qerl_mode = mode if self.max_loras == 1 else "punica"
-        self.qerl_dense = self.qerl_mode == "dense"
         self._qerl_sync = None
         self._qerl_static_fallbacks: set[str] = set()
         if self.qerl_mode == "fused":

@@ -224,6 +224,22 @@ def fused_lora_linear(
     why = supports(x, lora_a_stacked, lora_b_stacked, output_slices)
     if why is not None:
         raise FusedLoRAUnsupported(why)
+    launch(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, token_lora_indices, sync)
+
+
+def launch(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_stacked: tuple[torch.Tensor, ...],
+    lora_b_stacked: tuple[torch.Tensor, ...],
+    scale: float,
+    output_slices: tuple[int, ...],
+    token_lora_indices: torch.Tensor,
+    sync: torch.Tensor,
+) -> None:
+    """:func:`fused_lora_linear` for a caller that has already had ``None`` from :func:`supports` for this call
+    (the engine's op asks it once per call to choose its path); still refuses a strided output and a state too
+    small for the rank."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -187,13 +187,12 @@ def run(args: argparse.Namespace) -> int:
     report = {"shape": args.shape, "rank": r, "device": torch.cuda.get_device_name(), "rows": rows,
               "per_step_ms": per_step}
     (out / "bench_kernels.json").write_text(json.dumps(report, indent=1))
-    cols = COLUMNS
     lines = ["", f"per-layer decode kernels, {args.shape}, LoRA r{r}, {report['device']} (GPU us per call in CUDA graphs)",
-             f"{'group':<8}{'m':>4}" + "".join(f"{c:>13}" for c in cols)]
+             f"{'group':<8}{'m':>4}" + "".join(f"{c:>13}" for c in COLUMNS)]
     for x in rows:
-        lines.append(f"{x['group']:<8}{x['m']:>4}" + "".join(f"{x[c]:>13.1f}" if x.get(c) is not None else f"{'err':>13}" for c in cols))
+        lines.append(f"{x['group']:<8}{x['m']:>4}" + "".join(f"{x[c]:>13.1f}" if x.get(c) is not None else f"{'err':>13}" for c in COLUMNS))
     lines.append(f"per decode step ({layers} layers, linears only, ms):")
     for m, v in per_step.items():
-        lines.append(f"{'step':<8}{m:>4}" + "".join(f"{v[c]:>13.3f}" if v[c] is not None else f"{'-':>13}" for c in cols))
+        lines.append(f"{'step':<8}{m:>4}" + "".join(f"{v[c]:>13.3f}" if v[c] is not None else f"{'-':>13}" for c in COLUMNS))
     print("\n".join(lines))
     return 0
