@@ -23,7 +23,7 @@ pack() {  # what has finished so far goes to $OUT now: a call cut off by the dev
     cp "$work/status.txt" "$final/status.txt" 2>/dev/null
     tar czf "$final/$tag.tar.gz" -C "$work" \
         --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' --exclude='*.parquet' \
-        --exclude='checkpoints' --exclude='model' --exclude='work' --exclude='*.whl' --exclude='.pack.lock' . 2>/dev/null
+        --exclude='checkpoints' --exclude='model' --exclude='work' --exclude='*.whl' --exclude='.pack.lock' --exclude='*.trace.json.gz' . 2>/dev/null
     flock -u 9
 }
 
@@ -96,11 +96,13 @@ run_step() {
     v7_pair_bg)  # the 7B end-to-end pair in the background (setsid: outlives the call while the machine stays warm):
         # build the model if absent, then BF16-LoRA and NVFP4-LoRA back to back, verl's bypass mode in both (the same
         # actor loss); RESP=512|2048 (response length), STEPS (default 5), PHASES (default "build bf16 nvfp4 summary"),
-        # TAG (run-folder suffix, default -r$RESP), AFTER=<tag> (start once that tag's runs are done), V7_ARGS more
+        # TAG (run-folder suffix, default -r$RESP), AFTER=<tag> (start once that tag's runs are done; AFTER_FILE=<path>: once
+        # that file exists, e.g. /tmp/qerl-out/bench-p/DONE), V7_ARGS more
         # options (e.g. --ppo-micro 1; for 32B e.g. --param-offload --bf16-gpu-mem 0.9), SHAPE=7B|32B (default 7B;
         # folder $work/verl_7b or $work/verl_32b); v7_watch (same TAG and SHAPE) follows it
         step v7_pair_bg 30 bash -c 's='"$v7_shape"'; r=${RESP:-512}; t=${TAG:--r$r}; d='"$v7_dir"'; mkdir -p $d && rm -f $d/DONE$t &&
             setsid nohup bash -c "while [ -n \"${AFTER:-}\" ] && [ ! -f $d/DONE${AFTER:-} ]; do sleep 5; done;
+                while [ -n \"${AFTER_FILE:-}\" ] && [ ! -f \"${AFTER_FILE:-}\" ]; do sleep 5; done;
                 bash scripts/gpu/verl_7b_memory_step.sh ${PHASES:-build bf16 nvfp4 summary} --shape $s --out $d --bypass --steps ${STEPS:-5} --response $r --tag=$t --timeout 1500 ${V7_ARGS:-}; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null & echo "started the $s $t runs${AFTER:+ (after $AFTER)}"' ;;
     v7_watch)  # wait for the background runs (TAG, default -r$RESP; SHAPE) to end or the call's time to run out; their log's tail
         step v7_watch 580 bash -c 'r=${RESP:-512}; t=${TAG:--r$r}; d='"$v7_dir"'; end=$((SECONDS + '"$((deadline - SECONDS - 40))"')); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
@@ -166,6 +168,15 @@ run_step() {
     bench_fused_watch)  # wait for bench_fused_bg (same TAG) to end or the call's time to run out; the finished engines' lines
         step bench_fused_watch 580 bash -c 'd='"$work"'/bench_fused${TAG:-}; end=$((SECONDS + '"$((deadline - SECONDS - 40))"')); while [ ! -f $d/DONE ] && [ $SECONDS -lt $end ]; do sleep 15; done;
             grep -h "qerl: LoRA" $d/a/logs/*.log | sort | uniq -c; tail -n 12 $d/bg.log | cut -c1-300; cat $d/DONE 2>/dev/null || echo "still running"' ;;
+    bench_bg)  # any bench_rollout.py invocation in the background (setsid): BENCH_ARGS, into $work/bench$TAG (DONE
+        # holds its exit status); bench_watch (same TAG) follows it. E.g. the decode profile of §4h:
+        # BENCH_ARGS="--shape 7B --configs nvfp4,nvfp4-lora,bf16-lora --variants default,punica-lora --batches 1,8 --profile-tokens 64"
+        step bench_bg 30 bash -c 'd='"$work"'/bench${TAG:-}; mkdir -p $d && rm -f $d/DONE &&
+            setsid nohup bash -c "OUT=$d/a python3 scripts/gpu/bench_rollout.py ${BENCH_ARGS:?set BENCH_ARGS};
+                echo \$? > $d/DONE" >$d/bg.log 2>&1 </dev/null & echo started' ;;
+    bench_watch)  # wait for bench_bg (same TAG) to end or the call's time to run out (WATCH_S: return earlier); the log's tail
+        step bench_watch 580 bash -c 'd='"$work"'/bench${TAG:-}; end=$((SECONDS + ${WATCH_S:-'"$((deadline - SECONDS - 40))"'})); while [ ! -f $d/DONE ] && [ $SECONDS -lt $end ]; do sleep 10; done;
+            grep -h "qerl: LoRA" $d/a/logs/*.log 2>/dev/null | sort | uniq -c; tail -n 40 $d/bg.log | cut -c1-400; cat $d/DONE 2>/dev/null || echo "still running"' ;;
     bench_pair)  # 7B decode, vLLM's punica LoRA: BF16-LoRA, NVFP4-LoRA (qerl), stock NVFP4A16-LoRA, in that order
         step bench_pair 580 python3 scripts/gpu/bench_rollout.py --shape 7B --configs bf16-lora,nvfp4-lora,stock-nvfp4-lora --variants punica-lora --batches 1,8,64 --repeats 3 ;;
     watch)  # status of the runs until they end or the call's time is nearly up

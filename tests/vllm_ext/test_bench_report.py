@@ -68,3 +68,16 @@ def test_greedy_agreement_against_the_default_variant():
     d = g["bf16-lora@dense-lora"]
     assert d["common_prefix"] == [2, 4] and not d["all_identical"]
     assert d["max_abs_logprob_diff"] == 0.5  # only within the common prefixes
+
+
+def test_profiled_steps_are_printed():
+    from test_bench_profile import _trace
+
+    from vllm_ext.bench import profile
+
+    res = _res("nvfp4-lora", "default", {1: 200.0})
+    res["profile"] = {"1": profile.summarize_trace(_trace()), "8": {"error": "the trace has no GPU kernels: ..."}}
+    table = report.format_table([res], {"rows": {}, "checks": []}, [1])
+    assert ("nvfp4-lora@default b1: step 1.000 = replay 0.270 (span 0.270, 4 kernels) + outside 0.305 + idle 0.425; "
+            "outside:gemm 0.300, marlin 0.200, lora 0.050, attention 0.020, outside:copy 0.005") in table
+    assert "nvfp4-lora@default b8: the trace has no GPU kernels" in table

@@ -50,6 +50,11 @@ def test_plan_engine_arguments(tmp_path, rollout_args):
         runner.plan(rollout_args("--variants", "dual-strem", "--work", str(tmp_path), "--dry-run"), tmp_path)
     with pytest.raises(ValueError, match=r"unknown config\(s\) \['fp8'\]"):
         runner.plan(rollout_args("--configs", "fp8", "--work", str(tmp_path)), tmp_path)
+    assert by["nvfp4-lora@default"].spec["profile_tokens"] == 0
+    runs, _ = runner.plan(rollout_args("--configs", "nvfp4", "--profile-tokens", "64", "--work", str(tmp_path)), tmp_path)
+    assert runs[0].spec["profile_tokens"] == 64
+    with pytest.raises(ValueError, match="--profile-tokens 2: give 0 \\(off\\) or 3..4096"):
+        runner.plan(rollout_args("--configs", "nvfp4", "--profile-tokens", "2", "--work", str(tmp_path)), tmp_path)
 
 
 def test_failed_engine_is_reported_and_the_run_goes_on(tmp_path, capsys, rollout_args):

@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="greedy tokens and chosen-token logprobs of N fixed prompts per engine, compared across the "
                    "variants of one config in the report (0: off)")
     p.add_argument("--lora-rank", type=int, default=32, help="adapter rank (max_lora_rank follows it)")
+    p.add_argument("--profile-tokens", type=int, default=0, metavar="N",
+                   help="after the timings, decode N tokens per batch size under torch.profiler: per-step GPU time "
+                   "by kernel family, idle time, top kernels (vllm_ext.bench.profile); chrome traces in logs/ (0: off)")
     p.add_argument("--aqn-sigma", type=float, default=1e-2, help="AQN noise sigma for *-aqn configs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")

@@ -160,6 +160,16 @@ def main(spec_path: str, result_path: str) -> int:
             total = [timed(b, new) for _ in range(spec["repeats"])]
             result["batches"][str(b)] = decode_stats(b, new, prefill, total)
             save()
+        if spec.get("profile_tokens"):
+            from vllm_ext.bench.profile import profile_call
+
+            profiles = result.setdefault("profile", {})
+            stem = Path(result_path).name.removesuffix(".result.json")
+            for b in spec["batches"]:
+                trace = Path(result_path).with_name(f"{stem}.b{b}.trace.json.gz")
+                profiles[str(b)] = profile_call(lambda: timed(b, spec["profile_tokens"]), trace)  # noqa: B023
+                profiles[str(b)]["trace"] = trace.name
+                save()
         if spec.get("greedy_prompts"):
             result["greedy"] = greedy_fingerprint(llm, spec, lora, SamplingParams)
             save()

@@ -111,6 +111,20 @@ def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
                for b, m in r.get("batches", {}).items() if m.get("decode_spread") is not None]
     if spreads:
         lines += ["", "spread of the repeats ((max - min) / median decode tok/s): " + "; ".join(spreads)]
+    profiled = [(r, b, p) for r in results for b, p in r.get("profile", {}).items()]
+    if profiled:
+        lines += ["", "profiled decode step, GPU clock, median per step in ms (vllm_ext.bench.profile): step = graph "
+                  "replay's busy time + GPU work outside it + GPU idle; categories inside the replay, 'outside:' for "
+                  "eager work"]
+        for r, b, p in profiled:
+            key = f"{r['config']}@{r['variant']} b{b}"
+            if "error" in p:
+                lines.append(f"  {key}: {p['error']}")
+                continue
+            cats = ", ".join(f"{c} {v:.3f}" for c, v in sorted(p["by_category_ms"].items(), key=lambda kv: -kv[1]) if v)
+            lines.append(f"  {key}: step {p['period_ms']:.3f} = replay {p['replay_busy_ms']:.3f} (span "
+                         f"{p['replay_span_ms']:.3f}, {p['replay_kernels']} kernels) + outside {p['outside_busy_ms']:.3f} "
+                         f"+ idle {p['idle_ms']:.3f}; {cats}")
     if summary["checks"]:
         lines += ["", "targets:"] + [
             f"  {'PASS' if c['pass'] else 'FAIL'} {c['run']} {c['what']}: {c['got']} (target {c['target']})"

@@ -53,6 +53,9 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
     variants = {name: parse_variant(name) for name in args.variants}
     if any(b < 1 for b in args.batches) or args.prompt_len < 1 or args.new_tokens < 2:
         raise ValueError("--batches must be >= 1, --prompt-len >= 1 and --new-tokens >= 2")
+    profile_tokens = getattr(args, "profile_tokens", 0) or 0
+    if profile_tokens and not 3 <= profile_tokens <= 4096:
+        raise ValueError(f"--profile-tokens {profile_tokens}: give 0 (off) or 3..4096 tokens (>= 2 decode steps)")
     work = Path(args.work).expanduser().resolve() if getattr(args, "work", None) else Path(tempfile.gettempdir()) / "qerl-bench"
     models = work / "models"
     if args.model:
@@ -123,7 +126,7 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
                 new_tokens=args.new_tokens, repeats=args.repeats, lora_path=str(adapter) if cfg.lora else None,
                 lora_rank=args.lora_rank, aqn_sigma=args.aqn_sigma if cfg.aqn else None, tuned_dir=tuned_dir,
                 dims=model_dims(model_dir), shape=None if args.model else args.shape, dummy=dummy,
-                greedy_prompts=args.greedy_check,
+                greedy_prompts=args.greedy_check, profile_tokens=profile_tokens,
             )
             runs.append(Run(cname, vname, spec, env))
     return runs, skipped
