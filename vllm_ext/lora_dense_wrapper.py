@@ -4,6 +4,13 @@ paths (``additional_config={"qerl_lora": "dense" | "fused"}``).
 Imported by vLLM when it builds the LoRA manager of an engine (it subclasses vLLM's GPU punica wrapper, whose
 import loads vLLM's LoRA layers), never at plugin registration.
 
+vLLM 0.24's packed column-parallel LoRA layers (q/k/v and gate/up: ``MergedQKVParallelLinearWithLoRA``,
+``MergedColumnParallelLinearWithLoRA``) do not call the wrapper's ``add_lora_linear``: their ``apply`` runs
+``column_parallel_linear._mcp_apply``, which calls ``add_shrink`` and ``add_expand`` (the route fully sharded
+LoRA and tensor parallelism need). On one GPU without sharded LoRA that is the base GEMM plus ``add_lora_linear``
+with scale 1, so :func:`route_merged_layers` sends those layers there when their wrapper runs a qerl mode (until
+2026-11-24's eighth session it did not, and only o_proj and down_proj took the qerl paths).
+
 The ``fused`` path goes through one torch op, ``qerl::lora_linear_fused``, because vLLM compiles the model with
 torch.compile and a symbolic token count: a Python ``if tokens <= 64`` in the wrapper would be decided once,
 when the model is traced (with thousands of tokens), and bake punica into every graph. The op decides per
@@ -13,6 +20,7 @@ call instead, when it runs (eagerly, or while vLLM captures a CUDA graph for one
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 
@@ -22,13 +30,14 @@ from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 from vllm_ext import lora_fused
 from vllm_ext.lora_dense import dense_lora_linear, requested_mode
 
-__all__ = ["FUSED_OP", "QerlPunicaWrapper"]
+__all__ = ["FUSED_OP", "MERGED_APPLY_TARGET", "QerlPunicaWrapper", "route_merged_layers"]
 
 logger = logging.getLogger("qerl.vllm.lora_dense")
 
 FUSED_OP = "qerl::lora_linear_fused"
 _WRAPPERS: "weakref.WeakValueDictionary[int, QerlPunicaWrapper]" = weakref.WeakValueDictionary()
 _LOGGED: set[tuple[str, int]] = set()
+MERGED_APPLY_TARGET = "vllm.lora.layers.column_parallel_linear:_mcp_apply"  # what route_merged_layers wraps
 _PUNICA_SIZES_LOGGED = 4  # eager engines see every prefill length: name the first few, then say so once
 
 
@@ -87,11 +96,48 @@ def _standalone_state(device: torch.device) -> torch.Tensor:
     return _STANDALONE[key]
 
 
+def _routed(layer: torch.nn.Module) -> bool:
+    """Whether a merged column-parallel LoRA layer takes the base GEMM + ``add_lora_linear`` route: its wrapper
+    runs a qerl mode, one tensor-parallel rank, LoRA not fully sharded."""
+    wrapper = getattr(layer, "punica_wrapper", None)
+    return (
+        isinstance(wrapper, QerlPunicaWrapper)
+        and wrapper.qerl_mode != "punica"
+        and getattr(layer, "tp_size", 1) == 1
+        and "Sharded" not in type(layer).__name__
+        and not getattr(getattr(layer, "lora_config", None), "fully_sharded_loras", False)
+    )
+
+
+def route_merged_layers() -> None:
+    """Wrap ``column_parallel_linear._mcp_apply`` (:data:`MERGED_APPLY_TARGET`) so that merged column-parallel
+    LoRA layers whose wrapper runs a qerl mode compute ``base(x) + add_lora_linear`` (see the module docstring);
+    every other layer keeps vLLM's function. Idempotent."""
+    import vllm.lora.layers.column_parallel_linear as cpl
+
+    original = cpl._mcp_apply
+    if getattr(original, "__qerl_patch__", False):
+        return
+
+    @functools.wraps(original)
+    def _mcp_apply(x: torch.Tensor, bias: torch.Tensor | None, layer: torch.nn.Module) -> torch.Tensor:
+        if _routed(layer):
+            output = layer._get_quant_method().apply(layer.base_layer, x, bias)
+            return layer._apply_lora_to_output(x, output)
+        return original(x, bias, layer)
+
+    _mcp_apply.__qerl_patch__ = True
+    cpl._mcp_apply = _mcp_apply
+    logger.warning("qerl: merged q/k/v and gate/up LoRA layers take the wrapper's add_lora_linear (one GPU, LoRA "
+                   "not fully sharded); others keep vLLM's add_shrink/add_expand route")
+
+
 class QerlPunicaWrapper(PunicaWrapperGPU):
     """vLLM's GPU punica wrapper. With one adapter slot (``max_loras=1``) its linear layers take
     :func:`~vllm_ext.lora_dense.dense_lora_linear` (mode ``dense``) or the ``qerl::lora_linear_fused`` op (mode
     ``fused``: the kernel of :mod:`vllm_ext.lora_fused` for calls of at most 64 tokens, punica for larger ones,
-    decided per call); everything else runs punica."""
+    decided per call); everything else runs punica. Merged column-parallel layers (q/k/v, gate/up) reach
+    ``add_lora_linear`` through :func:`route_merged_layers`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -102,6 +148,8 @@ class QerlPunicaWrapper(PunicaWrapperGPU):
         if self.qerl_mode == "fused":
             self._qerl_sync = lora_fused.new_sync(self.device, max(16, self.lora_config.max_lora_rank))
             _WRAPPERS[id(self)] = self
+        if self.qerl_mode != "punica":
+            route_merged_layers()  # q/k/v and gate/up too, not only o_proj and down_proj
         # in the engine's log, so that a benchmark shows which path its LoRA layers took
         logger.warning("qerl: LoRA linears on the %s path (asked: %s, max_loras=%d)", self.qerl_mode, mode,
                        self.max_loras)

@@ -69,6 +69,7 @@ run_step() {
         step smoke 120 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch,vllm,verl,compressed_tensors,transformers;print(torch.__version__,vllm.__version__,verl.__version__,compressed_tensors.__version__,transformers.__version__)"; python3 -m qerl_plugin.cli doctor' ;;
     vllm_load) step vllm_load 300 python3 scripts/gpu/check_vllm_load.py ;;
     lora) step lora 420 python3 scripts/gpu/check_lora_correctness.py ;;
+    lora_r32) step lora_r32 420 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 ;;  # r32: the fused default's sizes
     actor) step actor 240 python3 scripts/gpu/check_actor_kernels.py --quick ;;
     actor_full) step actor_full 420 python3 scripts/gpu/check_actor_kernels.py ;;
     actor_model) step actor_model 300 python3 scripts/gpu/check_actor_kernels.py --steps model --model-tokens ${TOKENS:-4096} ;;

@@ -158,3 +158,93 @@ def test_gpu_dense_matches_punica_triton(tokens):
     floor = (ref.float() - exact)[served].abs().max()
     assert (got.float() - exact)[served].abs().max() <= 2 * floor + 1e-2
     assert torch.equal(got[~served], y0[~served]) and torch.equal(ref[~served], y0[~served])
+
+
+def _merged_layer(kind: str, wrapper_mode: str):
+    """A real vLLM merged column-parallel LoRA layer (gate/up or q/k/v, float32, one adapter in slot 0) whose
+    punica wrapper is qerl's in ``wrapper_mode``. The wrapper is built without PunicaWrapperGPU's Triton
+    metadata (it needs Triton's GPU backend); the qerl paths read only the base class's token indices."""
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.layers import MergedColumnParallelLinearWithLoRA, MergedQKVParallelLinearWithLoRA
+    from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    from vllm_ext.lora_dense_wrapper import QerlPunicaWrapper
+
+    torch.manual_seed(5)
+    k, r = 64, 16
+    if kind == "gate_up":
+        base = MergedColumnParallelLinear(k, [48, 80], bias=False, params_dtype=torch.float32)
+        layer = MergedColumnParallelLinearWithLoRA(base)
+    else:
+        base = QKVParallelLinear(k, head_size=16, total_num_heads=4, total_num_kv_heads=2, bias=True,
+                                 params_dtype=torch.float32)
+        base.bias.data.normal_()
+        layer = MergedQKVParallelLinearWithLoRA(base)
+    base.weight.data.normal_()
+    cfg = LoRAConfig(max_loras=1, max_lora_rank=r, lora_dtype=torch.float32)
+    layer.create_lora_weights(1, cfg)
+    w = QerlPunicaWrapper.__new__(QerlPunicaWrapper)
+    PunicaWrapperBase.__init__(w, 64, 8, "cpu")
+    w.lora_config, w.max_loras, w.qerl_mode = cfg, 1, wrapper_mode
+    mapping = (1, 1, 0, 1, 1)  # the third token has no adapter
+    PunicaWrapperBase.update_metadata(w, LoRAMapping(mapping, mapping, is_prefill=False), [1], 1, 32000)
+    layer.set_mapping(w)
+    a = [torch.randn(r, k) / k**0.5 for _ in layer.output_slices]
+    b = [torch.randn(n, r) / r**0.5 for n in layer.output_slices]
+    layer.set_lora(0, a, b)
+    return layer, base, a, b, torch.tensor(mapping) == 1
+
+
+@pytest.mark.parametrize("kind", ["gate_up", "qkv"])
+def test_merged_layers_take_the_qerl_path(cpu_config, kind):
+    """vLLM 0.24 sends merged q/k/v and gate/up LoRA layers through add_shrink/add_expand, past the wrapper's
+    add_lora_linear; route_merged_layers brings them back to it (base GEMM + add_lora_linear, same arithmetic)."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_ext.lora_dense_wrapper import route_merged_layers
+
+    with set_current_vllm_config(cpu_config):
+        route_merged_layers()
+        layer, base, a, b, served = _merged_layer(kind, "dense")
+        calls = []
+        original = layer.punica_wrapper.add_lora_linear
+        layer.punica_wrapper.add_lora_linear = lambda *args, **kw: calls.append(args[-1]) or original(*args, **kw)
+
+        def no_shrink(*args, **kw):
+            raise AssertionError("the merged layer went through add_shrink (vLLM's _mcp_apply)")
+
+        layer.punica_wrapper.add_shrink = no_shrink
+        x = torch.randn(5, 64)
+        out = layer(x)
+        out = out[0] if isinstance(out, tuple) else out
+    assert calls == [tuple(layer.output_slices)]  # one add_lora_linear call with every slice
+    plain = torch.nn.functional.linear(x, base.weight, base.bias)
+    delta = torch.cat([(x @ ai.t()) @ bi.t() for ai, bi in zip(a, b)], dim=1)
+    torch.testing.assert_close(out[served], (plain + delta)[served], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out[~served], plain[~served], rtol=1e-5, atol=1e-5)
+
+
+def test_merged_layers_keep_vllms_route_on_punica(cpu_config):
+    import pkgutil
+
+    from vllm.config import set_current_vllm_config
+
+    from vllm_ext import lora_dense_wrapper as ldw
+
+    with set_current_vllm_config(cpu_config):
+        ldw.route_merged_layers()
+        ldw.route_merged_layers()  # idempotent: one wrapper around vLLM's function
+        patched = pkgutil.resolve_name(ldw.MERGED_APPLY_TARGET)
+        assert patched.__qerl_patch__ and not getattr(patched.__wrapped__, "__qerl_patch__", False)
+        layer, *_ = _merged_layer("gate_up", "punica")
+
+        class Shrink(Exception):
+            pass
+
+        def shrink(*args, **kw):
+            raise Shrink
+
+        layer.punica_wrapper.add_shrink = shrink
+        with pytest.raises(Shrink):  # punica mode: vLLM's own add_shrink/add_expand route, unchanged
+            layer(torch.randn(5, 64))
