@@ -34,7 +34,6 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("marlin", ("marlin",)),
     ("attention", ("flash", "attn", "fmha", "attention")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv")),
-    ("inductor", ("triton_",)),
 )
 
 
@@ -42,6 +41,8 @@ def category(name: str, cat: str = "kernel") -> str:
     """The kernel family of a GPU event (see the module docstring)."""
     if cat != "kernel":
         return "copy"
+    if name.startswith("triton_"):  # torch.compile's kernels, named after what they fuse ("..._marlin_gemm_2")
+        return "inductor"
     low = name.lower()
     for label, keys in CATEGORIES:
         if any(k in low for k in keys):
