@@ -248,3 +248,8 @@ def test_merged_layers_keep_vllms_route_on_punica(cpu_config):
         layer.punica_wrapper.add_shrink = shrink
         with pytest.raises(Shrink):  # punica mode: vLLM's own add_shrink/add_expand route, unchanged
             layer(torch.randn(5, 64))
+        layer, *_ = _merged_layer("qkv", "fused")
+        layer.tp_size = 2  # tensor parallelism: _mcp_apply's gather/communication route stays vLLM's
+        layer.punica_wrapper.add_shrink = shrink
+        with pytest.raises(Shrink):
+            layer(torch.randn(5, 64))
