@@ -159,6 +159,8 @@ run_step() {
         step sweep_pack 40 python3 scripts/gpu/learning.py pack --work "$work/sweep" --out "$work/sweep_pack" --name sweep ;;
     bench_dense)  # 7B decode with the dense single-adapter LoRA path (greedy fingerprints for the check vs default)
         step bench_dense 580 python3 scripts/gpu/bench_rollout.py --shape 7B --configs nvfp4-lora,bf16-lora --variants dense-lora --batches 1,8,64 --repeats 3 ;;
+    gemv_test)  # the experimental NVFP4 GEMM (vllm_ext.nvfp4_gemv) in bf16 against the dequantized reference and Marlin; then `kernels` times it
+        step gemv_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_gemv.py ;;
     fused_test)  # the one-launch LoRA kernel against vLLM's punica Triton kernels (bf16, 7B shapes, CUDA-graph replay)
         step fused_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_lora_fused.py ;;
     bench_fused_bg)  # 7B decode in the background (setsid), one bench_rollout.py invocation: FUSED_CONFIGS (default

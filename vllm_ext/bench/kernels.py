@@ -25,14 +25,16 @@ overhead from Python), for every projection group (qkv, o, gate_up, down) and ba
   serial        marlin then lora_punica on one stream (vLLM's default)
   overlap       marlin on the main stream, lora_punica on a second stream, joined (VLLM_LORA_ENABLE_DUAL_STREAM's idea)
   serial_fused  marlin then lora_fused on one stream (additional_config={"qerl_lora": "fused"})
+  gemv          qerl's experimental Triton NVFP4 GEMM on the checkpoint layout (vllm_ext.nvfp4_gemv), one program
+                per 64 output features; gemv_sk4 the same with the K tiles split over 4 programs (fp32 atomics)
 
 Per-step sums (x layers) estimate the linear-layer share of a decode step and what each LoRA strategy costs.
 Writes $OUT/bench_kernels.json; prints the table last. Needs a CUDA GPU and vLLM's compiled ops.
 """
 
 
-COLUMNS = ("bf16", "marlin", "marlin_bf16r", "lora_punica", "lora_dense", "lora_fused", "serial", "serial_fused",
-           "overlap")
+COLUMNS = ("bf16", "marlin", "marlin_bf16r", "gemv", "gemv_sk4", "lora_punica", "lora_dense", "lora_fused", "serial",
+           "serial_fused", "overlap")
 
 
 def _graph_us(fn, iters: int, reps: int = 5) -> float:
@@ -82,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     from qerl_plugin import nvfp4
     from vllm_ext import lora_fused
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
     shp = shape_config(args.shape)
     hidden, inter, layers = shp["hidden_size"], shp["intermediate_size"], shp["num_hidden_layers"]
@@ -95,9 +98,10 @@ def run(args: argparse.Namespace) -> int:
         n = sum(ns)
         weight = (torch.randn(n, k_in, device=dev) * 0.02).to(bf16)
         parts = nvfp4.quantize_fused(list(weight.split(ns)))
+        packed_cat, scale_cat = torch.cat([p.packed for p in parts]), torch.cat([p.scale for p in parts])
         scratch = torch.nn.Module()
-        scratch.weight = torch.nn.Parameter(torch.cat([p.packed for p in parts]), requires_grad=False)
-        scratch.weight_scale = torch.nn.Parameter(torch.cat([p.scale for p in parts]), requires_grad=False)
+        scratch.weight = torch.nn.Parameter(packed_cat.clone(), requires_grad=False)
+        scratch.weight_scale = torch.nn.Parameter(scale_cat.clone(), requires_grad=False)
         scratch.weight_global_scale = torch.nn.Parameter(1.0 / parts[0].global_scale.max(), requires_grad=False)
         scratch.bias, scratch.params_dtype = None, bf16
         scratch.output_size_per_partition, scratch.input_size_per_partition = n, k_in
@@ -160,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
                 "bf16": lambda: F.linear(x, weight),
                 "marlin": marlin,
                 "marlin_bf16r": lambda: marlin(False),
+                "gemv": lambda: nvfp4_small_gemm(x, packed_cat, scale_cat, parts[0].global_scale),
+                "gemv_sk4": lambda: nvfp4_small_gemm(x, packed_cat, scale_cat, parts[0].global_scale, split_k=4),
                 "lora_punica": lambda: punica(y),
                 "lora_dense": lambda: dense(y),
                 "serial": serial,

@@ -1,0 +1,114 @@
+"""vllm_ext.nvfp4_gemv: the experimental W4A16 NVFP4 GEMM for decode-sized inputs.
+
+On the CPU the kernel runs under the Triton interpreter (a subprocess: TRITON_INTERPRET must be set before Triton
+is imported) in float16 against the codec's own dequantization (:func:`qerl_plugin.nvfp4.dequantize`, rounded to
+float16) times ``x`` in float32. Triton 3.6's interpreter mishandles bfloat16, so bfloat16 is checked on the GPU,
+where the kernel is also compared with vLLM's Marlin FP4 GEMM on the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from qerl_plugin import nvfp4
+
+pytest.importorskip("triton", reason="Triton is not installed: the kernel cannot run or be interpreted")
+
+CASES = [  # (rows, N, K, block_k, split_k): one and several rows, a ragged last N block, split-K
+    (1, 48, 256, 128, 1),
+    (5, 80, 384, 128, 1),
+    (3, 64, 512, 128, 2),
+    (16, 40, 256, 64, 1),
+]
+
+INTERPRETED = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from qerl_plugin import nvfp4
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+
+    out = []
+    for m, n, k, bk, sk in json.loads(sys.argv[1]):
+        g = torch.Generator().manual_seed(m * 1000 + n)
+        w = torch.randn(n, k, generator=g) * 0.05
+        w[0, :16] = 0.0  # an all-zero group (scale 0)
+        q = nvfp4.quantize(w.to(torch.bfloat16))
+        x = torch.randn(m, k, generator=g).to(torch.float16)
+        got = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=bk, split_k=sk, block_n=32)
+        wq = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float16)
+        ref = x.float() @ wq.float().t()
+        err = (got.float() - ref).abs().max().item()
+        scale = ref.abs().max().item()
+        out.append({"case": [m, n, k, bk, sk], "shape": list(got.shape), "dtype": str(got.dtype),
+                    "max_err": err, "ref_max": scale})
+    print(json.dumps(out))
+    """
+)
+
+
+def test_interpreted_kernel_matches_the_codec():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", INTERPRETED, json.dumps(CASES)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(results) == len(CASES)
+    for r in results:
+        m, n, k, _, _ = r["case"]
+        assert r["shape"] == [m, n] and r["dtype"] == "torch.float16"
+        # fp32 sums of the same float16 products; the only rounding left is the float16 output (2^-11 relative)
+        assert r["max_err"] <= 1e-3 * r["ref_max"] + 1e-3, r
+
+
+def test_refusals_name_the_bad_input():
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+
+    q = nvfp4.quantize(torch.randn(32, 256).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="activations in torch.float32"):
+        nvfp4_small_gemm(torch.randn(1, 256), q.packed, q.scale, q.global_scale)
+    with pytest.raises(ValueError, match="65 rows > 64"):
+        nvfp4_small_gemm(torch.randn(65, 256).half(), q.packed, q.scale, q.global_scale)
+    with pytest.raises(ValueError, match="K=256 is not a multiple of block_k=96"):
+        nvfp4_small_gemm(torch.randn(1, 256).half(), q.packed, q.scale, q.global_scale, block_k=96)
+    with pytest.raises(ValueError, match=r"packed torch.uint8 \(32, 128\), expected uint8 \(32, 64\)"):
+        nvfp4_small_gemm(torch.randn(1, 128).half(), q.packed, q.scale, q.global_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel and vLLM's Marlin FP4 GEMM)")
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_gpu_bf16_matches_dequantized_reference_and_marlin(m, split_k):
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
+        apply_fp4_marlin_linear,
+        prepare_fp4_layer_for_marlin,
+    )
+
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+
+    torch.manual_seed(m)
+    n, k = 4608, 3584  # the 7B q/k/v projection
+    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    got = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, split_k=split_k)
+    exact = x.float() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.bfloat16).float().t()
+    scratch = torch.nn.Module()
+    scratch.weight = torch.nn.Parameter(q.packed.clone(), requires_grad=False)
+    scratch.weight_scale = torch.nn.Parameter(q.scale.clone(), requires_grad=False)
+    scratch.weight_global_scale = torch.nn.Parameter(1.0 / q.global_scale.float(), requires_grad=False)
+    scratch.bias, scratch.params_dtype = None, torch.bfloat16
+    scratch.output_size_per_partition, scratch.input_size_per_partition = n, k
+    prepare_fp4_layer_for_marlin(scratch)
+    marlin = apply_fp4_marlin_linear(input=x, weight=scratch.weight, weight_scale=scratch.weight_scale,
+                                     weight_global_scale=scratch.weight_global_scale, workspace=scratch.workspace,
+                                     size_n=n, size_k=k)
+    floor = (marlin.float() - exact).abs().max()
+    assert (got.float() - exact).abs().max() <= 2 * floor + 1e-2
