@@ -1,5 +1,7 @@
-"""A Triton W4A16 NVFP4 GEMM for decode-sized inputs, straight from the compressed-tensors layout. Experimental:
-measured only by ``qerl bench kernels`` (column ``gemv``), not used by any engine yet.
+"""A Triton W4A16 NVFP4 GEMM for decode-sized inputs, straight from the compressed-tensors layout. Experimental and
+not used by any engine. On the H100 it is correct but 4-7.5x slower than vLLM's Marlin FP4 GEMM
+(``qerl bench kernels`` columns ``gemv``/``gemv_sk4``, docs/benchmarks.md §4h, third lease): a starting point,
+not a backend.
 
 Why: §4h of docs/benchmarks.md profiles a 7B decode step at batch 1 and finds vLLM's Marlin FP4 GEMMs at 2.38 ms
 of 4.64, while the 4-bit weights and FP8 scales of those linears (~3.7 GB) need ~1.1 ms at the H100's bandwidth;
