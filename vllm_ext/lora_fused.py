@@ -32,32 +32,17 @@ and Triton only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    _TRITON_IMPORT_ERROR: Exception | None = None
-except Exception as exc:  # pragma: no cover - CPU-only installs may lack Triton
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    _TRITON_IMPORT_ERROR = exc
+from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
+from vllm_ext.triton_support import interpreting as _interpreting
+from vllm_ext.triton_support import tl, triton
 
 MAX_TOKENS = 64  # calls with more tokens than this take punica (one program holds all tokens in registers)
 MAX_SLICES = 3  # q/k/v
 CHUNK_K = 256  # input features per shrink program (one load of x and of each slice's A)
 BLOCK_N = 128  # output features per expand program
 
-
-def _interpreting() -> bool:
-    """Under ``TRITON_INTERPRET=1`` (CPU) the dots run on float32 copies of the bf16/fp16 tiles: the
-    interpreter of Triton 3.6 returns garbage for ``tl.dot`` of bfloat16 tiles (float16 and float32 are
-    right). Products of bf16/fp16 values are exact in float32 and the sums are float32 either way, so the
-    arithmetic is the GPU's (where the dots take the 16-bit tiles and accumulate in float32)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class FusedLoRAUnsupported(ValueError):

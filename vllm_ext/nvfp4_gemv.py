@@ -20,28 +20,16 @@ Under ``TRITON_INTERPRET=1`` the dots run in float32 (Triton 3.6's interpreter g
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    _TRITON_IMPORT_ERROR: Exception | None = None
-except Exception as exc:  # pragma: no cover - CPU-only installs may lack Triton
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    _TRITON_IMPORT_ERROR = exc
+from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
+from vllm_ext.triton_support import interpreting as _interpreting
+from vllm_ext.triton_support import tl, triton
 
 __all__ = ["MAX_TOKENS", "nvfp4_small_gemm"]
 
 MAX_TOKENS = 64  # rows per call; larger inputs belong to a GEMM with real M tiles
 GROUP = 16
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 if triton is not None:
