@@ -59,11 +59,6 @@ def requested_mode() -> str:
     return options.lora_mode(getattr(config, "additional_config", None))
 
 
-def dense_requested() -> bool:
-    """Whether the engine being built asked for the dense path."""
-    return requested_mode() == "dense"
-
-
 def register(platform_cls: type | None = None) -> None:
     """Make the (CUDA) platform build :data:`QUALNAME` (vLLM's own wrapper unless an engine asks); idempotent."""
     if platform_cls is None:

@@ -123,12 +123,12 @@ def test_dense_is_asked_for_per_engine(monkeypatch):
 
     import vllm.config
 
-    assert not lora_dense.dense_requested()  # no engine being built
+    assert lora_dense.requested_mode() != "dense"  # no engine being built
     for extra, want in (({}, False), ({"qerl_lora": "punica"}, False), ({"qerl_lora": "Dense"}, True)):
         # the engine's config while vLLM builds its LoRA manager (a VllmConfig needs a device to be built here)
         config = types.SimpleNamespace(additional_config=extra)
         monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: config)
-        assert lora_dense.dense_requested() is want
+        assert (lora_dense.requested_mode() == "dense") is want
     with pytest.raises(ValueError, match="qerl_lora.*expected one of fused, punica, dense"):
         options.lora_mode({"qerl_lora": "cublas"})
 
