@@ -113,9 +113,10 @@ def summarize_trace(trace: dict[str, Any], top: int = 15, min_kernels: int = 0) 
             j += 1
         own = replays[k]
         cats: dict[str, float] = defaultdict(float)
-        for e in inside + outside:
-            cats[("" if id(e) in replay_ids else "outside:") + category(e.get("name", ""), e.get("cat"))] += e["dur"] / 1000.0
-            per_kernel[(e.get("name", "?"), category(e.get("name", ""), e.get("cat")), id(e) in replay_ids)].append(e["dur"])
+        for e, in_replay in [(e, True) for e in inside] + [(e, False) for e in outside]:
+            family = category(e.get("name", ""), e.get("cat"))
+            cats[("" if in_replay else "outside:") + family] += e["dur"] / 1000.0
+            per_kernel[(e.get("name", "?"), family, in_replay)].append(e["dur"])
         busy_all = _union_ms([(e["ts"], e["ts"] + e["dur"]) for e in inside + outside])
         replay_busy = _union_ms([(e["ts"], e["ts"] + e["dur"]) for e in own])
         rows.append({
