@@ -163,14 +163,11 @@ run_step() {
         step gemv_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_gemv.py ;;
     fused_test)  # the one-launch LoRA kernel against vLLM's punica Triton kernels (bf16, 7B shapes, CUDA-graph replay)
         step fused_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_lora_fused.py ;;
-    bench_fused_bg)  # 7B decode in the background (setsid), one bench_rollout.py invocation: FUSED_CONFIGS (default
-        # nvfp4-lora,nvfp4) x variants fused-lora,default, into $work/bench_fused$TAG; bench_fused_watch (same TAG) follows it
-        step bench_fused_bg 30 bash -c 'd='"$work"'/bench_fused${TAG:-}; mkdir -p $d && rm -f $d/DONE &&
-            setsid nohup bash -c "OUT=$d/a python3 scripts/gpu/bench_rollout.py --shape 7B --configs ${FUSED_CONFIGS:-nvfp4-lora,nvfp4} --variants fused-lora,default --batches 1,8,64 --repeats 3;
-                echo \$? > $d/DONE" >$d/bg.log 2>&1 </dev/null & echo started' ;;
-    bench_fused_watch)  # wait for bench_fused_bg (same TAG) to end or the call's time to run out; the finished engines' lines
-        step bench_fused_watch 580 bash -c 'd='"$work"'/bench_fused${TAG:-}; end=$((SECONDS + '"$((deadline - SECONDS - 40))"')); while [ ! -f $d/DONE ] && [ $SECONDS -lt $end ]; do sleep 15; done;
-            grep -h "qerl: LoRA" $d/a/logs/*.log | sort | uniq -c; tail -n 12 $d/bg.log | cut -c1-300; cat $d/DONE 2>/dev/null || echo "still running"' ;;
+    bench_fused_bg)  # §4g's 7B decode: bench_bg with FUSED_CONFIGS (default nvfp4-lora,nvfp4) x variants fused-lora,default,
+        # into $work/bench_fused$TAG; bench_fused_watch (same TAG) follows it
+        TAG="_fused${TAG:-}" BENCH_ARGS="--shape 7B --configs ${FUSED_CONFIGS:-nvfp4-lora,nvfp4} --variants fused-lora,default --batches 1,8,64 --repeats 3" run_step bench_bg ;;
+    bench_fused_watch)  # bench_watch on bench_fused_bg's folder (same TAG)
+        TAG="_fused${TAG:-}" run_step bench_watch ;;
     bench_bg)  # any bench_rollout.py invocation in the background (setsid): BENCH_ARGS, into $work/bench$TAG (DONE
         # holds its exit status); bench_watch (same TAG) follows it. E.g. the decode profile of §4h:
         # BENCH_ARGS="--shape 7B --configs nvfp4,nvfp4-lora,bf16-lora --variants default,punica-lora --batches 1,8 --profile-tokens 64"
