@@ -44,7 +44,6 @@ CHUNK_K = 256  # input features per shrink program (one load of x and of each sl
 BLOCK_N = 128  # output features per expand program
 
 
-
 class FusedLoRAUnsupported(ValueError):
     """The call's shapes or dtypes are outside what the fused kernel handles; the caller takes punica."""
 
