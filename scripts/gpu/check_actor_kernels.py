@@ -240,17 +240,23 @@ def step_dequant(rec: Recorder, shapes: dict) -> None:
 
 
 TUNE_CONFIGS = [(16, 16, 4), (8, 16, 4), (4, 32, 4), (32, 8, 4), (16, 32, 8), (8, 32, 4), (16, 8, 2), (4, 16, 2),
-                (2, 64, 4), (1, 128, 4), (8, 8, 2), (32, 16, 8)]
+                (2, 64, 4), (1, 128, 4), (8, 8, 2), (32, 16, 8), (32, 32, 8), (64, 16, 8), (16, 64, 8), (8, 64, 8)]
+# the kernel's decode variants (SHIFT_DECODE, HW_BF16) timed at the default tile, same run: the current default, its
+# bfloat16 rounding done by integer work, and the earlier integer E2M1 decode with it (the kernel of §4e)
+TUNE_DECODES = [(True, True), (True, False), (False, False)]
 
 
 def step_tune(rec: Recorder, shapes: dict) -> None:
-    """Time the dequant kernel at several tile sizes (BLOCK_R rows x BLOCK_G groups, warps), each checked bit for bit."""
+    """Time the dequant kernel at several tile sizes (BLOCK_R rows x BLOCK_G groups, warps) and decode variants,
+    each checked bit for bit against the torch codec."""
     import torch
 
     from qerl_plugin import nvfp4
     from verl_ext import kernels
 
-    saved = (kernels.BLOCK_R, kernels.BLOCK_G, kernels.NUM_WARPS)
+    saved = (kernels.BLOCK_R, kernels.BLOCK_G, kernels.NUM_WARPS, kernels.SHIFT_DECODE, kernels.HW_BF16)
+    configs = TUNE_CONFIGS if DEVICE == "cuda" else TUNE_CONFIGS[:2]
+    runs = [(c, saved[3:]) for c in configs] + [(saved[:3], d) for d in TUNE_DECODES if d != saved[3:]]
     try:
         for name, shape in shapes.items():
             if name not in ("q_proj", "gate_proj", "down_proj"):
@@ -260,16 +266,21 @@ def step_tune(rec: Recorder, shapes: dict) -> None:
             out = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
             n = shape[0] * shape[1]
             moved = n // 2 + n // 16 + 2 * n
-            for br, bg, nw in TUNE_CONFIGS if DEVICE == "cuda" else TUNE_CONFIGS[:2]:
+            for (br, bg, nw), (shift, hw) in runs:
                 kernels.BLOCK_R, kernels.BLOCK_G, kernels.NUM_WARPS = br, bg, nw
+                kernels.SHIFT_DECODE, kernels.HW_BF16 = shift, hw
                 fn = lambda: kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, torch.bfloat16, out=out)
+                out.zero_()
                 fn()
                 exact = bool(torch.equal(out.view(torch.int16), ref))
-                ms = cuda_time_ms(fn, iters=20)
-                rec.record(step="tune", case=name, block_r=br, block_g=bg, warps=nw, exact=exact, ms=round(ms, 4),
-                           GBps=round(moved / ms / 1e6, 1), default=(br, bg, nw) == saved)
+                t = cuda_times_ms(fn, iters=20)
+                ms = statistics.median(t)
+                rec.record(step="tune", case=name, block_r=br, block_g=bg, warps=nw, shift_decode=shift, hw_bf16=hw,
+                           exact=exact, ms=round(ms, 4), ms_min=round(min(t), 4), ms_max=round(max(t), 4),
+                           GBps=round(moved / ms / 1e6, 1), pct_of_peak=round(100 * moved / ms / 1e6 / HBM_PEAK_GBPS, 1),
+                           default=(br, bg, nw, shift, hw) == saved)
     finally:
-        kernels.BLOCK_R, kernels.BLOCK_G, kernels.NUM_WARPS = saved
+        (kernels.BLOCK_R, kernels.BLOCK_G, kernels.NUM_WARPS, kernels.SHIFT_DECODE, kernels.HW_BF16) = saved
 
 
 def step_layer(rec: Recorder, shapes: dict, tokens_list: list[int], rank: int) -> None:
@@ -505,6 +516,16 @@ def summary(rows: list[dict]) -> str:
                 f"{r.get('triton_pct_of_peak', '-'):>7} {r.get('copy_GBps', '-'):>10} {r.get('launch_us', '-'):>10} "
                 f"{r['torch_ms']:>10} {r['speedup']:>8}"
             )
+    tune = [r for r in rows if r.get("step") == "tune"]
+    if tune:
+        lines.append(f"{'tune':10} {'tile R x G / warps':>18} {'decode':>14} {'ms':>8} {'GB/s':>8} {'% peak':>7}  exact")
+        for r in tune:
+            decode = ("shift" if r.get("shift_decode", True) else "integer") + ("+cvt" if r.get("hw_bf16", True) else "+int")
+            lines.append(
+                f"{r['case']:10} {str(r['block_r']) + ' x ' + str(r['block_g']) + ' / ' + str(r['warps']):>18} "
+                f"{decode:>14} {r['ms']:>8} {r['GBps']:>8} {r.get('pct_of_peak', '-'):>7}  {r['exact']}"
+                + ("  (default)" if r.get("default") else "")
+            )
     lay = [r for r in rows if r.get("step") == "layer"]
     if lay:
         lines.append(
@@ -602,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     text = summary(rec.rows)
     print(text)
     rec.logf.write(text + "\n")
-    failed = any(r.get("step") == "error" or (r.get("step") == "exact" and not r.get("ok")) for r in rec.rows)
+    failed = any(r.get("step") == "error" or (r.get("step") == "exact" and not r.get("ok"))
+                 or (r.get("step") == "tune" and not r.get("exact")) for r in rec.rows)
     return 1 if failed else 0
 
 

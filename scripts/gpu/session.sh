@@ -72,6 +72,7 @@ run_step() {
     lora_r32) step lora_r32 420 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 ;;  # r32: the fused default's sizes
     actor) step actor 240 python3 scripts/gpu/check_actor_kernels.py --quick ;;
     actor_full) step actor_full 420 python3 scripts/gpu/check_actor_kernels.py ;;
+    actor_dq) step actor_dq 300 python3 scripts/gpu/check_actor_kernels.py --steps exact,dequant,tune ;;  # dequant: bits, GB/s, tiles and decode variants
     actor_model) step actor_model 300 python3 scripts/gpu/check_actor_kernels.py --steps model --model-tokens ${TOKENS:-4096} ;;
     actor_profile) step actor_profile 300 python3 scripts/gpu/check_actor_kernels.py --steps profile --model-tokens ${TOKENS:-2560} ;;
     actor_tune) step actor_tune 300 python3 scripts/gpu/check_actor_kernels.py --steps tune,dequant,model ;;

@@ -31,7 +31,8 @@ KERNEL_CHECK = textwrap.dedent(
     g = torch.Generator().manual_seed(0)
     bad = []
     cases = [(16, 32, 1.0), (37, 96, 2688.0), (5, 528, 1e-3), (64, 256, 3.0e7), (3, 4096, 0.37)]
-    for rows, cols, gs in cases:
+    for (rows, cols, gs), shift in [(c, True) for c in cases] + [(c, False) for c in cases[:2]]:
+        kernels.SHIFT_DECODE = shift  # the float16-bits decode (default) and the earlier integer one
         packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
         sbytes = torch.randint(0, 256, (rows, cols // 16), dtype=torch.uint8, generator=g)
         sbytes.view(-1)[: min(256, sbytes.numel())] = torch.arange(min(256, sbytes.numel()), dtype=torch.uint8)
@@ -43,7 +44,8 @@ KERNEL_CHECK = textwrap.dedent(
             iv = torch.int32 if dt == torch.float32 else torch.int16
             nan = torch.isnan(b)
             if not (torch.equal(torch.isnan(a), nan) and torch.equal(a.view(iv)[~nan], b.view(iv)[~nan])):
-                bad.append((rows, cols, gs, str(dt)))
+                bad.append((rows, cols, gs, str(dt), shift))
+    kernels.SHIFT_DECODE = True
     # a real quantized weight, through the dispatcher with backend="triton"
     w = torch.randn(48, 160, generator=g).to(torch.bfloat16)
     q = nvfp4.quantize(w)
