@@ -307,26 +307,32 @@ def test_7b_pair_runs_pass_qerls_config_check(name, extra):
         assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
 
 
-def test_7b_pair_bf16_lora_path_reaches_vllms_command_line():
-    """--bf16-lora punica: the BF16 run's composed config carries additional_config as JSON text, verl turns it into
-    vLLM's --additional-config argument, and qerl's option parser reads the LoRA path back from it; the NVFP4 run
-    and a BF16 run without the flag carry none."""
+def test_7b_pair_lora_path_reaches_vllms_command_line():
+    """--bf16-lora / --nvfp4-lora: a run's composed config carries additional_config as JSON text; in the BF16 run
+    (qerl off) verl turns it into vLLM's --additional-config argument as is, in the NVFP4 run qerl's rollout wrapper
+    merges its own AQN key into it; qerl's option parser reads the LoRA path back either way. Without the flag a
+    run carries none."""
     import json
 
     from verl.workers.rollout.vllm_rollout.utils import build_cli_args_from_config
 
     from qerl_plugin import options
     from verl_ext.config import compose
+    from verl_ext.rollout import merged_additional_config
 
     v7 = _import_script("verl_7b_memory_step")
-    args = v7.parser().parse_args(["bf16", "--bypass", "--bf16-lora", "punica"])
+    args = v7.parser().parse_args(["bf16", "--bypass", "--bf16-lora", "punica", "--nvfp4-lora", "dense"])
     cfg = compose(ROOT / "examples" / "tiny" / "config.yaml", v7.overrides_for("bf16", Path("/tmp/qerl-7b"), args))
     engine = dict(cfg.actor_rollout_ref.rollout.engine_kwargs.vllm)
     cli = build_cli_args_from_config(engine)
     given = json.loads(cli[cli.index("--additional_config") + 1])
     assert given == {"qerl_lora": "punica"} and options.lora_mode(given) == "punica"
-    for name, extra in (("nvfp4", ["--bf16-lora", "punica"]), ("bf16", [])):
-        args = v7.parser().parse_args(["bf16", "--bypass", *extra])
+    cfg = compose(ROOT / "examples" / "tiny" / "config.yaml", v7.overrides_for("nvfp4", Path("/tmp/qerl-7b"), args))
+    text = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config
+    merged = merged_additional_config(text, options.engine_config(aqn=True))
+    assert options.lora_mode(merged) == "dense" and options.aqn_enabled(merged)
+    for name in ("nvfp4", "bf16"):
+        args = v7.parser().parse_args(["bf16", "--bypass"])
         cfg = compose(ROOT / "examples" / "tiny" / "config.yaml", v7.overrides_for(name, Path("/tmp/qerl-7b"), args))
         assert "additional_config" not in cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
 

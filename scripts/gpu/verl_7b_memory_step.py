@@ -235,8 +235,6 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
         overrides += ["algorithm.rollout_correction.bypass_mode=true"]
     if name == "bf16":
         overrides += ["actor_rollout_ref.rollout.quantization=null", "actor_rollout_ref.rollout.custom.qerl.aqn.enable=false"]
-        if args.bf16_lora:  # JSON text: verl hands engine_kwargs.vllm to vLLM's command line, which parses it
-            overrides += [f"++actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config='{{\"qerl_lora\": \"{args.bf16_lora}\"}}'"]
         if args.bypass and not args.bf16_vanilla_loss:
             # the actor loss qerl's normalisation gives the NVFP4 run (verl's bypass_mode loss with the
             # rollout-correction block), set by hand here: with qerl off, verl 0.9.1 leaves the workers on 'vanilla'
@@ -245,6 +243,9 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
                 "+actor_rollout_ref.actor.policy_loss.rollout_correction={rollout_is:token,rollout_is_threshold:2.0,"
                 "bypass_mode:true,loss_type:ppo_clip}",
             ]
+    lora = args.bf16_lora if name == "bf16" else args.nvfp4_lora
+    if lora:  # JSON text: verl hands engine_kwargs.vllm to vLLM's command line (qerl merges its own keys into it first)
+        overrides += [f"++actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config='{{\"qerl_lora\": \"{lora}\"}}'"]
     return overrides
 
 
@@ -287,7 +288,7 @@ def run(name: str, out: Path, args) -> dict:
                      "chunked_entropy": args.chunked_entropy, "response": args.response, "gpu_mem": args.gpu_mem,
                      "bypass": args.bypass, "steps": args.steps, "shape": args.shape,
                      "param_offload": args.param_offload, "bf16_gpu_mem": args.bf16_gpu_mem,
-                     "rollout_gpu_mem": rollout_gpu_mem(name, args), "bf16_lora": args.bf16_lora, "model": str(model_dir(name, out, args.shape))},
+                     "rollout_gpu_mem": rollout_gpu_mem(name, args), "lora_path": (args.bf16_lora if name == "bf16" else args.nvfp4_lora) or "default", "model": str(model_dir(name, out, args.shape))},
         "step_s_each": {s: d.get("timing_s/step") for s, d in sorted(steps.items())},
         "step_s_spread": spread("timing_s/step"),
         "gen_s_spread": spread("timing_s/gen"),
@@ -339,6 +340,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16-lora", choices=("fused", "punica", "dense"), default=None,
                    help="the BF16 run's vLLM LoRA path (additional_config qerl_lora); default: the plugin's default "
                         "(fused). 'punica' is vLLM's own, what a BF16 run without qerl gets")
+    p.add_argument("--nvfp4-lora", choices=("fused", "punica", "dense"), default=None,
+                   help="the NVFP4 run's vLLM LoRA path, the same way (default: the plugin's default, fused)")
     p.add_argument("--tag", default="", help="suffix of the run folders and result phases, e.g. -r2048")
     p.add_argument("--timeout", type=int, default=570)
     return p
