@@ -478,6 +478,13 @@ def _listing(folder):
     return sorted((p.relative_to(folder).as_posix(), p.read_bytes()) for p in folder.rglob("*") if p.is_file())
 
 
+def test_random_checkpoint_cli_keeps_a_finished_folder(rc, tmp_path, capsys):
+    """`random_checkpoint.py DST --if-missing` (session.sh ckpt7b) leaves a folder with a config.json alone."""
+    (tmp_path / "config.json").write_text("{}")
+    assert rc.main([str(tmp_path), "--shape", "7B", "--if-missing"]) == 0
+    assert "already there, kept" in capsys.readouterr().out and [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
 def test_random_checkpoint_refuses_bad_input_and_keeps_what_was_there(rc, tmp_path, monkeypatch):
     """An unknown kind, too little disk, or a filesystem without holes: an error naming the cause, no partial folder
     left behind, and an existing checkpoint at the destination untouched."""

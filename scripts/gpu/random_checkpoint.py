@@ -362,3 +362,33 @@ def _unit_tensors(unit: _Unit, seed: int, device: torch.device) -> dict[str, tor
     for m, q in zip(modules, qs):
         out.update({k: v.cpu() for k, v in q.tensors(m).items()})
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write one random checkpoint of a `qerl bench rollout` shape, e.g. the NVFP4A16 checkpoint that the bench's
+    stock-nvfp4 configs need (``--nvfp4-model``): vLLM's dummy loader cannot fill FP8 scales with valid values."""
+    import argparse
+
+    from transformers import Qwen2Config
+
+    from vllm_ext.bench.shapes import SHAPES, shape_config
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("dst", type=Path, help="folder to write (replaced if it exists)")
+    p.add_argument("--shape", default="7B", choices=sorted(SHAPES), help="Qwen2.5 shape (default 7B)")
+    p.add_argument("--kind", default="nvfp4", choices=KINDS, help="what to write (default nvfp4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="where tensors are made and quantized (default: CUDA if any)")
+    p.add_argument("--if-missing", action="store_true", help="keep dst as it is when its config.json exists")
+    args = p.parse_args(argv)
+    if args.if_missing and (args.dst / "config.json").exists():
+        print(f"{args.dst}: already there, kept")
+        return 0
+    cfg = Qwen2Config(**shape_config(args.shape))
+    info = write_checkpoint(args.dst, cfg, args.kind, seed=args.seed, device=args.device)
+    print(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -178,8 +178,12 @@ run_step() {
     bench_watch)  # wait for bench_bg (same TAG) to end or the call's time to run out (WATCH_S: return earlier); the log's tail
         step bench_watch 580 bash -c 'd='"$work"'/bench${TAG:-}; end=$((SECONDS + ${WATCH_S:-'"$((deadline - SECONDS - 40))"'})); while [ ! -f $d/DONE ] && [ $SECONDS -lt $end ]; do sleep 10; done;
             grep -h "qerl: LoRA" $d/a/logs/*.log 2>/dev/null | sort | uniq -c; tail -n 40 $d/bg.log | cut -c1-400; cat $d/DONE 2>/dev/null || echo "still running"' ;;
-    bench_pair)  # 7B decode, vLLM's punica LoRA: BF16-LoRA, NVFP4-LoRA (qerl), stock NVFP4A16-LoRA, in that order
-        step bench_pair 580 python3 scripts/gpu/bench_rollout.py --shape 7B --configs bf16-lora,nvfp4-lora,stock-nvfp4-lora --variants punica-lora --batches 1,8,64 --repeats 3 ;;
+    ckpt7b)  # a random 7B NVFP4A16 checkpoint (valid FP8 scales) for the bench's stock rows: $work/ckpt_7b_nvfp4
+        step ckpt7b 300 python3 scripts/gpu/random_checkpoint.py "$work/ckpt_7b_nvfp4" --shape 7B --kind nvfp4 --if-missing ;;
+    bench_pair)  # 7B decode, vLLM's punica LoRA: NVFP4-LoRA (qerl), stock NVFP4A16-LoRA, BF16-LoRA, in that order; the
+        # NVFP4 rows load ckpt7b's checkpoint (stock cannot run on dummy weights: §4i)
+        run_step ckpt7b
+        step bench_pair 580 python3 scripts/gpu/bench_rollout.py --shape 7B --nvfp4-model "$work/ckpt_7b_nvfp4" --configs nvfp4-lora,stock-nvfp4-lora,bf16-lora --variants punica-lora --batches 1,8,64 --repeats 3 ;;
     watch)  # status of the runs until they end or the call's time is nearly up
         step watch 580 python3 scripts/gpu/learning.py wait --work "$work/learn" --timeout $((deadline - SECONDS - 40)) ;;
     entropy) step entropy 400 python3 scripts/gpu/entropy_sigma.py --model /tmp/qerl_smollm2/bf16 --data /tmp/qerl_smollm2/data/test.parquet ;;

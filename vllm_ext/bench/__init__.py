@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="Qwen2.5 shape with random weights (default 7B)")
     src.add_argument("--model", help="a BF16 Hugging Face checkpoint directory (real weights)")
     p.add_argument("--nvfp4-model", help="NVFP4A16 checkpoint (`qerl quantize` output) for the nvfp4/stock configs "
-                   "instead of quantizing while loading (needed for stock-* with --model)")
+                   "instead of quantizing while loading; needed for the stock-* and humming-* configs (with random weights, "
+                   "scripts/gpu/random_checkpoint.py writes one of a shape)")
     p.add_argument("--configs", type=_csv(str), default=_csv(str)(DEFAULT_CONFIGS),
                    help=f"comma list from {list(CONFIGS)} (default {DEFAULT_CONFIGS})")
     p.add_argument("--variants", type=_csv(str), default=["default"],

@@ -65,11 +65,7 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
     else:
         bf16_dir, dummy = write_shape(args.shape, models), True
     nvfp4_dir = Path(args.nvfp4_model).expanduser().resolve() if args.nvfp4_model else None
-    stock_dir = nvfp4_dir
-    if stock_dir is None and dummy:
-        from qerl_plugin.format import quantization_config_dict
-
-        stock_dir = write_shape(args.shape, models, quantization_config_dict(ignore=["lm_head"]))
+    stock_dir = nvfp4_dir  # vLLM's own NVFP4A16 path (and humming) load a real checkpoint, never dummy weights
     adapter = None
     if any(CONFIGS[c].lora for c in args.configs):
         adapter = write_adapter(bf16_dir, args.lora_rank, work / f"adapter-{bf16_dir.name}-r{args.lora_rank}")
@@ -82,7 +78,13 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
                 skipped.append({"config": cname, "variant": vname, "reason": "the variant changes nothing for this config"})
                 continue
             if cfg.quant in ("stock", "humming") and stock_dir is None:
-                skipped.append({"config": cname, "variant": vname, "reason": f"{cname} with --model needs --nvfp4-model"})
+                # on random weights vLLM's dummy loader would fill weight_scale with random FP8 bytes: negative and
+                # NaN scales, NaN outputs (seen 2026-11-24, docs/benchmarks.md §4i): no timing of a working model
+                reason = (f"{cname} needs --nvfp4-model: an NVFP4A16 checkpoint of the same model (`qerl quantize` "
+                          "output" + (", or of the same shape with random weights: scripts/gpu/random_checkpoint.py's "
+                          "nvfp4 kind); on load_format=dummy its FP8 scales would be random bytes, negative and NaN "
+                          "among them, and the outputs NaN" if dummy else ")"))
+                skipped.append({"config": cname, "variant": vname, "reason": reason})
                 continue
             model_dir = {None: bf16_dir, options.METHOD: nvfp4_dir or bf16_dir, "stock": stock_dir, "humming": stock_dir}[cfg.quant]
             engine: dict[str, Any] = dict(
