@@ -307,6 +307,26 @@ def test_7b_pair_runs_pass_qerls_config_check(name, extra):
         assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
 
 
+def test_7b_pair_verdict_and_bound_from_the_ninth_sessions_2048_pair():
+    """The summary's pair line on §4i's 2048 records (docs/gpu-runs/2026-11-24/ninth/lease1): 1.174x, NVFP4 faster
+    (4.6 s apart, spreads under 0.5 s), 1.8x not met, at most 2.44x with a free rollout, and 1.8x would need a
+    rollout 4.1x faster than BF16's; a gap inside a spread gives no verdict, an unreachable target no ratio."""
+    v7 = _import_script("verl_7b_memory_step")
+    recs = {}
+    for line in (ROOT / "docs/gpu-runs/2026-11-24/ninth/lease1/verl_7b/results.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        recs[r["phase"]] = r
+    v = v7.pair_verdict(recs["bf16-r2048f"], recs["nvfp4-r2048f"], v7.STEP_TARGETS[2048])
+    assert (v["step_ratio"], v["rollout_ratio"], v["verdict"], v["met"]) == (1.174, 1.349, "nvfp4 faster", False)
+    assert (v["ratio_with_free_rollout"], v["rollout_ratio_needed"]) == (2.44, 4.1)
+    spread = lambda m, lo, hi: {"median": m, "min": lo, "max": hi}
+    b = {"step_s_spread": spread(10.0, 9.0, 11.0), "gen_s_spread": spread(5.0, 5.0, 5.0)}
+    n = {"step_s_spread": spread(9.5, 9.4, 9.6), "gen_s_spread": spread(4.0, 4.0, 4.0)}
+    v = v7.pair_verdict(b, n, 3.0)
+    assert v["verdict"] == "no verdict" and v["met"] is False and v["rollout_ratio_needed"] is None
+    assert v7.pair_verdict(b, {}, 1.5) == {"problems": ["a run lacks timed steps"]}
+
+
 def test_7b_pair_lora_path_reaches_vllms_command_line():
     """--bf16-lora / --nvfp4-lora: a run's composed config carries additional_config as JSON text; in the BF16 run
     (qerl off) verl turns it into vLLM's --additional-config argument as is, in the NVFP4 run qerl's rollout wrapper

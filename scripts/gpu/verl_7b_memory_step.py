@@ -311,6 +311,35 @@ def run(name: str, out: Path, args) -> dict:
     return rec
 
 
+# issue 12's end-to-end targets, BF16-LoRA step time / NVFP4-LoRA step time, by response length
+STEP_TARGETS = {512: 1.5, 2048: 1.8}
+
+
+def pair_verdict(bf16: dict, nvfp4: dict, target: float | None = None) -> dict:
+    """The pair's ratios from the two runs' records (medians of the timed steps), the verdict (NVFP4 faster or slower
+    only where the step medians differ by more than both runs' min-max spreads) and what bounds the step ratio: the
+    ratio with a rollout that took no time, and how much faster than BF16's the NVFP4 rollout would have to be for
+    ``target`` with everything else as measured (None where no rollout speed reaches it)."""
+    med = lambda r, k: (r.get(k) or {}).get("median")
+    width = lambda r, k: (r[k]["max"] - r[k]["min"]) if r.get(k) else None
+    b_step, n_step, b_gen, n_gen = med(bf16, "step_s_spread"), med(nvfp4, "step_s_spread"), med(bf16, "gen_s_spread"), med(nvfp4, "gen_s_spread")
+    if None in (b_step, n_step, b_gen, n_gen):
+        return {"problems": ["a run lacks timed steps"]}
+    diff, spreads = b_step - n_step, [round(width(bf16, "step_s_spread"), 3), round(width(nvfp4, "step_s_spread"), 3)]
+    verdict = "no verdict" if abs(diff) <= max(spreads) else ("nvfp4 faster" if diff > 0 else "nvfp4 slower")
+    rest = n_step - n_gen  # NVFP4's step outside its rollout
+    out = {"step_ratio": round(b_step / n_step, 3), "rollout_ratio": round(b_gen / n_gen, 3),
+           "verdict": verdict, "spreads_s": spreads, "difference_s": round(diff, 3),
+           "ratio_with_free_rollout": round(b_step / rest, 2) if rest > 0 else None}
+    if med(bf16, "update_actor_s_spread") and med(nvfp4, "update_actor_s_spread"):
+        out["update_ratio"] = round(med(bf16, "update_actor_s_spread") / med(nvfp4, "update_actor_s_spread"), 3)
+    if target:
+        budget = b_step / target - rest  # the NVFP4 rollout time that would give the target
+        out.update(target=target, met=verdict == "nvfp4 faster" and b_step / n_step >= target,
+                   rollout_ratio_needed=round(b_gen / budget, 2) if budget > 0 else None)
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("phases", nargs="*", default=list(PHASES), help=f"any of {', '.join(PHASES)} (default: all)")
@@ -389,6 +418,9 @@ def main() -> int:
                 print(f"    step s over steps 2..: {r['step_s_spread']}  each: {r.get('step_s_each')}")
             for prob in r.get("problems", []):
                 print(f"    ! {prob}")
+    pair = [latest.get(phase_key(n, args.tag)) for n in ("bf16", "nvfp4")]
+    if all(pair):
+        print(f"pair: {json.dumps(pair_verdict(*pair, STEP_TARGETS.get(args.response)))}")
     if "build" in latest:
         print(f"model: {latest['build']}")
     print(f"results: {results_file}")
