@@ -322,10 +322,12 @@ def pair_verdict(bf16: dict, nvfp4: dict, target: float | None = None) -> dict:
     ``target`` with everything else as measured (None where no rollout speed reaches it)."""
     med = lambda r, k: (r.get(k) or {}).get("median")
     width = lambda r, k: (r[k]["max"] - r[k]["min"]) if r.get(k) else None
-    b_step, n_step, b_gen, n_gen = med(bf16, "step_s_spread"), med(nvfp4, "step_s_spread"), med(bf16, "gen_s_spread"), med(nvfp4, "gen_s_spread")
+    b_step, n_step = med(bf16, "step_s_spread"), med(nvfp4, "step_s_spread")
+    b_gen, n_gen = med(bf16, "gen_s_spread"), med(nvfp4, "gen_s_spread")
     if None in (b_step, n_step, b_gen, n_gen):
         return {"problems": ["a run lacks timed steps"]}
-    diff, spreads = b_step - n_step, [round(width(bf16, "step_s_spread"), 3), round(width(nvfp4, "step_s_spread"), 3)]
+    diff = b_step - n_step
+    spreads = [round(width(bf16, "step_s_spread"), 3), round(width(nvfp4, "step_s_spread"), 3)]
     verdict = "no verdict" if abs(diff) <= max(spreads) else ("nvfp4 faster" if diff > 0 else "nvfp4 slower")
     rest = n_step - n_gen  # NVFP4's step outside its rollout
     out = {"step_ratio": round(b_step / n_step, 3), "rollout_ratio": round(b_gen / n_gen, 3),
