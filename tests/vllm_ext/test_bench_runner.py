@@ -37,6 +37,16 @@ def test_plan_stock_loads_the_given_nvfp4_checkpoint(tmp_path, rollout_args):
     assert ours["quantization"] == "nvfp4" and humming["quantization"] == "humming"
     assert stock["additional_config"] == {"qerl_lora": "punica"}
     assert by["bf16-lora@punica-lora"]["load_format"] == "dummy"
+    # a real BF16 checkpoint without --nvfp4-model: stock is skipped too, asking for `qerl quantize` output
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    (bf16 / "config.json").write_text(json.dumps(shape_config("1.5B")))
+    args = rollout_args("--model", str(bf16), "--configs", "nvfp4,stock-nvfp4", "--out", str(tmp_path),
+                        "--work", str(tmp_path))
+    runs, skipped = runner.plan(args, tmp_path)
+    assert [r.key for r in runs] == ["nvfp4@default"] and runs[0].spec["engine"]["load_format"] == "auto"
+    assert [s["reason"] for s in skipped] == [
+        "stock-nvfp4 needs --nvfp4-model: an NVFP4A16 checkpoint of the same model (`qerl quantize` output)"]
 
 
 def test_plan_engine_arguments(tmp_path, rollout_args):

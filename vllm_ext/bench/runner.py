@@ -65,7 +65,6 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
     else:
         bf16_dir, dummy = write_shape(args.shape, models), True
     nvfp4_dir = Path(args.nvfp4_model).expanduser().resolve() if args.nvfp4_model else None
-    stock_dir = nvfp4_dir  # vLLM's own NVFP4A16 path (and humming) load a real checkpoint, never dummy weights
     adapter = None
     if any(CONFIGS[c].lora for c in args.configs):
         adapter = write_adapter(bf16_dir, args.lora_rank, work / f"adapter-{bf16_dir.name}-r{args.lora_rank}")
@@ -77,16 +76,20 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
             if not applies(variant, cfg):
                 skipped.append({"config": cname, "variant": vname, "reason": "the variant changes nothing for this config"})
                 continue
-            if cfg.quant in ("stock", "humming") and stock_dir is None:
-                # on random weights vLLM's dummy loader would fill weight_scale with random FP8 bytes: negative and
-                # NaN scales, NaN outputs (seen 2026-11-24, docs/benchmarks.md §4i): no timing of a working model
-                reason = (f"{cname} needs --nvfp4-model: an NVFP4A16 checkpoint of the same model (`qerl quantize` "
-                          "output" + (", or of the same shape with random weights: scripts/gpu/random_checkpoint.py's "
-                          "nvfp4 kind); on load_format=dummy its FP8 scales would be random bytes, negative and NaN "
-                          "among them, and the outputs NaN" if dummy else ")"))
+            if cfg.quant in ("stock", "humming") and nvfp4_dir is None:
+                # vLLM's own NVFP4A16 path (and humming) load a real checkpoint: on random weights vLLM's dummy loader
+                # would fill weight_scale with random FP8 bytes, negative and NaN scales, NaN outputs (seen
+                # 2026-11-24, docs/benchmarks.md §4i), so there would be no timing of a working model
+                reason = f"{cname} needs --nvfp4-model: an NVFP4A16 checkpoint of the same model (`qerl quantize` output"
+                if dummy:
+                    reason += (", or of the same shape with random weights: scripts/gpu/random_checkpoint.py's nvfp4 "
+                               "kind); on load_format=dummy its FP8 scales would be random bytes, negative and NaN "
+                               "among them, and the outputs NaN")
+                else:
+                    reason += ")"
                 skipped.append({"config": cname, "variant": vname, "reason": reason})
                 continue
-            model_dir = {None: bf16_dir, options.METHOD: nvfp4_dir or bf16_dir, "stock": stock_dir, "humming": stock_dir}[cfg.quant]
+            model_dir = {None: bf16_dir, options.METHOD: nvfp4_dir or bf16_dir, "stock": nvfp4_dir, "humming": nvfp4_dir}[cfg.quant]
             engine: dict[str, Any] = dict(
                 model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                 max_model_len=args.prompt_len + args.new_tokens + 16, enforce_eager=False,

@@ -51,14 +51,11 @@ def shape_config(shape: str) -> dict[str, Any]:
 
 
 
-def write_shape(shape: str, root: Path, quantization_config: dict | None = None) -> Path:
+def write_shape(shape: str, root: Path) -> Path:
     """A model folder with only config.json (weights come from load_format=dummy)."""
-    cfg = shape_config(shape)
-    if quantization_config is not None:
-        cfg["quantization_config"] = quantization_config
-    path = root / (f"qwen2.5-{shape.lower()}" + ("-nvfp4a16" if quantization_config else ""))
+    path = root / f"qwen2.5-{shape.lower()}"
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    (path / "config.json").write_text(json.dumps(shape_config(shape), indent=1))
     return path
 
 
