@@ -210,6 +210,11 @@ def step_exact(rec: Recorder, shapes: dict) -> None:
 HBM_PEAK_GBPS = 3350.0  # H100 SXM5 80GB HBM3, NVIDIA's datasheet figure (3.35 TB/s)
 
 
+def dequant_bytes(n: int) -> int:
+    """Bytes one bf16 decode of ``n`` values moves: packed codes and FP8 scales read, bf16 written."""
+    return n // 2 + n // 16 + 2 * n
+
+
 def step_dequant(rec: Recorder, shapes: dict) -> None:
     import torch
 
@@ -226,7 +231,7 @@ def step_dequant(rec: Recorder, shapes: dict) -> None:
         # a plain device copy of an equally large bf16 tensor: what this GPU moves in practice (read + write)
         src = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
         t_copy = cuda_time_ms(lambda: out.copy_(src), iters=20)
-        moved = n // 2 + n // 16 + 2 * n  # read packed + scales, write bf16
+        moved = dequant_bytes(n)
         med = statistics.median(t_tri)
         rec.record(
             step="dequant", case=name, shape=list(shape), triton_ms=round(med, 4),
@@ -265,7 +270,7 @@ def step_tune(rec: Recorder, shapes: dict) -> None:
             ref = nvfp4.dequantize(q.packed, q.scale, q.global_scale, torch.bfloat16).view(torch.int16)
             out = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
             n = shape[0] * shape[1]
-            moved = n // 2 + n // 16 + 2 * n
+            moved = dequant_bytes(n)
             for (br, bg, nw), (shift, hw) in runs:
                 kernels.BLOCK_R, kernels.BLOCK_G, kernels.NUM_WARPS = br, bg, nw
                 kernels.SHIFT_DECODE, kernels.HW_BF16 = shift, hw
