@@ -53,6 +53,7 @@ import verl_grpo_tiny as tiny  # noqa: E402  (run_verl, read_metrics, preflight)
 
 ROOT = HERE.parents[1]
 PHASES = ("build", "bf16", "nvfp4", "summary")
+from qerl_plugin.options import LORA_KEY, LORA_MODES  # noqa: E402
 # Qwen2.5-7B and -32B as `qerl bench rollout --shape` knows them, plus the fields a saved config needs
 from vllm_ext.bench import SHAPES  # noqa: E402
 
@@ -243,10 +244,15 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
                 "+actor_rollout_ref.actor.policy_loss.rollout_correction={rollout_is:token,rollout_is_threshold:2.0,"
                 "bypass_mode:true,loss_type:ppo_clip}",
             ]
-    lora = args.bf16_lora if name == "bf16" else args.nvfp4_lora
+    lora = lora_path(name, args)
     if lora:  # JSON text: verl hands engine_kwargs.vllm to vLLM's command line (qerl merges its own keys into it first)
-        overrides += [f"++actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config='{{\"qerl_lora\": \"{lora}\"}}'"]
+        overrides += [f"++actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config='{json.dumps({LORA_KEY: lora})}'"]
     return overrides
+
+
+def lora_path(name: str, args) -> str | None:
+    """A run's vLLM LoRA path: --bf16-lora for the bf16 run, --nvfp4-lora for the nvfp4 run (None: the plugin's default)."""
+    return args.bf16_lora if name == "bf16" else args.nvfp4_lora
 
 
 def rollout_gpu_mem(name: str, args) -> float:
@@ -288,7 +294,7 @@ def run(name: str, out: Path, args) -> dict:
                      "chunked_entropy": args.chunked_entropy, "response": args.response, "gpu_mem": args.gpu_mem,
                      "bypass": args.bypass, "steps": args.steps, "shape": args.shape,
                      "param_offload": args.param_offload, "bf16_gpu_mem": args.bf16_gpu_mem,
-                     "rollout_gpu_mem": rollout_gpu_mem(name, args), "lora_path": (args.bf16_lora if name == "bf16" else args.nvfp4_lora) or "default", "model": str(model_dir(name, out, args.shape))},
+                     "rollout_gpu_mem": rollout_gpu_mem(name, args), "lora_path": lora_path(name, args) or "default", "model": str(model_dir(name, out, args.shape))},
         "step_s_each": {s: d.get("timing_s/step") for s, d in sorted(steps.items())},
         "step_s_spread": spread("timing_s/step"),
         "gen_s_spread": spread("timing_s/gen"),
@@ -368,10 +374,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16-vanilla-loss", action="store_true",
                    help="with --bypass, leave the BF16 run's actor loss on verl's 'vanilla' (as verl 0.9.1 does without "
                         "qerl; the run of 2026-11-24 fifth session's first pair)")
-    p.add_argument("--bf16-lora", choices=("fused", "punica", "dense"), default=None,
+    p.add_argument("--bf16-lora", choices=LORA_MODES, default=None,
                    help="the BF16 run's vLLM LoRA path (additional_config qerl_lora); default: the plugin's default "
                         "(fused). 'punica' is vLLM's own, what a BF16 run without qerl gets")
-    p.add_argument("--nvfp4-lora", choices=("fused", "punica", "dense"), default=None,
+    p.add_argument("--nvfp4-lora", choices=LORA_MODES, default=None,
                    help="the NVFP4 run's vLLM LoRA path, the same way (default: the plugin's default, fused)")
     p.add_argument("--tag", default="", help="suffix of the run folders and result phases, e.g. -r2048")
     p.add_argument("--timeout", type=int, default=570)
