@@ -200,7 +200,8 @@ def dequantize_nvfp4_triton(
         raise RuntimeError(f"Triton is not importable here ({_TRITON_IMPORT_ERROR}); use backend='torch'")
     rows, cols = _check_inputs(packed, scale, gscale, dtype)
     device = packed.device
-    if device.type != "cuda" and not triton_interpreting():
+    interpreting = triton_interpreting()
+    if device.type != "cuda" and not interpreting:
         raise NVFP4Error(f"the Triton dequant kernel needs CUDA tensors, got {device}; use the torch codec on CPU")
     if scale.device != device or gscale.device != device:
         raise NVFP4Error(
@@ -242,7 +243,7 @@ def dequantize_nvfp4_triton(
         BLOCK_R=BLOCK_R,
         BLOCK_G=BLOCK_G,
         WIDE=wide,
-        HW_BF16=not triton_interpreting() and HW_BF16,
+        HW_BF16=HW_BF16 and not interpreting,
         SHIFT_DECODE=SHIFT_DECODE,
         num_warps=NUM_WARPS,
     )
