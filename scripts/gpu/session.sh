@@ -180,10 +180,11 @@ run_step() {
             grep -h "qerl: LoRA" $d/a/logs/*.log 2>/dev/null | sort | uniq -c; tail -n 40 $d/bg.log | cut -c1-400; cat $d/DONE 2>/dev/null || echo "still running"' ;;
     ckpt7b)  # a random 7B NVFP4A16 checkpoint (valid FP8 scales) for the bench's stock rows: $work/ckpt_7b_nvfp4
         step ckpt7b 300 python3 scripts/gpu/random_checkpoint.py "$work/ckpt_7b_nvfp4" --shape 7B --kind nvfp4 --if-missing ;;
-    bench_pair)  # 7B decode, vLLM's punica LoRA: NVFP4-LoRA (qerl), stock NVFP4A16-LoRA, BF16-LoRA, in that order; the
-        # NVFP4 rows load ckpt7b's checkpoint (stock cannot run on dummy weights: §4i)
+    bench_pair)  # 7B decode, the issue's table in one invocation: ours as shipped (fused LoRA) and on vLLM's punica LoRA,
+        # vLLM's stock NVFP4A16 + punica LoRA, BF16 + punica LoRA; the NVFP4 rows load ckpt7b's checkpoint (stock cannot
+        # run on dummy weights: §4i). In the background into $work/bench-pair; `TAG=-pair session.sh bench_watch` follows it
         run_step ckpt7b
-        step bench_pair 580 python3 scripts/gpu/bench_rollout.py --shape 7B --nvfp4-model "$work/ckpt_7b_nvfp4" --configs nvfp4-lora,stock-nvfp4-lora,bf16-lora --variants punica-lora --batches 1,8,64 --repeats 3 ;;
+        TAG=-pair BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,stock-nvfp4-lora,bf16-lora --variants default,punica-lora --runs nvfp4-lora@default,nvfp4-lora@punica-lora,stock-nvfp4-lora@punica-lora,bf16-lora@punica-lora --batches 1,8,64 --repeats 3" run_step bench_bg ;;
     watch)  # status of the runs until they end or the call's time is nearly up
         step watch 580 python3 scripts/gpu/learning.py wait --work "$work/learn" --timeout $((deadline - SECONDS - 40)) ;;
     entropy) step entropy 400 python3 scripts/gpu/entropy_sigma.py --model /tmp/qerl_smollm2/bf16 --data /tmp/qerl_smollm2/data/test.parquet ;;

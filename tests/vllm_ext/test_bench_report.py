@@ -31,6 +31,7 @@ def test_summary_ratios_overhead_and_targets(rollout_args):
     assert row["vs_bf16_lora"] == {"1": 2.6, "8": 2.0, "64": 1.2}
     assert row["lora_overhead"] == {"1": round(1 - 260 / 280, 3), "8": 0.2, "64": 0.1}
     assert summary["rows"]["nvfp4-lora@dual-stream"]["vs_bf16_lora"]["1"] == 2.7
+    assert summary["rows"]["nvfp4-lora@dual-stream"]["baseline"] == "bf16-lora@default"
     checks = {(c["run"], c["what"]): c["pass"] for c in summary["checks"]}
     assert checks[("nvfp4-lora@default", "7B b1 vs bf16-lora")] is True
     assert checks[("nvfp4-lora@default", "7B b8 vs bf16-lora")] is False
@@ -38,6 +39,22 @@ def test_summary_ratios_overhead_and_targets(rollout_args):
     table = report.format_table(results, summary, [1, 8, 64])
     assert re.search(r"nvfp4-lora-aqn@default +FAILED: AQN hook unavailable", table)
     assert "PASS nvfp4-lora@default 7B b1 vs bf16-lora: 2.6" in table and "5.50" in table
+
+
+def test_ours_on_its_default_against_vllms_own_punica_lora(rollout_args):
+    """The issue's table: ours as shipped (fused LoRA) vs BF16 on vLLM's punica LoRA, with no bf16-lora@default run."""
+    results = [
+        _res("nvfp4-lora", "default", {1: 212.0}),
+        _res("stock-nvfp4-lora", "punica-lora", {1: 176.0}),
+        _res("bf16-lora", "punica-lora", {1: 125.0}),
+    ]
+    summary = report.summarize(results, rollout_args("--shape", "7B"))
+    assert summary["rows"]["nvfp4-lora@default"]["vs_bf16_lora"] == {"1": round(212 / 125, 3)}
+    assert summary["rows"]["nvfp4-lora@default"]["baseline"] == "bf16-lora@punica-lora"
+    assert summary["rows"]["stock-nvfp4-lora@punica-lora"]["vs_bf16_lora"] == {"1": round(176 / 125, 3)}
+    table = report.format_table(results, summary, [1])
+    assert "x against another variant of bf16-lora: nvfp4-lora@default vs bf16-lora@punica-lora" in table
+    assert "stock-nvfp4-lora@punica-lora vs" not in table.split("x against")[1]
 
 
 def test_decode_stats_median_runs_and_spread():
@@ -68,6 +85,21 @@ def test_greedy_agreement_against_the_default_variant():
     d = g["bf16-lora@dense-lora"]
     assert d["common_prefix"] == [2, 4] and not d["all_identical"]
     assert d["max_abs_logprob_diff"] == 0.5  # only within the common prefixes
+
+
+def test_greedy_agreement_of_stock_against_ours_on_the_same_variant():
+    ref = {"tokens": [[1, 2, 3]], "chosen_logprobs": [[-0.1, -0.2, -0.3]]}
+    near = {"tokens": [[1, 2, 4]], "chosen_logprobs": [[-0.1, -0.25, -0.9]]}
+    results = [
+        {"config": "nvfp4-lora", "variant": "punica-lora", "ok": True, "greedy": ref},
+        {"config": "stock-nvfp4-lora", "variant": "punica-lora", "ok": True, "greedy": near},
+        {"config": "stock-nvfp4", "variant": "punica-lora", "ok": True, "greedy": ref},  # no nvfp4 run: skipped
+    ]
+    g = report.greedy_agreement(results)
+    assert list(g) == ["stock-nvfp4-lora@punica-lora vs nvfp4-lora"]
+    s = g["stock-nvfp4-lora@punica-lora vs nvfp4-lora"]
+    assert s["vs"] == "nvfp4-lora@punica-lora" and s["common_prefix"] == [2] and not s["all_identical"]
+    assert s["max_abs_logprob_diff"] == 0.05
 
 
 def test_profiled_steps_are_printed():

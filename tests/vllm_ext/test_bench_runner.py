@@ -49,6 +49,29 @@ def test_plan_stock_loads_the_given_nvfp4_checkpoint(tmp_path, rollout_args):
         "stock-nvfp4 needs --nvfp4-model: an NVFP4A16 checkpoint of the same model (`qerl quantize` output)"]
 
 
+def test_plan_runs_only_the_pairs_asked_for(tmp_path, rollout_args):
+    """--runs picks config@variant pairs from the grid, in the grid's order; a pair outside it is an error that lists
+    the grid."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    from qerl_plugin.format import quantization_config_dict
+    from vllm_ext.bench.shapes import shape_config
+
+    (ckpt / "config.json").write_text(json.dumps({**shape_config("1.5B"),
+                                                  "quantization_config": quantization_config_dict(ignore=["lm_head"])}))
+    common = ("--shape", "1.5B", "--nvfp4-model", str(ckpt), "--configs", "nvfp4-lora,stock-nvfp4-lora,bf16-lora",
+              "--variants", "default,punica-lora", "--out", str(tmp_path), "--work", str(tmp_path))
+    pairs = "bf16-lora@punica-lora,nvfp4-lora@default,stock-nvfp4-lora@punica-lora,nvfp4-lora@punica-lora"
+    runs, skipped = runner.plan(rollout_args(*common, "--runs", pairs), tmp_path)
+    assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4-lora@punica-lora", "stock-nvfp4-lora@punica-lora",
+                                     "bf16-lora@punica-lora"]
+    assert not skipped
+    assert "qerl_lora" not in runs[0].spec["engine"].get("additional_config", {})  # ours as shipped: fused
+    assert runs[2].spec["engine"]["additional_config"] == {"qerl_lora": "punica"}
+    with pytest.raises(ValueError, match=r"--runs bf16@default: not a config@variant .*'bf16-lora@default'"):
+        runner.plan(rollout_args(*common, "--runs", "bf16@default"), tmp_path)
+
+
 def test_plan_engine_arguments(tmp_path, rollout_args):
     args = rollout_args("--shape", "1.5B", "--configs", "bf16-lora,nvfp4-lora,nvfp4-lora-aqn,stock-nvfp4,humming-nvfp4-lora",
                         "--variants", "default,no-fp32-reduce,dual-stream+specialize", "--batches", "1,8",

@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", type=_csv(str), default=["default"],
                    help="comma list of engine switch presets, '+' combines presets: "
                    + "; ".join(f"{k}: {v.help}" for k, v in VARIANTS.items()))
+    p.add_argument("--runs", type=_csv(str), default=None, metavar="CONFIG@VARIANT,...",
+                   help="run only these pairs of --configs x --variants, e.g. ours on its default next to vLLM's own "
+                   "punica LoRA for the others: nvfp4-lora@default,bf16-lora@punica-lora (default: every pair)")
     p.add_argument("--batches", type=_csv(int), default=[1, 8, 64], help="batch sizes (default 1,8,64)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=512)

@@ -11,12 +11,14 @@ __all__ = ["format_table", "summarize"]
 
 
 def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
-    """Ratios vs bf16-lora (same variant, else the default variant), LoRA overhead, target checks."""
+    """Ratios vs bf16-lora (same variant, else the default variant, else vLLM's own punica LoRA), LoRA overhead,
+    target checks."""
     by = {(r["config"], r["variant"]): r for r in results if r.get("ok")}
     rows: dict[str, Any] = {}
     for (cname, vname), r in by.items():
-        base = by.get((BASELINE, vname)) or by.get((BASELINE, "default"))
-        row: dict[str, Any] = {"decode_tok_s": {}, "vs_bf16_lora": {}, "lora_overhead": {}}
+        base = by.get((BASELINE, vname)) or by.get((BASELINE, "default")) or by.get((BASELINE, "punica-lora"))
+        row: dict[str, Any] = {"decode_tok_s": {}, "vs_bf16_lora": {}, "lora_overhead": {},
+                               "baseline": f"{base['config']}@{base['variant']}" if base else None}
         no_lora = by.get((cname.replace("-lora-aqn", "").replace("-lora", ""), vname)) if CONFIGS[cname].lora else None
         for b, m in r.get("batches", {}).items():
             tok = m.get("decode_tok_s")
@@ -44,17 +46,21 @@ def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
 
 
 def greedy_agreement(results: list[dict]) -> dict[str, Any]:
-    """Each non-default variant's greedy fingerprint against the default variant of the same config.
+    """Each non-default variant's greedy fingerprint against the default variant of the same config, and each
+    stock-* config's against ours (the name without ``stock-``) on the same variant.
 
     Per prompt: the length of the common token prefix; over those prefixes, the largest absolute difference of
     the chosen-token logprobs (nats). Identical arithmetic gives full prefixes and differences near 0; a different
     kernel order gives small differences and, on near-ties (random weights), an earlier divergence.
     """
     ok = {(r["config"], r["variant"]): r.get("greedy") for r in results if r.get("ok") and r.get("greedy")}
+    pairs = [((c, v), (c, "default")) for c, v in ok if v != "default"]
+    # vLLM's stock NVFP4A16 path against ours on the same variant: one checkpoint (--nvfp4-model), so the same weights
+    pairs += [((c, v), (c.replace("stock-", "", 1), v)) for c, v in ok if c.startswith("stock-")]
     out: dict[str, Any] = {}
-    for (cname, vname), got in ok.items():
-        ref = ok.get((cname, "default"))
-        if vname == "default" or ref is None:
+    for (cname, vname), (rname, rvar) in pairs:
+        got, ref = ok[(cname, vname)], ok.get((rname, rvar))
+        if ref is None:
             continue
         prefixes, diffs = [], []
         for ta, tb, la, lb in zip(ref["tokens"], got["tokens"], ref["chosen_logprobs"], got["chosen_logprobs"]):
@@ -64,8 +70,9 @@ def greedy_agreement(results: list[dict]) -> dict[str, Any]:
             prefixes.append(n)
             diffs += [abs(a - b) for a, b in zip(la[:n], lb[:n])]
         length = max((len(t) for t in ref["tokens"]), default=0)
-        out[f"{cname}@{vname}"] = {
-            "vs": f"{cname}@default",
+        key = f"{cname}@{vname}" if rname == cname else f"{cname}@{vname} vs {rname}"
+        out[key] = {
+            "vs": f"{rname}@{rvar}",
             "tokens_per_prompt": length,
             "common_prefix": prefixes,
             "all_identical": all(p == length for p in prefixes),
@@ -82,8 +89,8 @@ def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
     lines = []
     head = f"{'run':<34}" + "".join(f"{'b' + str(b) + ' tok/s':>12}{'x':>7}" for b in batches)
     head += f"{'weights':>9}{'lora':>7}{'kv':>8}{'start s':>8}"
-    lines += ["", "decode tokens/s, median of the repeats (x = ratio vs bf16-lora of the same variant); memory in GiB",
-              head, "-" * len(head)]
+    lines += ["", "decode tokens/s, median of the repeats (x = ratio vs bf16-lora of the same variant, else as noted "
+              "below); memory in GiB", head, "-" * len(head)]
     for r in results:
         key = f"{r['config']}@{r['variant']}"
         if not r.get("ok"):
@@ -100,6 +107,10 @@ def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
         cells += f"{_gib(mem.get('weights_bytes')):>9}{_gib(mem.get('lora_buffers_bytes')):>7}"
         cells += f"{_gib(mem.get('kv_cache_bytes')):>8}{r.get('startup_s', 0):>8.0f}"
         lines.append(f"{key:<34}{cells}")
+    other_base = [f"{k} vs {row['baseline']}" for k, row in summary["rows"].items()
+                  if row.get("baseline") and row["baseline"].split("@")[1] != k.split("@")[1]]
+    if other_base:
+        lines += ["", "x against another variant of bf16-lora: " + "; ".join(other_base)]
     overheads = [f"{k}: " + ", ".join(f"b{b} {v:.0%}" for b, v in row["lora_overhead"].items())
                  for k, row in summary["rows"].items() if row["lora_overhead"]]
     if overheads:

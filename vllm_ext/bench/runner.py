@@ -51,6 +51,12 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
     if unknown:
         raise ValueError(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
     variants = {name: parse_variant(name) for name in args.variants}
+    wanted = list(getattr(args, "runs", None) or [])
+    grid = {f"{c}@{v}" for c in args.configs for v in variants}
+    outside = [w for w in wanted if w not in grid]
+    if outside:
+        raise ValueError(f"--runs {','.join(outside)}: not a config@variant of --configs x --variants "
+                         f"(choose from {sorted(grid)})")
     if any(b < 1 for b in args.batches) or args.prompt_len < 1 or args.new_tokens < 2:
         raise ValueError("--batches must be >= 1, --prompt-len >= 1 and --new-tokens >= 2")
     profile_tokens = getattr(args, "profile_tokens", 0) or 0
@@ -73,6 +79,8 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
     for vname, variant in variants.items():
         for cname in args.configs:
             cfg = CONFIGS[cname]
+            if wanted and f"{cname}@{vname}" not in wanted:
+                continue  # not asked for: --runs names the pairs to run
             if not applies(variant, cfg):
                 skipped.append({"config": cname, "variant": vname, "reason": "the variant changes nothing for this config"})
                 continue
