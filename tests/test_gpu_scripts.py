@@ -640,3 +640,20 @@ def test_v7_session_steps_take_the_shape():
     assert "d='\"$v7_dir\"';" in steps["v7_pair_bg"] and "d='\"$v7_dir\"';" in steps["v7_watch"]
     for name in ("v7_build", "v7_nvfp4", "v7_bf16"):
         assert '--shape "$v7_shape" --out "$v7_dir"' in steps[name], name
+
+
+def test_gemv_check_sweep_cold_copies_and_verdict():
+    """check_gemv.py: the tiles it sweeps are ones the kernel accepts, its copy count makes one graph pass read past the
+    H100's 50 MB L2, and its verdict needs the medians apart by more than both spreads."""
+    cg = _import_script("check_gemv")
+    tiles = cg.sweep_tiles()
+    assert len({cg.tile_name(t) for t in tiles}) == len(tiles) == 20
+    assert all(t["block_n"] in (16, 32, 64, 128) and 3584 % t["block_k"] == 0 and 18944 % t["block_k"] == 0
+               for t in tiles)
+    qkv = 4608 * 3584 // 2 + 4608 * 3584 // 16  # codes + FP8 scales of the 7B q/k/v projection, ~9.3 MB
+    assert cg.copies_for(qkv, 256) == 29 and cg.copies_for(qkv, 256) * qkv >= 256 * 2**20
+    assert cg.copies_for(10**12, 256) == 1 and cg.copies_for(1, 256) == 64  # at least one, at most the cap
+    fast, slow = {"median_us": 10.0, "spread_us": 0.5}, {"median_us": 12.0, "spread_us": 1.0}
+    assert cg.verdict(fast, slow) == "faster" and cg.verdict(slow, fast) == "slower"
+    assert cg.verdict(fast, {"median_us": 11.0, "spread_us": 1.5}) == "equal"  # the spread exceeds the difference
+    assert cg.summarize([3.0, 1.0, 2.0]) == {"median_us": 2.0, "spread_us": 2.0, "runs_us": [3.0, 1.0, 2.0]}

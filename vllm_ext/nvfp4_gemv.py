@@ -1,21 +1,36 @@
-"""A Triton W4A16 NVFP4 GEMM for decode-sized inputs, straight from the compressed-tensors layout. Experimental and
-not used by any engine. On the H100 it is correct but 4-7.5x slower than vLLM's Marlin FP4 GEMM
-(``qerl bench kernels`` columns ``gemv``/``gemv_sk4``, docs/benchmarks.md §4h, third lease): a starting point,
-not a backend.
+"""A Triton W4A16 NVFP4 GEMM for decode-sized inputs (at most 64 rows), straight from the compressed-tensors layout.
+Experimental and not used by any engine: ``qerl bench kernels`` and ``scripts/gpu/check_gemv.py`` time it against
+vLLM's Marlin FP4 GEMM (docs/benchmarks.md §4h, §4j).
 
-Why: §4h of docs/benchmarks.md profiles a 7B decode step at batch 1 and finds vLLM's Marlin FP4 GEMMs at 2.38 ms
-of 4.64, while the 4-bit weights and FP8 scales of those linears (~3.7 GB) need ~1.1 ms at the H100's bandwidth;
-the small q/k/v and o projections are slower in Marlin than in BF16 (§4b). A GEMM that reads the checkpoint's
-own layout (``weight_packed`` uint8 ``[N, K/2]``, even column in the low nibble; ``weight_scale`` float8_e4m3fn
-``[N, K/16]``; ``weight_global_scale`` float32 ``[1]``, the divisor) can also take the adapter's LoRA in the same
+Why: §4h profiles a 7B decode step and finds vLLM's Marlin FP4 GEMMs at 2.38 ms of 4.64 at batch 1 and at 4.15 of
+7.44 ms at batch 64, while the 4-bit weights and FP8 scales of those linears (~3.7 GB) need ~1.1 ms at the H100's
+bandwidth. Marlin reads as few bytes as BF16 cuBLAS at b64 but takes 0.8x its time (so it is not bound by memory
+there), and it is slower than BF16 on the small q/k/v and o projections at b1 (§4b). A GEMM on the checkpoint's own
+layout (``weight_packed`` uint8 ``[N, K/2]``, even column in the low nibble; ``weight_scale`` float8_e4m3fn
+``[N, K/16]``; ``weight_global_scale`` float32 ``[1]``, the divisor) could also take the adapter's LoRA in the same
 launch later, which Marlin's permuted layout makes hard.
 
-How: each program owns ``BLOCK_N`` output features and a share of the K tiles (``SPLIT_K`` programs per feature
-block, fp32 partials summed with atomics into an fp32 output). Per tile it loads ``BLOCK_K / 2`` bytes per row and
-``BLOCK_K / 16`` scales, decodes both nibbles to fp32 (E2M1 value times ``scale / global_scale``, the codec's own
-order of operations, so the dequantized weight is the one :func:`qerl_plugin.nvfp4.dequantize` gives), rounds to
-the activation dtype and multiplies with ``tl.dot`` against the even and odd columns of ``x`` (rows padded to 16).
-Under ``TRITON_INTERPRET=1`` the dots run in float32 (Triton 3.6's interpreter gets bfloat16 dots wrong).
+How (the second version; the first, 4-7.5x slower than Marlin, decoded in float32 with selects and multiplied
+``x`` by the weight):
+
+- The output is computed transposed, ``y^T = W @ x^T``: the weight tile is the dot's left operand (``BLOCK_N`` rows,
+  a tensor-core M dimension of 64 or 128) and the few activation rows, padded to 16, are the right one.
+- Each packed byte gives two float16 values with three integer operations each: the code's sign bit goes to bit 15
+  and its three magnitude bits to bits 11-9. That float16 is the E2M1 value times 2^-14 for every code (subnormal
+  for code 1, which float16 holds exactly).
+- Times the group's FP8 scale in float16, that is ``value * scale * 2^-14`` **exactly**: the product has at most 6
+  significant bits and is a multiple of 2^-24 (E2M1 steps of 1/2 times E4M3 steps of 2^-9 times 2^-14), which
+  float16 represents down to its smallest subnormal. With bfloat16 activations it is converted to bfloat16, also
+  exact. The low and high nibbles meet the even and odd columns of ``x`` in two dots.
+- The dots accumulate in float32; ``2^14 / global_scale`` is applied once to the sums. So the weight is never
+  rounded; the codec's ``dequantize(dtype=...)`` rounds ``value * (scale / global_scale)`` to the activation dtype,
+  hence results within the dtype's rounding of that reference, not bit-equal to it.
+- ``split_k`` > 1 gives each output block that many programs over disjoint K tiles. Each writes its float32 partial
+  tile to a workspace and counts itself in a per-block counter; the last to arrive sums the partials in a fixed
+  order, writes the output and resets the counter. One launch, and bit-reproducible.
+
+Under ``TRITON_INTERPRET=1`` the dots run in float32 on the same 16-bit operands (Triton 3.6's interpreter gets
+bfloat16 dots wrong); the products are exact either way.
 """
 
 from __future__ import annotations
@@ -30,74 +45,81 @@ __all__ = ["MAX_TOKENS", "nvfp4_small_gemm"]
 
 MAX_TOKENS = 64  # rows per call; larger inputs belong to a GEMM with real M tiles
 GROUP = 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 if triton is not None:
 
     @triton.jit
-    def _e2m1(code):
-        """fp32 value of 4-bit E2M1 codes (sign bit 3, exponent bits 2-1, mantissa bit 0)."""
-        e = (code >> 1) & 3
-        m = (code & 1).to(tl.float32)
-        pow2 = (1 << e).to(tl.float32) * 0.5  # 2^(e-1) for e >= 1
-        mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2)
-        return tl.where(code >= 8, -mag, mag)
-
-    @triton.jit
-    def _nvfp4_small_gemm_kernel(
-        x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, M, N, K,
+    def _w4a16_kernel(
+        x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        UPCAST: tl.constexpr,
+        DOT_F32: tl.constexpr,
     ):  # fmt: skip
         HALF: tl.constexpr = BLOCK_K // 2
-        GROUPS: tl.constexpr = BLOCK_K // 16
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        rm = tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
         rb = tl.arange(0, HALF)
-        rg = tl.arange(0, GROUPS)
         n_ok = rn < N
         m_ok = rm < M
-        gscale = tl.load(g_ptr)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for t in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
-            k0 = t * BLOCK_K
-            cols = k0 // 2 + rb  # byte columns of this tile
-            c_ok = cols < K // 2
-            wb = tl.load(w_ptr + rn[:, None] * (K // 2) + cols[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0)
-            wb = wb.to(tl.int32)
-            g_ok = (k0 // 16 + rg) < K // 16
-            sc = tl.load(s_ptr + rn[:, None] * (K // 16) + (k0 // 16 + rg)[None, :],
-                         mask=n_ok[:, None] & g_ok[None, :], other=0.0).to(tl.float32) / gscale
-            w_lo = tl.reshape(tl.reshape(_e2m1(wb & 15), (BLOCK_N, GROUPS, 8)) * sc[:, :, None], (BLOCK_N, HALF))
-            w_hi = tl.reshape(tl.reshape(_e2m1(wb >> 4), (BLOCK_N, GROUPS, 8)) * sc[:, :, None], (BLOCK_N, HALF))
-            xe = tl.load(x_ptr + rm[:, None] * sxm + (k0 + 2 * rb)[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
-            xo = tl.load(x_ptr + rm[:, None] * sxm + (k0 + 2 * rb + 1)[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                         other=0.0)
-            # the dequantized weight rounded to the activation dtype, as the reference's dequantize(dtype=...)
-            w_lo = w_lo.to(xe.dtype)
-            w_hi = w_hi.to(xe.dtype)
-            if UPCAST:
-                acc += tl.dot(xe.to(tl.float32), tl.trans(w_lo.to(tl.float32)))
-                acc += tl.dot(xo.to(tl.float32), tl.trans(w_hi.to(tl.float32)))
+        kb = K // 2
+        kg = K // 16
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+            cb = t * HALF + rb  # this tile's byte columns
+            wb = tl.load(w_ptr + rn[:, None] * kb + cb[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+            # each byte's group scale (8 bytes per group: repeated addresses, served by the cache)
+            sc = tl.load(s_ptr + rn[:, None] * kg + (cb // 8)[None, :], mask=n_ok[:, None], other=0.0)
+            sc = sc.to(tl.float16)
+            lo = (((wb & 7) << 9) | ((wb & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True) * sc
+            hi = (((wb & 0x70) << 5) | ((wb & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True) * sc
+            xe = tl.load(x_ptr + rm[None, :] * sxm + (2 * cb)[:, None], mask=m_ok[None, :], other=0.0)
+            xo = tl.load(x_ptr + rm[None, :] * sxm + (2 * cb + 1)[:, None], mask=m_ok[None, :], other=0.0)
+            lo = lo.to(xe.dtype)  # exact: value * scale * 2^-14 has <= 6 significant bits, >= 2^-24
+            hi = hi.to(xe.dtype)
+            if DOT_F32:
+                acc += tl.dot(lo.to(tl.float32), xe.to(tl.float32))
+                acc += tl.dot(hi.to(tl.float32), xo.to(tl.float32))
             else:
-                acc += tl.dot(xe, tl.trans(w_lo))
-                acc += tl.dot(xo, tl.trans(w_hi))
-        ptrs = y_ptr + rm[:, None] * sym + rn[None, :]
-        ok = m_ok[:, None] & n_ok[None, :]
+                acc = tl.dot(lo, xe, acc)
+                acc = tl.dot(hi, xo, acc)
+        gmul = 16384.0 / tl.load(g_ptr)
+        ok = n_ok[:, None] & m_ok[None, :]
+        y_ptrs = y_ptr + rm[None, :] * sym + rn[:, None]
         if SPLIT_K == 1:
-            tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.store(y_ptrs, (acc * gmul).to(y_ptr.dtype.element_ty), mask=ok)
         else:
-            tl.atomic_add(ptrs, acc, mask=ok)
+            # workspace [SPLIT_K, BLOCK_M, N] float32: this program's partial, then count it in; the last one sums
+            ws = ws_ptr + rm[None, :] * N + rn[:, None]
+            tl.store(ws + pid_k * BLOCK_M * N, acc, mask=ok)
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1)  # acq_rel at GPU scope: the partials above are visible
+            if arrived == SPLIT_K - 1:
+                tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):  # a fixed order: the result does not depend on arrival
+                    tot += tl.load(ws + s * BLOCK_M * N, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptrs, (tot * gmul).to(y_ptr.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call (and the next CUDA-graph replay)
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for ``n`` output blocks, kept per device (they reset themselves after use)."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        have = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = have
+    return have
 
 
 def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-                     block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4) -> torch.Tensor:
+                     block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4,
+                     num_stages: int | None = None) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[..., K]`` (bfloat16/float16, at most :data:`MAX_TOKENS` rows) and ``W`` given as
     the NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the
-    float32 divisor ``[1]``); returns ``[..., N]`` in ``x``'s dtype. ``split_k`` > 1 sums fp32 partials with
-    atomics (not bit-reproducible run to run) and casts at the end."""
+    float32 divisor ``[1]``); returns ``[..., N]`` in ``x``'s dtype. ``block_n`` output features per program (16,
+    32, 64 or 128), ``block_k`` input features per tile, ``split_k`` programs per output block (one launch; the
+    last to finish sums the float32 partials in a fixed order)."""
     if triton is None:
         raise RuntimeError(f"nvfp4_small_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -111,6 +133,10 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"{m} rows > {MAX_TOKENS}")
     if k % block_k or block_k % 32:
         problems.append(f"K={k} is not a multiple of block_k={block_k} (itself a multiple of 32)")
+    if block_n not in (16, 32, 64, 128):
+        problems.append(f"block_n={block_n} (16, 32, 64 or 128)")
+    if split_k < 1:
+        problems.append(f"split_k={split_k} (>= 1)")
     if tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8:
         problems.append(f"packed {packed.dtype} {tuple(packed.shape)}, expected uint8 ({n}, {k // 2})")
     if tuple(scale.shape) != (n, k // GROUP) or scale.dtype != torch.float8_e4m3fn:
@@ -124,14 +150,18 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     packed, scale = packed.contiguous(), scale.contiguous()
     g = global_scale.reshape(1).to(torch.float32)
     block_m = max(16, triton.next_power_of_2(m))
-    out = torch.zeros(m, n, device=x.device, dtype=torch.float32) if split_k > 1 else torch.empty(m, n, device=x.device,
-                                                                                                    dtype=x.dtype)
-    grid = (triton.cdiv(n, block_n), split_k)
-    _nvfp4_small_gemm_kernel[grid](
-        x2, x2.stride(0), packed, scale, g, out, out.stride(0), m, n, k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, UPCAST=_interpreting(),
-        num_warps=num_warps,
-    )  # fmt: skip
+    blocks = triton.cdiv(n, block_n)
+    split_k = min(split_k, k // block_k)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if split_k > 1:
-        out = out.to(x.dtype)
+        ws = torch.empty(split_k, block_m, n, device=x.device, dtype=torch.float32)
+        cnt = _counters(x.device, blocks)
+    else:
+        ws, cnt = out, out  # unused
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    _w4a16_kernel[(blocks, split_k)](
+        x2, x2.stride(0), packed, scale, g, out, out.stride(0), ws, cnt, m, n, k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=_interpreting(),
+        num_warps=num_warps, **extra,
+    )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

@@ -160,8 +160,11 @@ run_step() {
         step sweep_pack 40 python3 scripts/gpu/learning.py pack --work "$work/sweep" --out "$work/sweep_pack" --name sweep ;;
     bench_dense)  # 7B decode with the dense single-adapter LoRA path (greedy fingerprints for the check vs default)
         step bench_dense 580 python3 scripts/gpu/bench_rollout.py --shape 7B --configs nvfp4-lora,bf16-lora --variants dense-lora --batches 1,8,64 --repeats 3 ;;
-    gemv_test)  # the experimental NVFP4 GEMM (vllm_ext.nvfp4_gemv) in bf16 against the dequantized reference and Marlin; then `kernels` times it
+    gemv_test)  # the experimental NVFP4 GEMM (vllm_ext.nvfp4_gemv) in bf16 against the dequantized reference and Marlin; then `gemv` times it
         step gemv_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_gemv.py ;;
+    gemv)  # the W4A16 GEMM vs Marlin on the 7B decode linears: every tile's error, a tile sweep, the best tile vs Marlin
+        # and BF16 with the weights streamed from HBM (scripts/gpu/check_gemv.py; GEMV_ARGS more options)
+        step gemv 420 python3 scripts/gpu/check_gemv.py ${GEMV_ARGS:-} ;;
     fused_test)  # the one-launch LoRA kernel against vLLM's punica Triton kernels (bf16, 7B shapes, CUDA-graph replay)
         step fused_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_lora_fused.py ;;
     bench_fused_bg)  # §4g's 7B decode: bench_bg with FUSED_CONFIGS (default nvfp4-lora,nvfp4) x variants fused-lora,default,

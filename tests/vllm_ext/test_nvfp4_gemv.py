@@ -21,11 +21,13 @@ from qerl_plugin import nvfp4
 
 pytest.importorskip("triton", reason="Triton is not installed: the kernel cannot run or be interpreted")
 
-CASES = [  # (rows, N, K, block_k, split_k): one and several rows, a ragged last N block, split-K
+CASES = [  # (rows, N, K, block_k, split_k): one and several rows, a ragged last N block, split-K (even and uneven)
     (1, 48, 256, 128, 1),
     (5, 80, 384, 128, 1),
     (3, 64, 512, 128, 2),
     (16, 40, 256, 64, 1),
+    (2, 96, 768, 128, 4),
+    (1, 32, 640, 64, 3),
 ]
 
 INTERPRETED = textwrap.dedent(
@@ -47,8 +49,14 @@ INTERPRETED = textwrap.dedent(
         ref = x.float() @ wq.float().t()
         err = (got.float() - ref).abs().max().item()
         scale = ref.abs().max().item()
+        # the weight as the codec defines it, unrounded (float64): value * (scale / global_scale)
+        w64 = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double()
+        ref64 = x.double() @ w64.t()
+        excess = ((got.double() - ref64).abs() - 2.0**-11 * ref64.abs()).max().item()
+        again = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=bk, split_k=sk, block_n=32)
         out.append({"case": [m, n, k, bk, sk], "shape": list(got.shape), "dtype": str(got.dtype),
-                    "max_err": err, "ref_max": scale})
+                    "max_err": err, "ref_max": scale, "excess_vs_exact": excess,
+                    "repeat_identical": bool(torch.equal(got, again))})
     print(json.dumps(out))
     """
 )
@@ -64,8 +72,12 @@ def test_interpreted_kernel_matches_the_codec():
     for r in results:
         m, n, k, _, _ = r["case"]
         assert r["shape"] == [m, n] and r["dtype"] == "torch.float16"
-        # fp32 sums of the same float16 products; the only rounding left is the float16 output (2^-11 relative)
+        # against the float16-rounded weight: within that rounding
         assert r["max_err"] <= 1e-3 * r["ref_max"] + 1e-3, r
+        # against the exact weight: the kernel never rounds the weight, so only the float16 output's rounding
+        # (2^-11 relative) and float32 sums (far smaller here) remain
+        assert r["excess_vs_exact"] <= 1e-5 * r["ref_max"], r
+        assert r["repeat_identical"], r  # split-K sums its partials in a fixed order
 
 
 def test_refusals_name_the_bad_input():
@@ -78,6 +90,8 @@ def test_refusals_name_the_bad_input():
         nvfp4_small_gemm(torch.randn(65, 256).half(), q.packed, q.scale, q.global_scale)
     with pytest.raises(ValueError, match="K=256 is not a multiple of block_k=96"):
         nvfp4_small_gemm(torch.randn(1, 256).half(), q.packed, q.scale, q.global_scale, block_k=96)
+    with pytest.raises(ValueError, match="block_n=48 .16, 32, 64 or 128."):
+        nvfp4_small_gemm(torch.randn(1, 256).half(), q.packed, q.scale, q.global_scale, block_n=48)
     with pytest.raises(ValueError, match=r"packed torch.uint8 \(32, 128\), expected uint8 \(32, 64\)"):
         nvfp4_small_gemm(torch.randn(1, 128).half(), q.packed, q.scale, q.global_scale)
 
@@ -112,3 +126,4 @@ def test_gpu_bf16_matches_dequantized_reference_and_marlin(m, split_k):
                                      size_n=n, size_k=k)
     floor = (marlin.float() - exact).abs().max()
     assert (got.float() - exact).abs().max() <= 2 * floor + 1e-2
+    assert torch.equal(got, nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, split_k=split_k))  # fixed order

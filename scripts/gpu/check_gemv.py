@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""GPU check of the experimental W4A16 NVFP4 GEMM (``vllm_ext.nvfp4_gemv``) against vLLM's Marlin FP4 GEMM on the
+linears of a 7B decode step: error, a tile sweep, and the time per call with the weights streamed from HBM.
+
+Run from the repository root on the GPU machine (vLLM installed):
+
+    python3 scripts/gpu/check_gemv.py                       # 7B: qkv, o, gate_up, down at 1, 8, 64 rows
+    python3 scripts/gpu/check_gemv.py --batches 1 --quick   # a few tiles only
+
+For each linear and row count:
+  1. every tile of the sweep (block_n x block_k x split_k x warps) runs once and its error is checked: max |y - ref|
+     against ``ref`` = the fp32 product of ``x`` with the codec's dequantized weight, which must be at most 2 x
+     Marlin's own error + 1e-2; split-K must give the same bits twice. Only correct tiles are timed.
+  2. each correct tile is timed once: ``--iters`` calls captured in one CUDA graph that cycle through copies of the
+     weight, enough copies that one pass reads >= ``--cold-mib`` MiB. So the weights come from HBM as in a decode
+     step, not from the 50 MB L2 (a single copy of q/k/v, 9 MB, would stay in L2).
+  3. the fastest tile, Marlin and BF16 cuBLAS are then timed ``--reps`` times each, interleaved; median and
+     (max - min). Per decode step: the medians summed over the four linears times the layer count.
+
+A tile is "faster than Marlin" for a linear where the difference of the medians exceeds both spreads.
+Writes $OUT/check_gemv.jsonl (one JSON object per measurement) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# Qwen2.5-7B: (input features, output features) of the fused projections, 28 layers
+LINEARS_7B = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
+LAYERS_7B = 28
+
+
+def sweep_tiles(quick: bool = False) -> list[dict[str, int]]:
+    """The tiles tried: block_n (tensor-core M), block_k, split_k, warps."""
+    if quick:
+        return [dict(block_n=64, block_k=128, split_k=s, num_warps=4) for s in (1, 4)]
+    tiles = [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4)
+             for bn, bk, sk in itertools.product((64, 128), (128, 256), (1, 2, 4, 8))]
+    tiles += [dict(block_n=128, block_k=bk, split_k=sk, num_warps=8) for bk, sk in itertools.product((128, 256), (1, 4))]
+    return tiles
+
+
+def tile_name(t: dict[str, int]) -> str:
+    return f"n{t['block_n']}k{t['block_k']}s{t['split_k']}w{t['num_warps']}"
+
+
+def copies_for(nbytes: int, cold_mib: float, cap: int = 64) -> int:
+    """How many weight copies one pass must cycle through to read at least ``cold_mib`` MiB."""
+    return max(1, min(cap, math.ceil(cold_mib * 2**20 / max(nbytes, 1))))
+
+
+def summarize(times_us: list[float]) -> dict[str, float]:
+    return {"median_us": round(statistics.median(times_us), 2), "spread_us": round(max(times_us) - min(times_us), 2),
+            "runs_us": [round(t, 2) for t in times_us]}
+
+
+def verdict(a: dict[str, float], b: dict[str, float]) -> str:
+    """'faster' / 'slower' for ``a`` against ``b`` where the medians differ by more than both spreads, else 'equal'."""
+    diff = b["median_us"] - a["median_us"]
+    if abs(diff) <= max(a["spread_us"], b["spread_us"]):
+        return "equal"
+    return "faster" if diff > 0 else "slower"
+
+
+def _graph(calls: list[Callable[[], Any]], iters: int):
+    """A CUDA graph of ``iters`` calls cycling through ``calls`` (warmed up first, outside the capture)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(iters):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _replay_us(graph, iters: int) -> float:
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / iters
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,8,64", help="rows per call (default 1,8,64)")
+    p.add_argument("--linears", default=",".join(LINEARS_7B), help=f"from {list(LINEARS_7B)}")
+    p.add_argument("--iters", type=int, default=64, help="calls per CUDA graph (at least the copy count)")
+    p.add_argument("--reps", type=int, default=5, help="timed replays per kernel in the final comparison")
+    p.add_argument("--cold-mib", type=float, default=256.0, help="MiB one pass of a graph reads (default 256)")
+    p.add_argument("--quick", action="store_true", help="two tiles instead of the sweep")
+    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        print("check_gemv: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
+        apply_fp4_marlin_linear,
+        prepare_fp4_layer_for_marlin,
+    )
+
+    from qerl_plugin import nvfp4
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+
+    out = Path(args.out or os.environ.get("OUT") or ".out").expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "check_gemv.jsonl").open("a")
+
+    def record(obj: dict[str, Any]) -> None:
+        log.write(json.dumps(obj) + "\n")
+        log.flush()
+        print(json.dumps(obj), flush=True)
+
+    batches = [int(b) for b in args.batches.split(",")]
+    tiles = sweep_tiles(args.quick)
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "tiles": [tile_name(t) for t in tiles], "batches": batches, "cold_mib": args.cold_mib})
+    finals: list[dict[str, Any]] = []
+    bad = 0
+    for lname in args.linears.split(","):
+        k, n = LINEARS_7B[lname]
+        torch.manual_seed(0)
+        w = (torch.randn(n, k, device=dev) * 0.02).to(bf16)
+        q = nvfp4.quantize(w)
+        w_deq = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32)
+        raw_bytes = q.packed.numel() + q.scale.numel()
+
+        def marlin_layer(packed, scale):
+            m_ = torch.nn.Module()
+            m_.weight = torch.nn.Parameter(packed.clone(), requires_grad=False)
+            m_.weight_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
+            m_.weight_global_scale = torch.nn.Parameter(1.0 / q.global_scale.float().reshape(1), requires_grad=False)
+            m_.bias, m_.params_dtype = None, bf16
+            m_.output_size_per_partition, m_.input_size_per_partition = n, k
+            prepare_fp4_layer_for_marlin(m_)
+            return m_
+
+        c_raw = copies_for(raw_bytes, args.cold_mib)
+        c_bf16 = copies_for(2 * n * k, args.cold_mib)
+        raws = [(q.packed.clone(), q.scale.clone()) for _ in range(c_raw)]
+        marlins = [marlin_layer(q.packed, q.scale) for _ in range(c_raw)]
+        bf16s = [w.clone() for _ in range(c_bf16)]
+        record({"what": "linear", "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes, "copies": c_raw,
+                "bf16_copies": c_bf16})
+        for m in batches:
+            x = torch.randn(m, k, device=dev, dtype=bf16)
+            ref = x.float() @ w_deq.t()
+
+            def marlin_call(ml):
+                return lambda: apply_fp4_marlin_linear(
+                    input=x, weight=ml.weight, weight_scale=ml.weight_scale,
+                    weight_global_scale=ml.weight_global_scale, workspace=ml.workspace, size_n=n, size_k=k,
+                    use_fp32_reduce=True)
+
+            marlin_err = (marlin_call(marlins[0])().float() - ref).abs().max().item()
+            iters = max(args.iters, c_raw)
+            swept = []
+            for t in tiles:
+                name = tile_name(t)
+                try:
+                    y1 = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t)
+                    y2 = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t)
+                    err = (y1.float() - ref).abs().max().item()
+                    ok = err <= 2 * marlin_err + 1e-2 and torch.equal(y1, y2)
+                    row: dict[str, Any] = {"what": "tile", "linear": lname, "m": m, "tile": name, "max_err": err,
+                                           "marlin_err": marlin_err, "repeat_identical": torch.equal(y1, y2), "ok": ok}
+                    if ok:
+                        calls = [(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **t)) for p_, s_ in raws]
+                        g = _graph(calls, iters)
+                        row["us"] = round(_replay_us(g, iters), 2)
+                        del g
+                        swept.append((row["us"], t))
+                    else:
+                        bad += 1
+                except Exception as exc:  # one tile that does not compile or fit must not hide the others
+                    row = {"what": "tile", "linear": lname, "m": m, "tile": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+                record(row)
+            if not swept:
+                record({"what": "final", "linear": lname, "m": m, "error": "no correct tile"})
+                continue
+            best = min(swept, key=lambda s: s[0])[1]
+            graphs = {
+                "gemv": _graph([(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **best))
+                                for p_, s_ in raws], iters),
+                "marlin": _graph([marlin_call(ml) for ml in marlins], iters),
+                "bf16": _graph([(lambda w_=w_: F.linear(x, w_)) for w_ in bf16s], max(args.iters, c_bf16)),
+            }
+            its = {"gemv": iters, "marlin": iters, "bf16": max(args.iters, c_bf16)}
+            times: dict[str, list[float]] = {key: [] for key in graphs}
+            for _ in range(args.reps):
+                for key, g in graphs.items():
+                    times[key].append(_replay_us(g, its[key]))
+            del graphs
+            res = {key: summarize(v) for key, v in times.items()}
+            fin = {"what": "final", "linear": lname, "m": m, "tile": tile_name(best), **{key: res[key] for key in res},
+                   "gemv_vs_marlin": verdict(res["gemv"], res["marlin"]),
+                   "marlin_over_gemv": round(res["marlin"]["median_us"] / res["gemv"]["median_us"], 3),
+                   "gemv_gb_s": round(raw_bytes / res["gemv"]["median_us"] / 1e3, 1),
+                   "marlin_gb_s": round(raw_bytes / res["marlin"]["median_us"] / 1e3, 1)}
+            record(fin)
+            finals.append(fin)
+        del raws, marlins, bf16s
+        torch.cuda.empty_cache()
+
+    lines = ["", "W4A16 GEMM vs Marlin, weights streamed from HBM (us per call, median of "
+             f"{args.reps}, spread = max - min); GB/s = NVFP4 bytes (codes + FP8 scales) / time",
+             f"{'linear':<8}{'m':>4}  {'tile':<14}{'gemv':>16}{'marlin':>16}{'bf16':>16}{'marlin/gemv':>12}"
+             f"{'gemv GB/s':>10}{'marlin GB/s':>12}  verdict"]
+    for f in finals:
+        cell = lambda r: f"{r['median_us']:>9.1f} ±{r['spread_us']:<5.1f}"  # noqa: E731
+        lines.append(f"{f['linear']:<8}{f['m']:>4}  {f['tile']:<14}{cell(f['gemv'])}{cell(f['marlin'])}{cell(f['bf16'])}"
+                     f"{f['marlin_over_gemv']:>12.3f}{f['gemv_gb_s']:>10.0f}{f['marlin_gb_s']:>12.0f}  {f['gemv_vs_marlin']}")
+    for m in batches:
+        sel = [f for f in finals if f["m"] == m]
+        if len(sel) == len(args.linears.split(",")):
+            step = {key: round(LAYERS_7B * sum(f[key]["median_us"] for f in sel) / 1000.0, 3)
+                    for key in ("gemv", "marlin", "bf16")}
+            spread = {key: round(LAYERS_7B * sum(f[key]["spread_us"] for f in sel) / 1000.0, 3)
+                      for key in ("gemv", "marlin", "bf16")}
+            record({"what": "per_step_ms", "m": m, "median": step, "spread": spread})
+            lines.append(f"per 7B decode step (x{LAYERS_7B}), m={m}: gemv {step['gemv']:.3f} ms (±{spread['gemv']:.3f}), "
+                         f"marlin {step['marlin']:.3f} (±{spread['marlin']:.3f}), bf16 {step['bf16']:.3f} "
+                         f"(±{spread['bf16']:.3f})")
+    lines.append(f"tiles refused for error or non-reproducible split-K: {bad}")
+    print("\n".join(lines), flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
