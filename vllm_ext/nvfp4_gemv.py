@@ -46,6 +46,7 @@ __all__ = ["MAX_TOKENS", "nvfp4_small_gemm"]
 MAX_TOKENS = 64  # rows per call; larger inputs belong to a GEMM with real M tiles
 GROUP = 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+LAST_COMPILED = None  # the last launch's compiled kernel (registers, spills, shared memory: scripts/gpu/check_gemv.py)
 
 
 if triton is not None:
@@ -54,7 +55,7 @@ if triton is not None:
     def _w4a16_kernel(
         x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        DOT_F32: tl.constexpr,
+        DOT_F32: tl.constexpr, FMA: tl.constexpr, GROUP_SCALES: tl.constexpr,
     ):  # fmt: skip
         HALF: tl.constexpr = BLOCK_K // 2
         pid_n = tl.program_id(0)
@@ -67,24 +68,36 @@ if triton is not None:
         kb = K // 2
         kg = K // 16
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)  # FMA: one row, products summed per column
         for t in range(pid_k, K // BLOCK_K, SPLIT_K):
             cb = t * HALF + rb  # this tile's byte columns
             wb = tl.load(w_ptr + rn[:, None] * kb + cb[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-            # each byte's group scale (8 bytes per group: repeated addresses, served by the cache)
-            sc = tl.load(s_ptr + rn[:, None] * kg + (cb // 8)[None, :], mask=n_ok[:, None], other=0.0)
-            sc = sc.to(tl.float16)
+            if GROUP_SCALES:  # one load per group, repeated over its 8 bytes in registers
+                rg = t * (HALF // 8) + tl.arange(0, HALF // 8)
+                sg = tl.load(s_ptr + rn[:, None] * kg + rg[None, :], mask=n_ok[:, None], other=0.0).to(tl.float16)
+                sc = tl.reshape(tl.broadcast_to(sg[:, :, None], (BLOCK_N, HALF // 8, 8)), (BLOCK_N, HALF))
+            else:  # each byte's group scale (8 bytes per group: repeated addresses, served by the cache)
+                sc = tl.load(s_ptr + rn[:, None] * kg + (cb // 8)[None, :], mask=n_ok[:, None], other=0.0)
+                sc = sc.to(tl.float16)
             lo = (((wb & 7) << 9) | ((wb & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True) * sc
             hi = (((wb & 0x70) << 5) | ((wb & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True) * sc
-            xe = tl.load(x_ptr + rm[None, :] * sxm + (2 * cb)[:, None], mask=m_ok[None, :], other=0.0)
-            xo = tl.load(x_ptr + rm[None, :] * sxm + (2 * cb + 1)[:, None], mask=m_ok[None, :], other=0.0)
-            lo = lo.to(xe.dtype)  # exact: value * scale * 2^-14 has <= 6 significant bits, >= 2^-24
-            hi = hi.to(xe.dtype)
-            if DOT_F32:
-                acc += tl.dot(lo.to(tl.float32), xe.to(tl.float32))
-                acc += tl.dot(hi.to(tl.float32), xo.to(tl.float32))
+            if FMA:  # one row: products on the CUDA cores, no tensor-core padding or operand layout change
+                xe1 = tl.load(x_ptr + 2 * cb).to(tl.float32)
+                xo1 = tl.load(x_ptr + 2 * cb + 1).to(tl.float32)
+                acc1 += lo.to(tl.float32) * xe1[None, :] + hi.to(tl.float32) * xo1[None, :]
             else:
-                acc = tl.dot(lo, xe, acc)
-                acc = tl.dot(hi, xo, acc)
+                xe = tl.load(x_ptr + rm[None, :] * sxm + (2 * cb)[:, None], mask=m_ok[None, :], other=0.0)
+                xo = tl.load(x_ptr + rm[None, :] * sxm + (2 * cb + 1)[:, None], mask=m_ok[None, :], other=0.0)
+                lo = lo.to(xe.dtype)  # exact: value * scale * 2^-14 has <= 6 significant bits, >= 2^-24
+                hi = hi.to(xe.dtype)
+                if DOT_F32:
+                    acc += tl.dot(lo.to(tl.float32), xe.to(tl.float32))
+                    acc += tl.dot(hi.to(tl.float32), xo.to(tl.float32))
+                else:
+                    acc = tl.dot(lo, xe, acc)
+                    acc = tl.dot(hi, xo, acc)
+        if FMA:
+            acc = tl.where(rm[None, :] == 0, tl.sum(acc1, axis=1)[:, None], 0.0)
         gmul = 16384.0 / tl.load(g_ptr)
         ok = n_ok[:, None] & m_ok[None, :]
         y_ptrs = y_ptr + rm[None, :] * sym + rn[:, None]
@@ -114,12 +127,13 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4,
-                     num_stages: int | None = None) -> torch.Tensor:
+                     num_stages: int | None = None, fma: bool = False, group_scales: bool = False) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[..., K]`` (bfloat16/float16, at most :data:`MAX_TOKENS` rows) and ``W`` given as
     the NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the
     float32 divisor ``[1]``); returns ``[..., N]`` in ``x``'s dtype. ``block_n`` output features per program (16,
     32, 64 or 128), ``block_k`` input features per tile, ``split_k`` programs per output block (one launch; the
-    last to finish sums the float32 partials in a fixed order)."""
+    last to finish sums the float32 partials in a fixed order). ``fma``: one row only, products on the CUDA cores
+    instead of a tensor-core dot; ``group_scales``: one scale load per group instead of one per byte."""
     if triton is None:
         raise RuntimeError(f"nvfp4_small_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -135,6 +149,8 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"K={k} is not a multiple of block_k={block_k} (itself a multiple of 32)")
     if block_n not in (16, 32, 64, 128):
         problems.append(f"block_n={block_n} (16, 32, 64 or 128)")
+    if fma and m != 1:
+        problems.append(f"fma=True takes one row, got {m}")
     if split_k < 1:
         problems.append(f"split_k={split_k} (>= 1)")
     if tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8:
@@ -159,9 +175,11 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     else:
         ws, cnt = out, out  # unused
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    _w4a16_kernel[(blocks, split_k)](
+    global LAST_COMPILED
+    LAST_COMPILED = _w4a16_kernel[(blocks, split_k)](
         x2, x2.stride(0), packed, scale, g, out, out.stride(0), ws, cnt, m, n, k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=_interpreting(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=_interpreting(), FMA=fma,
+        GROUP_SCALES=group_scales,
         num_warps=num_warps, **extra,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

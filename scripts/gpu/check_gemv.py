@@ -42,8 +42,17 @@ LINEARS_7B = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), 
 LAYERS_7B = 28
 
 
-def sweep_tiles(quick: bool = False) -> list[dict[str, int]]:
-    """The tiles tried: block_n (tensor-core M), block_k, split_k, warps."""
+def sweep_tiles(quick: bool = False, sweep: str = "tiles", m: int = 1) -> list[dict[str, int]]:
+    """The tiles tried: block_n (tensor-core M), block_k, split_k, warps. ``sweep="diag"``: the one-row CUDA-core path
+    (m = 1 only), per-group scale loads, larger K tiles and pipeline depths, to find what limits the kernel."""
+    if sweep == "diag":
+        tiles: list[dict[str, Any]] = []
+        if m == 1:
+            tiles += [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4, fma=True, group_scales=gs)
+                      for gs, bn, bk, sk in itertools.product((False, True), (16, 32, 64), (256, 512), (1, 4))]
+        tiles += [dict(block_n=64, block_k=bk, split_k=sk, num_warps=w, num_stages=st, group_scales=True)
+                  for bk, sk, st, w in itertools.product((256, 512), (4, 8), (2, 4), (4, 8))]
+        return tiles
     if quick:
         return [dict(block_n=64, block_k=128, split_k=s, num_warps=4) for s in (1, 4)]
     tiles = [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4)
@@ -52,8 +61,11 @@ def sweep_tiles(quick: bool = False) -> list[dict[str, int]]:
     return tiles
 
 
-def tile_name(t: dict[str, int]) -> str:
-    return f"n{t['block_n']}k{t['block_k']}s{t['split_k']}w{t['num_warps']}"
+def tile_name(t: dict[str, Any]) -> str:
+    name = f"n{t['block_n']}k{t['block_k']}s{t['split_k']}w{t['num_warps']}"
+    if t.get("num_stages") is not None:
+        name += f"p{t['num_stages']}"
+    return name + ("F" if t.get("fma") else "") + ("G" if t.get("group_scales") else "")
 
 
 def copies_for(nbytes: int, cold_mib: float, cap: int = 64) -> int:
@@ -113,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="timed replays per kernel in the final comparison")
     p.add_argument("--cold-mib", type=float, default=256.0, help="MiB one pass of a graph reads (default 256)")
     p.add_argument("--quick", action="store_true", help="two tiles instead of the sweep")
+    p.add_argument("--sweep", choices=("tiles", "diag"), default="tiles",
+                   help="tiles: block sizes, split-K and warps (default); diag: the kernel's variants (see sweep_tiles)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
     args = p.parse_args(argv)
 
@@ -128,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     from qerl_plugin import nvfp4
+    from vllm_ext import nvfp4_gemv as gemv_mod
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
     out = Path(args.out or os.environ.get("OUT") or ".out").expanduser().resolve()
@@ -140,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(obj), flush=True)
 
     batches = [int(b) for b in args.batches.split(",")]
-    tiles = sweep_tiles(args.quick)
+    tiles = sweep_tiles(args.quick, args.sweep, 1)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "tiles": [tile_name(t) for t in tiles], "batches": batches, "cold_mib": args.cold_mib})
@@ -184,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             marlin_err = (marlin_call(marlins[0])().float() - ref).abs().max().item()
             iters = max(args.iters, c_raw)
             swept = []
-            for t in tiles:
+            for t in sweep_tiles(args.quick, args.sweep, m):
                 name = tile_name(t)
                 try:
                     y1 = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t)
@@ -193,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
                     ok = err <= 2 * marlin_err + 1e-2 and torch.equal(y1, y2)
                     row: dict[str, Any] = {"what": "tile", "linear": lname, "m": m, "tile": name, "max_err": err,
                                            "marlin_err": marlin_err, "repeat_identical": torch.equal(y1, y2), "ok": ok}
+                    ck = gemv_mod.LAST_COMPILED
+                    for attr in ("n_regs", "n_spills"):
+                        row[attr] = getattr(ck, attr, None)
+                    row["shared"] = getattr(getattr(ck, "metadata", None), "shared", None)
                     if ok:
                         calls = [(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **t)) for p_, s_ in raws]
                         g = _graph(calls, iters)

@@ -21,13 +21,17 @@ from qerl_plugin import nvfp4
 
 pytest.importorskip("triton", reason="Triton is not installed: the kernel cannot run or be interpreted")
 
-CASES = [  # (rows, N, K, block_k, split_k): one and several rows, a ragged last N block, split-K (even and uneven)
-    (1, 48, 256, 128, 1),
-    (5, 80, 384, 128, 1),
-    (3, 64, 512, 128, 2),
-    (16, 40, 256, 64, 1),
-    (2, 96, 768, 128, 4),
-    (1, 32, 640, 64, 3),
+CASES = [  # (rows, N, K, block_k, split_k, variant): one and several rows, a ragged last N block, split-K (even and
+    # uneven), and the one-row CUDA-core path and the per-group scale loads
+    (1, 48, 256, 128, 1, {}),
+    (5, 80, 384, 128, 1, {}),
+    (3, 64, 512, 128, 2, {}),
+    (16, 40, 256, 64, 1, {}),
+    (2, 96, 768, 128, 4, {}),
+    (1, 32, 640, 64, 3, {}),
+    (1, 48, 512, 128, 2, {"fma": True}),
+    (4, 80, 512, 256, 1, {"group_scales": True}),
+    (1, 40, 384, 128, 3, {"fma": True, "group_scales": True}),
 ]
 
 INTERPRETED = textwrap.dedent(
@@ -38,13 +42,13 @@ INTERPRETED = textwrap.dedent(
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
     out = []
-    for m, n, k, bk, sk in json.loads(sys.argv[1]):
+    for m, n, k, bk, sk, var in json.loads(sys.argv[1]):
         g = torch.Generator().manual_seed(m * 1000 + n)
         w = torch.randn(n, k, generator=g) * 0.05
         w[0, :16] = 0.0  # an all-zero group (scale 0)
         q = nvfp4.quantize(w.to(torch.bfloat16))
         x = torch.randn(m, k, generator=g).to(torch.float16)
-        got = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=bk, split_k=sk, block_n=32)
+        got = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=bk, split_k=sk, block_n=32, **var)
         wq = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float16)
         ref = x.float() @ wq.float().t()
         err = (got.float() - ref).abs().max().item()
@@ -53,8 +57,8 @@ INTERPRETED = textwrap.dedent(
         w64 = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double()
         ref64 = x.double() @ w64.t()
         excess = ((got.double() - ref64).abs() - 2.0**-11 * ref64.abs()).max().item()
-        again = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=bk, split_k=sk, block_n=32)
-        out.append({"case": [m, n, k, bk, sk], "shape": list(got.shape), "dtype": str(got.dtype),
+        again = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=bk, split_k=sk, block_n=32, **var)
+        out.append({"case": [m, n, k, bk, sk, var], "shape": list(got.shape), "dtype": str(got.dtype),
                     "max_err": err, "ref_max": scale, "excess_vs_exact": excess,
                     "repeat_identical": bool(torch.equal(got, again))})
     print(json.dumps(out))
@@ -70,7 +74,7 @@ def test_interpreted_kernel_matches_the_codec():
     results = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(results) == len(CASES)
     for r in results:
-        m, n, k, _, _ = r["case"]
+        m, n, k, _, _, _ = r["case"]
         assert r["shape"] == [m, n] and r["dtype"] == "torch.float16"
         # against the float16-rounded weight: within that rounding
         assert r["max_err"] <= 1e-3 * r["ref_max"] + 1e-3, r
@@ -90,6 +94,8 @@ def test_refusals_name_the_bad_input():
         nvfp4_small_gemm(torch.randn(65, 256).half(), q.packed, q.scale, q.global_scale)
     with pytest.raises(ValueError, match="K=256 is not a multiple of block_k=96"):
         nvfp4_small_gemm(torch.randn(1, 256).half(), q.packed, q.scale, q.global_scale, block_k=96)
+    with pytest.raises(ValueError, match="fma=True takes one row, got 2"):
+        nvfp4_small_gemm(torch.randn(2, 256).half(), q.packed, q.scale, q.global_scale, fma=True)
     with pytest.raises(ValueError, match="block_n=48 .16, 32, 64 or 128."):
         nvfp4_small_gemm(torch.randn(1, 256).half(), q.packed, q.scale, q.global_scale, block_n=48)
     with pytest.raises(ValueError, match=r"packed torch.uint8 \(32, 128\), expected uint8 \(32, 64\)"):
