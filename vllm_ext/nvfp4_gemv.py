@@ -116,6 +116,57 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call (and the next CUDA-graph replay)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _nvfp4_row_kernel(
+        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, N, K,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    ):  # fmt: skip
+        """One row: ``y[n] = sum_k x[k] W[n, k]`` on the CUDA cores, the weight read as int32 words of 8 codes."""
+        WORDS: tl.constexpr = BLOCK_K // 8
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rw = tl.arange(0, WORDS)
+        n_ok = rn < N
+        kw = K // 8
+        kg = K // 16
+        acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+            cw = t * WORDS + rw  # this tile's words: codes 8*cw .. 8*cw + 7, code j in bits 4j .. 4j + 3
+            wv = tl.load(w_ptr + rn[:, None] * kw + cw[None, :], mask=n_ok[:, None], other=0)
+            sc = tl.load(s_ptr + rn[:, None] * kg + (cw // 2)[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+            for j in tl.static_range(4):
+                # codes j and j + 4 as two float16 in one int32 (halves: code j, code j + 4): the magnitude bits to
+                # bits 11-9 of each half, the sign to bit 15; each float16 is the E2M1 value times 2^-14
+                if j < 3:
+                    mag = (wv << (9 - 4 * j)) & 0x0E000E00
+                else:
+                    mag = (wv >> 3) & 0x0E000E00
+                h = mag | ((wv << (12 - 4 * j)) & -2147450880)  # 0x80008000 as a signed int32
+                f_lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                f_hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                x_lo = tl.load(x_ptr + 8 * cw + j).to(tl.float32)
+                x_hi = tl.load(x_ptr + 8 * cw + j + 4).to(tl.float32)
+                part += f_lo * x_lo[None, :] + f_hi * x_hi[None, :]
+            acc += part * sc  # a word's 8 codes share one group (16 codes = 2 words)
+        gmul = 16384.0 / tl.load(g_ptr)
+        y = tl.sum(acc, axis=1)
+        if SPLIT_K == 1:
+            tl.store(y_ptr + rn, (y * gmul).to(y_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            tl.store(ws_ptr + pid_k * N + rn, y, mask=n_ok)
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1)
+            if arrived == SPLIT_K - 1:
+                tot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    tot += tl.load(ws_ptr + s * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + rn, (tot * gmul).to(y_ptr.dtype.element_ty), mask=n_ok)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for ``n`` output blocks, kept per device (they reset themselves after use)."""
     have = _COUNTERS.get(device)
@@ -127,13 +178,16 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4,
-                     num_stages: int | None = None, fma: bool = False, group_scales: bool = False) -> torch.Tensor:
+                     num_stages: int | None = None, fma: bool = False, group_scales: bool = False,
+                     words: bool = False) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[..., K]`` (bfloat16/float16, at most :data:`MAX_TOKENS` rows) and ``W`` given as
     the NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the
     float32 divisor ``[1]``); returns ``[..., N]`` in ``x``'s dtype. ``block_n`` output features per program (16,
     32, 64 or 128), ``block_k`` input features per tile, ``split_k`` programs per output block (one launch; the
     last to finish sums the float32 partials in a fixed order). ``fma``: one row only, products on the CUDA cores
-    instead of a tensor-core dot; ``group_scales``: one scale load per group instead of one per byte."""
+    instead of a tensor-core dot; ``group_scales``: one scale load per group instead of one per byte; ``words``:
+    one row on the CUDA cores with the weight read as int32 words and two codes decoded per integer operation
+    (:func:`_nvfp4_row_kernel`)."""
     if triton is None:
         raise RuntimeError(f"nvfp4_small_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -147,10 +201,11 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"{m} rows > {MAX_TOKENS}")
     if k % block_k or block_k % 32:
         problems.append(f"K={k} is not a multiple of block_k={block_k} (itself a multiple of 32)")
-    if block_n not in (16, 32, 64, 128):
-        problems.append(f"block_n={block_n} (16, 32, 64 or 128)")
-    if fma and m != 1:
-        problems.append(f"fma=True takes one row, got {m}")
+    if block_n not in ((4, 8, 16, 32, 64, 128) if words else (16, 32, 64, 128)):
+        problems.append(f"block_n={block_n} (16, 32, 64 or 128; 4 and 8 also with words=True)")
+    for flag, on in (("fma", fma), ("words", words)):
+        if on and m != 1:
+            problems.append(f"{flag}=True takes one row, got {m}")
     if split_k < 1:
         problems.append(f"split_k={split_k} (>= 1)")
     if tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8:
@@ -169,13 +224,19 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     blocks = triton.cdiv(n, block_n)
     split_k = min(split_k, k // block_k)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if split_k > 1:
-        ws = torch.empty(split_k, block_m, n, device=x.device, dtype=torch.float32)
+    if split_k > 1:  # float32 partials [split_k, rows, N] and the blocks' arrival counters
+        ws = torch.empty(split_k, 1 if words else block_m, n, device=x.device, dtype=torch.float32)
         cnt = _counters(x.device, blocks)
     else:
         ws, cnt = out, out  # unused
     extra = {} if num_stages is None else {"num_stages": num_stages}
     global LAST_COMPILED
+    if words:
+        LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](
+            x2, packed.view(torch.int32), scale, g, out, ws, cnt, n, k,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, **extra,
+        )  # fmt: skip
+        return out.reshape(*x.shape[:-1], n)
     LAST_COMPILED = _w4a16_kernel[(blocks, split_k)](
         x2, x2.stride(0), packed, scale, g, out, out.stride(0), ws, cnt, m, n, k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=_interpreting(), FMA=fma,

@@ -45,6 +45,13 @@ LAYERS_7B = 28
 def sweep_tiles(quick: bool = False, sweep: str = "tiles", m: int = 1) -> list[dict[str, int]]:
     """The tiles tried: block_n (tensor-core M), block_k, split_k, warps. ``sweep="diag"``: the one-row CUDA-core path
     (m = 1 only), per-group scale loads, larger K tiles and pipeline depths, to find what limits the kernel."""
+    if sweep == "words":  # the one-row word kernel (m = 1 only)
+        if m != 1:
+            return []
+        tiles = [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=4, words=True)
+                 for bn, bk, sk in itertools.product((8, 16, 32), (256, 512), (1, 2, 4, 8))]
+        return tiles + [dict(block_n=8, block_k=bk, split_k=sk, num_warps=2, words=True)
+                        for bk, sk in itertools.product((256, 512), (1, 2, 4, 8))]
     if sweep == "diag":
         tiles: list[dict[str, Any]] = []
         if m == 1:
@@ -65,7 +72,7 @@ def tile_name(t: dict[str, Any]) -> str:
     name = f"n{t['block_n']}k{t['block_k']}s{t['split_k']}w{t['num_warps']}"
     if t.get("num_stages") is not None:
         name += f"p{t['num_stages']}"
-    return name + ("F" if t.get("fma") else "") + ("G" if t.get("group_scales") else "")
+    return name + ("F" if t.get("fma") else "") + ("G" if t.get("group_scales") else "") + ("W" if t.get("words") else "")
 
 
 def copies_for(nbytes: int, cold_mib: float, cap: int = 64) -> int:
@@ -125,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="timed replays per kernel in the final comparison")
     p.add_argument("--cold-mib", type=float, default=256.0, help="MiB one pass of a graph reads (default 256)")
     p.add_argument("--quick", action="store_true", help="two tiles instead of the sweep")
-    p.add_argument("--sweep", choices=("tiles", "diag"), default="tiles",
-                   help="tiles: block sizes, split-K and warps (default); diag: the kernel's variants (see sweep_tiles)")
+    p.add_argument("--sweep", choices=("tiles", "diag", "words"), default="tiles",
+                   help="tiles: block sizes, split-K and warps (default); diag: the kernel's variants; words: the "
+                   "one-row word kernel (see sweep_tiles)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
     args = p.parse_args(argv)
 
@@ -224,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = {"what": "tile", "linear": lname, "m": m, "tile": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
                 record(row)
             if not swept:
-                record({"what": "final", "linear": lname, "m": m, "error": "no correct tile"})
+                record({"what": "final", "linear": lname, "m": m, "error": "no tile swept or none correct"})
                 continue
             best = min(swept, key=lambda s: s[0])[1]
             graphs = {

@@ -32,6 +32,9 @@ CASES = [  # (rows, N, K, block_k, split_k, variant): one and several rows, a ra
     (1, 48, 512, 128, 2, {"fma": True}),
     (4, 80, 512, 256, 1, {"group_scales": True}),
     (1, 40, 384, 128, 3, {"fma": True, "group_scales": True}),
+    (1, 48, 512, 128, 1, {"words": True}),
+    (1, 40, 768, 256, 2, {"words": True}),
+    (1, 24, 640, 64, 3, {"words": True, "block_n": 8}),
 ]
 
 INTERPRETED = textwrap.dedent(
@@ -48,7 +51,8 @@ INTERPRETED = textwrap.dedent(
         w[0, :16] = 0.0  # an all-zero group (scale 0)
         q = nvfp4.quantize(w.to(torch.bfloat16))
         x = torch.randn(m, k, generator=g).to(torch.float16)
-        got = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=bk, split_k=sk, block_n=32, **var)
+        var = {"block_n": 32, **var}
+        got = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=bk, split_k=sk, **var)
         wq = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float16)
         ref = x.float() @ wq.float().t()
         err = (got.float() - ref).abs().max().item()
@@ -57,7 +61,7 @@ INTERPRETED = textwrap.dedent(
         w64 = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double()
         ref64 = x.double() @ w64.t()
         excess = ((got.double() - ref64).abs() - 2.0**-11 * ref64.abs()).max().item()
-        again = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=bk, split_k=sk, block_n=32, **var)
+        again = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=bk, split_k=sk, **var)
         out.append({"case": [m, n, k, bk, sk, var], "shape": list(got.shape), "dtype": str(got.dtype),
                     "max_err": err, "ref_max": scale, "excess_vs_exact": excess,
                     "repeat_identical": bool(torch.equal(got, again))})
@@ -96,7 +100,11 @@ def test_refusals_name_the_bad_input():
         nvfp4_small_gemm(torch.randn(1, 256).half(), q.packed, q.scale, q.global_scale, block_k=96)
     with pytest.raises(ValueError, match="fma=True takes one row, got 2"):
         nvfp4_small_gemm(torch.randn(2, 256).half(), q.packed, q.scale, q.global_scale, fma=True)
-    with pytest.raises(ValueError, match="block_n=48 .16, 32, 64 or 128."):
+    with pytest.raises(ValueError, match="words=True takes one row, got 3"):
+        nvfp4_small_gemm(torch.randn(3, 256).half(), q.packed, q.scale, q.global_scale, words=True)
+    with pytest.raises(ValueError, match="block_n=8 .16, 32, 64 or 128; 4 and 8 also with words=True."):
+        nvfp4_small_gemm(torch.randn(1, 256).half(), q.packed, q.scale, q.global_scale, block_n=8)
+    with pytest.raises(ValueError, match="block_n=48 .16, 32, 64 or 128"):
         nvfp4_small_gemm(torch.randn(1, 256).half(), q.packed, q.scale, q.global_scale, block_n=48)
     with pytest.raises(ValueError, match=r"packed torch.uint8 \(32, 128\), expected uint8 \(32, 64\)"):
         nvfp4_small_gemm(torch.randn(1, 128).half(), q.packed, q.scale, q.global_scale)
@@ -133,3 +141,24 @@ def test_gpu_bf16_matches_dequantized_reference_and_marlin(m, split_k):
     floor = (marlin.float() - exact).abs().max()
     assert (got.float() - exact).abs().max() <= 2 * floor + 1e-2
     assert torch.equal(got, nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, split_k=split_k))  # fixed order
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel and vLLM's Marlin FP4 GEMM)")
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_gpu_one_row_word_kernel_matches_the_exact_product(split_k):
+    """The one-row CUDA-core path (words=True) in bf16 on the 7B down projection (the longest K): within the bf16
+    output's rounding of the product with the exact (float64) weight, and the same bits on a second call."""
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+
+    torch.manual_seed(split_k)
+    n, k = 3584, 18944
+    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    got = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, words=True, block_n=16, block_k=256,
+                           split_k=split_k)
+    exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
+    excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
+    assert excess <= 1e-4 * exact.abs().max().item()
+    assert torch.equal(got, nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, words=True, block_n=16,
+                                             block_k=256, split_k=split_k))
