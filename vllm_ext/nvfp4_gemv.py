@@ -116,12 +116,53 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call (and the next CUDA-graph replay)
 
 
+# PTX for one int32 word of 8 E2M1 codes -> 8 float32 (code j times 2^-14, code j in bits 4j..4j+3): codes j and j+4
+# become the two float16 halves of one register (magnitude bits to 11-9, sign to 15), then each half is widened.
+# Five integer operations per two codes (ptxas merges the and/or pairs), one conversion per code.
+_DECODE8_PTX = """
+{
+.reg .b32 t, u, h0, h1, h2, h3;
+.reg .b16 l0, l1, l2, l3, l4, l5, l6, l7;
+shl.b32 t, $8, 9;
+and.b32 t, t, 0x0E000E00;
+shl.b32 u, $8, 12;
+and.b32 u, u, 0x80008000;
+or.b32 h0, t, u;
+shl.b32 t, $8, 5;
+and.b32 t, t, 0x0E000E00;
+shl.b32 u, $8, 8;
+and.b32 u, u, 0x80008000;
+or.b32 h1, t, u;
+shl.b32 t, $8, 1;
+and.b32 t, t, 0x0E000E00;
+shl.b32 u, $8, 4;
+and.b32 u, u, 0x80008000;
+or.b32 h2, t, u;
+shr.b32 t, $8, 3;
+and.b32 t, t, 0x0E000E00;
+and.b32 u, $8, 0x80008000;
+or.b32 h3, t, u;
+mov.b32 {l0, l4}, h0;
+mov.b32 {l1, l5}, h1;
+mov.b32 {l2, l6}, h2;
+mov.b32 {l3, l7}, h3;
+cvt.f32.f16 $0, l0;
+cvt.f32.f16 $1, l1;
+cvt.f32.f16 $2, l2;
+cvt.f32.f16 $3, l3;
+cvt.f32.f16 $4, l4;
+cvt.f32.f16 $5, l5;
+cvt.f32.f16 $6, l6;
+cvt.f32.f16 $7, l7;
+}
+"""
+
 if triton is not None:
 
     @triton.jit
     def _nvfp4_row_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, N, K,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
     ):  # fmt: skip
         """One row: ``y[n] = sum_k x[k] W[n, k]`` on the CUDA cores, the weight read as int32 words of 8 codes."""
         WORDS: tl.constexpr = BLOCK_K // 8
@@ -138,7 +179,16 @@ if triton is not None:
             wv = tl.load(w_ptr + rn[:, None] * kw + cw[None, :], mask=n_ok[:, None], other=0)
             sc = tl.load(s_ptr + rn[:, None] * kg + (cw // 2)[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
             part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-            for j in tl.static_range(4):
+            if ASM:  # the same decode in PTX (the interpreter cannot run it; the GPU tests check it)
+                codes = tl.inline_asm_elementwise(
+                    asm=_DECODE8_PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wv],
+                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
+                           tl.float32),
+                    is_pure=True, pack=1,
+                )  # fmt: skip
+                for j in tl.static_range(8):
+                    part += codes[j] * tl.load(x_ptr + 8 * cw + j).to(tl.float32)[None, :]
+            for j in tl.static_range(0 if ASM else 4):
                 # codes j and j + 4 as two float16 in one int32 (halves: code j, code j + 4): the magnitude bits to
                 # bits 11-9 of each half, the sign to bit 15; each float16 is the E2M1 value times 2^-14
                 if j < 3:
@@ -179,7 +229,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4,
                      num_stages: int | None = None, fma: bool = False, group_scales: bool = False,
-                     words: bool = False) -> torch.Tensor:
+                     words: bool = False, asm: bool | None = None) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[..., K]`` (bfloat16/float16, at most :data:`MAX_TOKENS` rows) and ``W`` given as
     the NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the
     float32 divisor ``[1]``); returns ``[..., N]`` in ``x``'s dtype. ``block_n`` output features per program (16,
@@ -187,7 +237,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     last to finish sums the float32 partials in a fixed order). ``fma``: one row only, products on the CUDA cores
     instead of a tensor-core dot; ``group_scales``: one scale load per group instead of one per byte; ``words``:
     one row on the CUDA cores with the weight read as int32 words and two codes decoded per integer operation
-    (:func:`_nvfp4_row_kernel`)."""
+    (:func:`_nvfp4_row_kernel`); ``asm``: that decode in PTX (default: on CUDA, not under the interpreter)."""
     if triton is None:
         raise RuntimeError(f"nvfp4_small_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -234,7 +284,8 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if words:
         LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](
             x2, packed.view(torch.int32), scale, g, out, ws, cnt, n, k,
-            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, **extra,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm,
+            num_warps=num_warps, **extra,
         )  # fmt: skip
         return out.reshape(*x.shape[:-1], n)
     LAST_COMPILED = _w4a16_kernel[(blocks, split_k)](

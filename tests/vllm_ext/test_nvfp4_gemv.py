@@ -146,9 +146,11 @@ def test_gpu_bf16_matches_dequantized_reference_and_marlin(m, split_k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel and vLLM's Marlin FP4 GEMM)")
 @pytest.mark.parametrize("split_k", [1, 4])
-def test_gpu_one_row_word_kernel_matches_the_exact_product(split_k):
-    """The one-row CUDA-core path (words=True) in bf16 on the 7B down projection (the longest K): within the bf16
-    output's rounding of the product with the exact (float64) weight, and the same bits on a second call."""
+@pytest.mark.parametrize("asm", [True, False])
+def test_gpu_one_row_word_kernel_matches_the_exact_product(split_k, asm):
+    """The one-row CUDA-core path (words=True), with the PTX decode and without, in bf16 on the 7B down projection
+    (the longest K): within the bf16 output's rounding of the product with the exact (float64) weight, and the same
+    bits on a second call."""
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
     torch.manual_seed(split_k)
@@ -156,9 +158,9 @@ def test_gpu_one_row_word_kernel_matches_the_exact_product(split_k):
     q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     got = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, words=True, block_n=16, block_k=256,
-                           split_k=split_k)
+                           split_k=split_k, asm=asm)
     exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
     excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
     assert excess <= 1e-4 * exact.abs().max().item()
     assert torch.equal(got, nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, words=True, block_n=16,
-                                             block_k=256, split_k=split_k))
+                                             block_k=256, split_k=split_k, asm=asm))
