@@ -119,8 +119,7 @@ if triton is not None:
 # PTX for one int32 word of 8 E2M1 codes -> 8 float32 (code j times 2^-14, code j in bits 4j..4j+3): codes j and j+4
 # become the two float16 halves of one register (magnitude bits to 11-9, sign to 15), then each half is widened.
 # Five integer operations per two codes (ptxas merges the and/or pairs), one conversion per code.
-_DECODE8_PTX = """
-{
+_DECODE8_PTX_TEXT = """{
 .reg .b32 t, u, h0, h1, h2, h3;
 .reg .b16 l0, l1, l2, l3, l4, l5, l6, l7;
 shl.b32 t, $8, 9;
@@ -156,6 +155,8 @@ cvt.f32.f16 $6, l6;
 cvt.f32.f16 $7, l7;
 }
 """
+_DECODE8_PTX = tl.constexpr(_DECODE8_PTX_TEXT) if tl is not None else None  # a global a kernel may read
+
 
 if triton is not None:
 
