@@ -25,16 +25,18 @@ overhead from Python), for every projection group (qkv, o, gate_up, down) and ba
   serial        marlin then lora_punica on one stream (vLLM's default)
   overlap       marlin on the main stream, lora_punica on a second stream, joined (VLLM_LORA_ENABLE_DUAL_STREAM's idea)
   serial_fused  marlin then lora_fused on one stream (additional_config={"qerl_lora": "fused"})
-  gemv          qerl's experimental Triton NVFP4 GEMM on the checkpoint layout (vllm_ext.nvfp4_gemv), one program
-                per 64 output features; gemv_sk4 the same with the K tiles split over 4 programs (fp32 atomics)
+  gemv          qerl's experimental Triton NVFP4 GEMM on the checkpoint layout (vllm_ext.nvfp4_gemv), tensor-core
+                path, 64 output features per program; gemv_sk4 the same with the K tiles split over 4 programs (one
+                launch, partials summed in a fixed order); gemv_row its one-row CUDA-core path with the PTX decode
+                (m = 1 only; tile n8k512s4w1, §4j's best on o/down)
 
 Per-step sums (x layers) estimate the linear-layer share of a decode step and what each LoRA strategy costs.
 Writes $OUT/bench_kernels.json; prints the table last. Needs a CUDA GPU and vLLM's compiled ops.
 """
 
 
-COLUMNS = ("bf16", "marlin", "marlin_bf16r", "gemv", "gemv_sk4", "lora_punica", "lora_dense", "lora_fused", "serial",
-           "serial_fused", "overlap")
+COLUMNS = ("bf16", "marlin", "marlin_bf16r", "gemv", "gemv_sk4", "gemv_row", "lora_punica", "lora_dense", "lora_fused",
+           "serial", "serial_fused", "overlap")
 
 
 def _graph_us(fn, iters: int, reps: int = 5) -> float:
@@ -166,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
                 "marlin_bf16r": lambda: marlin(False),
                 "gemv": lambda: nvfp4_small_gemm(x, packed_cat, scale_cat, parts[0].global_scale),
                 "gemv_sk4": lambda: nvfp4_small_gemm(x, packed_cat, scale_cat, parts[0].global_scale, split_k=4),
+                "gemv_row": (lambda: nvfp4_small_gemm(x, packed_cat, scale_cat, parts[0].global_scale, words=True,
+                                                      block_n=8, block_k=512, split_k=4, num_warps=1))
+                if m == 1 else None,
                 "lora_punica": lambda: punica(y),
                 "lora_dense": lambda: dense(y),
                 "serial": serial,
@@ -175,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
             }
             row: dict[str, Any] = {"group": gname, "m": m, "n": n, "k": k_in}
             for cname, fn in cases.items():
+                if fn is None:  # not defined at this batch size
+                    row[cname] = None
+                    continue
                 try:
                     row[cname] = round(_graph_us(fn, args.iters), 2)
                 except Exception as exc:  # one failing case must not hide the others
@@ -196,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
     lines = ["", f"per-layer decode kernels, {args.shape}, LoRA r{r}, {report['device']} (GPU us per call in CUDA graphs)",
              f"{'group':<8}{'m':>4}" + "".join(f"{c:>13}" for c in COLUMNS)]
     for x in rows:
-        lines.append(f"{x['group']:<8}{x['m']:>4}" + "".join(f"{x[c]:>13.1f}" if x.get(c) is not None else f"{'err':>13}" for c in COLUMNS))
+        lines.append(f"{x['group']:<8}{x['m']:>4}" + "".join(
+            f"{x[c]:>13.1f}" if x.get(c) is not None else f"{'err' if x.get(c + '_error') else '-':>13}" for c in COLUMNS))
     lines.append(f"per decode step ({layers} layers, linears only, ms):")
     for m, v in per_step.items():
         lines.append(f"{'step':<8}{m:>4}" + "".join(f"{v[c]:>13.3f}" if v[c] is not None else f"{'-':>13}" for c in COLUMNS))
