@@ -163,11 +163,25 @@ _DECODE8_PTX = tl.constexpr(_DECODE8_PTX_TEXT) if tl is not None else None  # a 
 if triton is not None:
 
     @triton.jit
+    def _half_lo(h):
+        """The low float16 of each int32, widened to float32."""
+        return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _half_hi(h):
+        """The high float16 of each int32, widened to float32."""
+        return (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
     def _nvfp4_row_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, N, K,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
+        XVEC: tl.constexpr,
     ):  # fmt: skip
-        """One row: ``y[n] = sum_k x[k] W[n, k]`` on the CUDA cores, the weight read as int32 words of 8 codes."""
+        """One row: ``y[n] = sum_k x[k] W[n, k]`` on the CUDA cores, the weight read as int32 words of 8 codes.
+        ``XVEC``: ``x`` loaded as one 16-byte run per word (8 values) and the 8 decoded codes joined in registers to
+        meet it, instead of 8 strided 2-byte loads per word, and one scale load per group (Nsight Compute, §4j
+        lease 6: the strided loads kept the L1 86 % busy)."""
         WORDS: tl.constexpr = BLOCK_K // 8
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -180,7 +194,13 @@ if triton is not None:
         for t in range(pid_k, K // BLOCK_K, SPLIT_K):
             cw = t * WORDS + rw  # this tile's words: codes 8*cw .. 8*cw + 7, code j in bits 4j .. 4j + 3
             wv = tl.load(w_ptr + rn[:, None] * kw + cw[None, :], mask=n_ok[:, None], other=0)
-            sc = tl.load(s_ptr + rn[:, None] * kg + (cw // 2)[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            if XVEC:  # one load per group, its two words take it from registers
+                cg = t * (WORDS // 2) + tl.arange(0, WORDS // 2)
+                sg = tl.load(s_ptr + rn[:, None] * kg + cg[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+                sc = tl.reshape(tl.join(sg, sg), (BLOCK_N, WORDS))
+            else:
+                sc = tl.load(s_ptr + rn[:, None] * kg + (cw // 2)[None, :], mask=n_ok[:, None], other=0.0)
+                sc = sc.to(tl.float32)
             part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
             if ASM:  # the same decode in PTX (the interpreter cannot run it; the GPU tests check it)
                 codes = tl.inline_asm_elementwise(
@@ -189,21 +209,24 @@ if triton is not None:
                            tl.float32),
                     is_pure=True, pack=1,
                 )  # fmt: skip
+            else:  # codes j and j + 4 as two float16 in one int32 (halves: code j, code j + 4): the magnitude bits to
+                # bits 11-9 of each half, the sign to bit 15; each float16 is the E2M1 value times 2^-14
+                h0 = ((wv << 9) & 0x0E000E00) | ((wv << 12) & -2147450880)  # -2147450880 = 0x80008000 as int32
+                h1 = ((wv << 5) & 0x0E000E00) | ((wv << 8) & -2147450880)
+                h2 = ((wv << 1) & 0x0E000E00) | ((wv << 4) & -2147450880)
+                h3 = ((wv >> 3) & 0x0E000E00) | (wv & -2147450880)
+                codes = (_half_lo(h0), _half_lo(h1), _half_lo(h2), _half_lo(h3),
+                         _half_hi(h0), _half_hi(h1), _half_hi(h2), _half_hi(h3))
+            if XVEC:
+                # codes[L] in natural order along a new last axis: nested joins put code 4k + 2j + i at [k, j, i]
+                c8 = tl.join(tl.join(tl.join(codes[0], codes[4]), tl.join(codes[2], codes[6])),
+                             tl.join(tl.join(codes[1], codes[5]), tl.join(codes[3], codes[7])))
+                c8 = tl.reshape(c8, (BLOCK_N, WORDS, 8))
+                xv = tl.load(x_ptr + 8 * cw[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)  # [WORDS, 8]
+                part = tl.sum(c8 * xv[None, :, :], axis=2)
+            else:
                 for j in tl.static_range(8):
                     part += codes[j] * tl.load(x_ptr + 8 * cw + j).to(tl.float32)[None, :]
-            for j in tl.static_range(0 if ASM else 4):
-                # codes j and j + 4 as two float16 in one int32 (halves: code j, code j + 4): the magnitude bits to
-                # bits 11-9 of each half, the sign to bit 15; each float16 is the E2M1 value times 2^-14
-                if j < 3:
-                    mag = (wv << (9 - 4 * j)) & 0x0E000E00
-                else:
-                    mag = (wv >> 3) & 0x0E000E00
-                h = mag | ((wv << (12 - 4 * j)) & -2147450880)  # 0x80008000 as a signed int32
-                f_lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                f_hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                x_lo = tl.load(x_ptr + 8 * cw + j).to(tl.float32)
-                x_hi = tl.load(x_ptr + 8 * cw + j + 4).to(tl.float32)
-                part += f_lo * x_lo[None, :] + f_hi * x_hi[None, :]
             acc += part * sc  # a word's 8 codes share one group (16 codes = 2 words)
         gmul = 16384.0 / tl.load(g_ptr)
         y = tl.sum(acc, axis=1)
@@ -232,7 +255,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4,
                      num_stages: int | None = None, fma: bool = False, group_scales: bool = False,
-                     words: bool = False, asm: bool | None = None) -> torch.Tensor:
+                     words: bool = False, asm: bool | None = None, xvec: bool = False) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[..., K]`` (bfloat16/float16, at most :data:`MAX_TOKENS` rows) and ``W`` given as
     the NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the
     float32 divisor ``[1]``); returns ``[..., N]`` in ``x``'s dtype. ``block_n`` output features per program (16,
@@ -240,7 +263,8 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     last to finish sums the float32 partials in a fixed order). ``fma``: one row only, products on the CUDA cores
     instead of a tensor-core dot; ``group_scales``: one scale load per group instead of one per byte; ``words``:
     one row on the CUDA cores with the weight read as int32 words and two codes decoded per integer operation
-    (:func:`_nvfp4_row_kernel`); ``asm``: that decode in PTX (default: on CUDA, not under the interpreter)."""
+    (:func:`_nvfp4_row_kernel`); ``asm``: that decode in PTX (default: on CUDA, not under the interpreter);
+    ``xvec``: that kernel with ``x`` and the scales loaded once per word and group."""
     if triton is None:
         raise RuntimeError(f"nvfp4_small_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -288,6 +312,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](
             x2, packed.view(torch.int32), scale, g, out, ws, cnt, n, k,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm,
+            XVEC=xvec,
             num_warps=num_warps, **extra,
         )  # fmt: skip
         return out.reshape(*x.shape[:-1], n)

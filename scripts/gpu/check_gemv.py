@@ -52,6 +52,13 @@ def sweep_tiles(quick: bool = False, sweep: str = "tiles", m: int = 1) -> list[d
                  for bn, bk, sk in itertools.product((8, 16, 32), (256, 512), (1, 2, 4, 8))]
         return tiles + [dict(block_n=8, block_k=bk, split_k=sk, num_warps=2, words=True)
                         for bk, sk in itertools.product((256, 512), (1, 2, 4, 8))]
+    if sweep == "xvec":  # the one-row kernel, PTX decode, with x and scales loaded once per word/group (m = 1 only)
+        if m != 1:
+            return []
+        tiles = [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=w, words=True, asm=True, xvec=True)
+                 for bn, bk, sk, w in itertools.product((4, 8, 16), (256, 512), (1, 2, 4, 8), (1, 2, 4))]
+        return tiles + [dict(block_n=bn, block_k=512, split_k=sk, num_warps=1, words=True, asm=True)
+                        for bn, sk in ((4, 1), (4, 2), (8, 4))]  # lease 5's best tiles on it
     if sweep == "asm":  # the one-row word kernel with the PTX decode (m = 1 only), and lease 4's best tiles without it
         if m != 1:
             return []
@@ -80,7 +87,8 @@ def tile_name(t: dict[str, Any]) -> str:
     if t.get("num_stages") is not None:
         name += f"p{t['num_stages']}"
     name += ("F" if t.get("fma") else "") + ("G" if t.get("group_scales") else "") + ("W" if t.get("words") else "")
-    return name + {True: "A", False: "I"}.get(t.get("asm"), "")  # PTX decode / Triton integer decode
+    name += {True: "A", False: "I"}.get(t.get("asm"), "")  # PTX decode / Triton integer decode
+    return name + ("X" if t.get("xvec") else "")
 
 
 def copies_for(nbytes: int, cold_mib: float, cap: int = 64) -> int:
@@ -140,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="timed replays per kernel in the final comparison")
     p.add_argument("--cold-mib", type=float, default=256.0, help="MiB one pass of a graph reads (default 256)")
     p.add_argument("--quick", action="store_true", help="two tiles instead of the sweep")
-    p.add_argument("--sweep", choices=("tiles", "diag", "words", "asm"), default="tiles",
+    p.add_argument("--sweep", choices=("tiles", "diag", "words", "asm", "xvec"), default="tiles",
                    help="tiles: block sizes, split-K and warps (default); diag: the kernel's variants; words: the "
-                   "one-row word kernel; asm: that kernel with its PTX decode (see sweep_tiles)")
+                   "one-row word kernel; asm: that kernel with its PTX decode; xvec: and x loaded once per word (see sweep_tiles)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
     args = p.parse_args(argv)
 

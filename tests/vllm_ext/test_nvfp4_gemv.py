@@ -35,6 +35,8 @@ CASES = [  # (rows, N, K, block_k, split_k, variant): one and several rows, a ra
     (1, 48, 512, 128, 1, {"words": True}),
     (1, 40, 768, 256, 2, {"words": True}),
     (1, 24, 640, 64, 3, {"words": True, "block_n": 8}),
+    (1, 40, 512, 128, 1, {"words": True, "xvec": True}),
+    (1, 20, 768, 256, 3, {"words": True, "xvec": True, "block_n": 4}),
 ]
 
 INTERPRETED = textwrap.dedent(
@@ -146,8 +148,8 @@ def test_gpu_bf16_matches_dequantized_reference_and_marlin(m, split_k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel and vLLM's Marlin FP4 GEMM)")
 @pytest.mark.parametrize("split_k", [1, 4])
-@pytest.mark.parametrize("asm", [True, False])
-def test_gpu_one_row_word_kernel_matches_the_exact_product(split_k, asm):
+@pytest.mark.parametrize("asm,xvec", [(True, False), (False, False), (True, True)])
+def test_gpu_one_row_word_kernel_matches_the_exact_product(split_k, asm, xvec):
     """The one-row CUDA-core path (words=True), with the PTX decode and without, in bf16 on the 7B down projection
     (the longest K): within the bf16 output's rounding of the product with the exact (float64) weight, and the same
     bits on a second call."""
@@ -158,9 +160,9 @@ def test_gpu_one_row_word_kernel_matches_the_exact_product(split_k, asm):
     q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     got = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, words=True, block_n=16, block_k=256,
-                           split_k=split_k, asm=asm)
+                           split_k=split_k, asm=asm, xvec=xvec)
     exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
     excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
     assert excess <= 1e-4 * exact.abs().max().item()
     assert torch.equal(got, nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, words=True, block_n=16,
-                                             block_k=256, split_k=split_k, asm=asm))
+                                             block_k=256, split_k=split_k, asm=asm, xvec=xvec))
