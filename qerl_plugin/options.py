@@ -8,6 +8,8 @@ engine built with AQN never reuses a graph compiled without it)::
 
     {"qerl_aqn": true}                                          AQN: every RMSNorm gets a noise buffer
     {"qerl_nvfp4": {"backend": "emulation", "fp32_reduce": false}}   how nvfp4 layers run
+    {"qerl_nvfp4": {"decode_gemv": true}}                       one-row calls on vllm_ext.nvfp4_gemv's kernel
+                                                                (experimental; keeps a second copy of the weights)
     {"qerl_lora": "fused"}                                      the default: one adapter slot (max_loras=1), one
                                                                 Triton launch per LoRA linear for calls of <= 64
                                                                 tokens, punica above (vllm_ext.lora_fused)
@@ -94,20 +96,21 @@ def aqn_enabled(additional_config: Mapping[str, Any] | None) -> bool:
 
 
 def nvfp4_options(additional_config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``additional_config["qerl_nvfp4"]``, checked: ``backend`` (one of :data:`NVFP4_BACKENDS`) and
-    ``fp32_reduce`` (bool), each present only when given."""
+    """``additional_config["qerl_nvfp4"]``, checked: ``backend`` (one of :data:`NVFP4_BACKENDS`), ``fp32_reduce``
+    and ``decode_gemv`` (bools), each present only when given."""
     opts = (additional_config or {}).get(NVFP4_KEY) or {}
     what = f"additional_config[{NVFP4_KEY!r}]"
     if not isinstance(opts, Mapping):
         raise ValueError(f"{what}: expected a mapping such as {{'backend': 'marlin'}}, got {opts!r}")
-    unknown = sorted(set(opts) - {"backend", "fp32_reduce"})
+    unknown = sorted(set(opts) - {"backend", "fp32_reduce", "decode_gemv"})
     if unknown:
-        raise ValueError(f"{what}: unknown key(s) {unknown}; the keys are backend and fp32_reduce")
+        raise ValueError(f"{what}: unknown key(s) {unknown}; the keys are backend, fp32_reduce and decode_gemv")
     out: dict[str, Any] = {}
     if "backend" in opts:
         out["backend"] = parse_backend(opts["backend"], f"{what} backend")
-    if "fp32_reduce" in opts:
-        out["fp32_reduce"] = parse_bool(opts["fp32_reduce"], f"{what} fp32_reduce")
+    for key in ("fp32_reduce", "decode_gemv"):
+        if key in opts:
+            out[key] = parse_bool(opts[key], f"{what} {key}")
     return out
 
 

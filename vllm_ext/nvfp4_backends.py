@@ -20,9 +20,11 @@ from vllm.platforms import current_platform
 from qerl_plugin import nvfp4, options
 from qerl_plugin.nvfp4 import GROUP_SIZE, NVFP4Error
 from vllm_ext.quant import MIN_CAPABILITY
+import vllm_ext.nvfp4_gemv  # noqa: E402,F401  registers torch.ops.qerl.nvfp4_gemv_row (decode_gemv)
 
 __all__ = [
     "BACKEND_ENV",
+    "DECODE_GEMV_ENV",
     "FP32_REDUCE_ENV",
     "KERNEL_FLAG",
     "Backend",
@@ -38,6 +40,7 @@ logger = logging.getLogger("qerl.vllm.nvfp4")
 
 BACKEND_ENV = "QERL_NVFP4_BACKEND"
 FP32_REDUCE_ENV = "QERL_NVFP4_FP32_REDUCE"
+DECODE_GEMV_ENV = "QERL_NVFP4_DECODE_GEMV"
 KERNEL_FLAG = "_qerl_kernel"
 _warned: set[str] = set()
 
@@ -162,7 +165,7 @@ class MarlinBackend(Backend):
 
     name = "marlin"
 
-    def __init__(self, fp32_reduce: bool | None = None):
+    def __init__(self, fp32_reduce: bool | None = None, decode_gemv: bool | None = None):
         if not current_platform.is_cuda():
             raise NVFP4Error(
                 "nvfp4's Marlin FP4 kernel needs an NVIDIA GPU (compute capability >= 7.5); this platform is "
@@ -179,6 +182,14 @@ class MarlinBackend(Backend):
         if fp32_reduce is None:
             fp32_reduce = _option("fp32_reduce", FP32_REDUCE_ENV, "1", options.parse_bool)
         self.fp32_reduce = fp32_reduce
+        if decode_gemv is None:
+            decode_gemv = _option("decode_gemv", DECODE_GEMV_ENV, "0", options.parse_bool)
+        # experimental (docs/benchmarks.md §4j): one-row calls on vllm_ext.nvfp4_gemv's kernel, which reads the
+        # checkpoint layout, so the layer keeps that copy of its weights next to Marlin's
+        self.decode_gemv = decode_gemv
+        if decode_gemv:
+            warn_once("decode_gemv", "nvfp4: decode_gemv on - one-row GEMMs run on qerl's experimental NVFP4 kernel; "
+                      "each layer keeps a second copy of its 4-bit weights")
 
     @staticmethod
     def _marlin(layer, packed, scale, gscale, raw_bias) -> torch.nn.Module:  # noqa: ANN001
@@ -212,6 +223,18 @@ class MarlinBackend(Backend):
             _set_kernel(layer, "bias", m.bias.data if fused else raw_bias)
         if getattr(layer, "workspace", None) is None:
             layer.workspace = m.workspace  # plain attribute: kept (not re-created) across reloads
+        if self.decode_gemv and self._gemv_ok(layer):
+            _set_kernel(layer, "qerl_gemv_packed", packed.clone())
+            _set_kernel(layer, "qerl_gemv_scale", scale.clone())
+            _set_kernel(layer, "qerl_gemv_gscale", gscale.reshape(-1)[:1].to(torch.float32).clone())
+            if fused:  # Marlin's bias is permuted; the one-row kernel adds the natural-order one
+                _set_kernel(layer, "qerl_gemv_bias", raw_bias.clone())
+
+    @staticmethod
+    def _gemv_ok(layer: torch.nn.Module) -> bool:
+        from vllm_ext.nvfp4_gemv import decode_tile
+
+        return decode_tile(layer.output_size_per_partition, layer.input_size_per_partition) is not None
 
     def refresh_bias(self, layer: torch.nn.Module, raw_bias: torch.Tensor) -> None:
         from vllm.model_executor.layers.quantization.utils.marlin_utils import (
@@ -223,6 +246,8 @@ class MarlinBackend(Backend):
         if not self._fused_bias(layer):
             _set_kernel(layer, "bias", raw_bias)
             return
+        if "qerl_gemv_bias" in layer._parameters:
+            _set_kernel(layer, "qerl_gemv_bias", raw_bias)
         n = layer.output_size_per_partition
         padded_n, _ = marlin_padded_nk(n, layer.input_size_per_partition, GROUP_SIZE)
         _set_kernel(layer, "bias", marlin_permute_bias(marlin_pad_dim(raw_bias, n, padded_n)))
@@ -230,6 +255,11 @@ class MarlinBackend(Backend):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import apply_fp4_marlin_linear
 
+        if self.decode_gemv and x.numel() == x.shape[-1] and "qerl_gemv_packed" in layer._parameters:
+            y = torch.ops.qerl.nvfp4_gemv_row(x, layer.qerl_gemv_packed, layer.qerl_gemv_scale, layer.qerl_gemv_gscale)
+            if bias is not None:  # the caller's bias is Marlin's permuted one exactly when it is fused
+                y = y + (layer.qerl_gemv_bias if "qerl_gemv_bias" in layer._parameters else bias)
+            return y
         return apply_fp4_marlin_linear(
             input=x,
             weight=layer.weight,

@@ -43,7 +43,7 @@ from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
-__all__ = ["MAX_TOKENS", "nvfp4_small_gemm"]
+__all__ = ["MAX_TOKENS", "ROW_OP", "decode_tile", "nvfp4_gemv_row", "nvfp4_small_gemm"]
 
 MAX_TOKENS = 64  # rows per call; larger inputs belong to a GEMM with real M tiles
 GROUP = 16
@@ -323,3 +323,34 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         num_warps=num_warps, **extra,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
+
+
+def decode_tile(n: int, k: int) -> dict[str, int] | None:
+    """The one-row kernel's tile for an ``[n, k]`` weight: §4j lease 7's best on the 7B linears (block_k 512; split-K
+    4 for long K; 8 rows and 2 warps for large N, else 4 rows and 4 warps). None where K is not a multiple of 128."""
+    block_k = next((b for b in (512, 256, 128) if k % b == 0), None)
+    if block_k is None:
+        return None
+    if k > 8192:
+        return dict(block_n=8, block_k=block_k, split_k=4, num_warps=2)
+    if n > 16384:
+        return dict(block_n=8, block_k=block_k, split_k=1, num_warps=2)
+    return dict(block_n=4, block_k=block_k, split_k=1, num_warps=4)
+
+
+ROW_OP = "qerl::nvfp4_gemv_row"
+
+
+@torch.library.custom_op(ROW_OP, mutates_args=())
+def nvfp4_gemv_row(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for one row of ``x`` with the one-row kernel (PTX decode on CUDA, ``x`` once per word) and
+    :func:`decode_tile`'s tile, as one opaque op for torch.compile and CUDA graphs."""
+    tile = decode_tile(packed.shape[0], x.shape[-1])
+    if tile is None:
+        raise ValueError(f"{ROW_OP}: K={x.shape[-1]} is not a multiple of 128")
+    return nvfp4_small_gemm(x, packed, scale, global_scale, words=True, xvec=True, **tile)
+
+
+@nvfp4_gemv_row.register_fake
+def _nvfp4_gemv_row_fake(x, packed, scale, global_scale):  # noqa: ANN001, ANN202
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))

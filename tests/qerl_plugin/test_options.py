@@ -40,6 +40,9 @@ def test_nvfp4_options():
     assert options.nvfp4_options(None) == {} and options.nvfp4_options({"other": 1}) == {}
     got = options.nvfp4_options({"qerl_nvfp4": {"backend": "Marlin", "fp32_reduce": "false"}})
     assert got == {"backend": "marlin", "fp32_reduce": False}
+    assert options.nvfp4_options({"qerl_nvfp4": {"decode_gemv": "1"}}) == {"decode_gemv": True}
+    with pytest.raises(ValueError, match="decode_gemv"):
+        options.nvfp4_options({"qerl_nvfp4": {"decode_gemv": "often"}})
     with pytest.raises(ValueError, match="backend='cutlass': expected auto, marlin or emulation"):
         options.nvfp4_options({"qerl_nvfp4": {"backend": "cutlass"}})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['tile'\]"):

@@ -166,3 +166,52 @@ def test_gpu_one_row_word_kernel_matches_the_exact_product(split_k, asm, xvec):
     assert excess <= 1e-4 * exact.abs().max().item()
     assert torch.equal(got, nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, words=True, block_n=16,
                                              block_k=256, split_k=split_k, asm=asm, xvec=xvec))
+
+
+def test_decode_tiles_of_the_7b_linears():
+    from vllm_ext.nvfp4_gemv import decode_tile
+
+    assert decode_tile(4608, 3584) == dict(block_n=4, block_k=512, split_k=1, num_warps=4)  # q/k/v, o
+    assert decode_tile(37888, 3584) == dict(block_n=8, block_k=512, split_k=1, num_warps=2)  # gate/up
+    assert decode_tile(3584, 18944) == dict(block_n=8, block_k=512, split_k=4, num_warps=2)  # down
+    assert decode_tile(64, 384)["block_k"] == 128 and decode_tile(64, 200) is None
+
+
+BACKEND_DISPATCH = textwrap.dedent(
+    """
+    import json
+    import torch
+    from qerl_plugin import nvfp4
+    from vllm_ext.nvfp4_backends import MarlinBackend
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 24, 512
+    q = nvfp4.quantize((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
+    layer = torch.nn.Module()
+    for name, t in (("qerl_gemv_packed", q.packed), ("qerl_gemv_scale", q.scale),
+                    ("qerl_gemv_gscale", q.global_scale.reshape(1).float()), ("qerl_gemv_bias", torch.randn(n, generator=g).half())):
+        layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+    backend = object.__new__(MarlinBackend)  # no CUDA here: only the one-row dispatch is exercised
+    backend.decode_gemv, backend.fp32_reduce = True, True
+    x = torch.randn(1, k, generator=g).half()
+    w = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32)
+    ref = x.float() @ w.t()
+    permuted = torch.full((n,), 1e4).half()  # stands for Marlin's permuted bias: must not be the one added
+    got = backend.apply(layer, x, permuted)
+    no_bias = backend.apply(layer, x, None)
+    print(json.dumps({"shape": list(got.shape),
+                      "err_bias": (got.float() - ref - layer.qerl_gemv_bias.float()).abs().max().item(),
+                      "err_plain": (no_bias.float() - ref).abs().max().item(), "ref_max": ref.abs().max().item()}))
+    """
+)
+
+
+def test_decode_gemv_dispatch_adds_the_natural_order_bias():
+    """MarlinBackend.apply with decode_gemv: a one-row call goes to torch.ops.qerl.nvfp4_gemv_row (the interpreted
+    kernel here) and adds the layer's natural-order bias, not the permuted one it is handed; no bias, none added."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", BACKEND_DISPATCH], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    assert r["shape"] == [1, 24]
+    assert r["err_bias"] <= 2e-3 * (r["ref_max"] + 4) and r["err_plain"] <= 2e-3 * r["ref_max"]
