@@ -120,44 +120,26 @@ if triton is not None:
 
 
 # PTX for one int32 word of 8 E2M1 codes -> 8 float32 (code j times 2^-14, code j in bits 4j..4j+3): codes j and j+4
-# become the two float16 halves of one register (magnitude bits to 11-9, sign to 15), then each half is widened.
+# become the two float16 halves of one register h_j (magnitude bits to 11-9, sign to 15), then each half is widened.
 # Five integer operations per two codes (ptxas merges the and/or pairs), one conversion per code.
-_DECODE8_PTX_TEXT = """{
-.reg .b32 t, u, h0, h1, h2, h3;
-.reg .b16 l0, l1, l2, l3, l4, l5, l6, l7;
-shl.b32 t, $8, 9;
-and.b32 t, t, 0x0E000E00;
-shl.b32 u, $8, 12;
-and.b32 u, u, 0x80008000;
-or.b32 h0, t, u;
-shl.b32 t, $8, 5;
-and.b32 t, t, 0x0E000E00;
-shl.b32 u, $8, 8;
-and.b32 u, u, 0x80008000;
-or.b32 h1, t, u;
-shl.b32 t, $8, 1;
-and.b32 t, t, 0x0E000E00;
-shl.b32 u, $8, 4;
-and.b32 u, u, 0x80008000;
-or.b32 h2, t, u;
-shr.b32 t, $8, 3;
-and.b32 t, t, 0x0E000E00;
-and.b32 u, $8, 0x80008000;
-or.b32 h3, t, u;
-mov.b32 {l0, l4}, h0;
-mov.b32 {l1, l5}, h1;
-mov.b32 {l2, l6}, h2;
-mov.b32 {l3, l7}, h3;
-cvt.f32.f16 $0, l0;
-cvt.f32.f16 $1, l1;
-cvt.f32.f16 $2, l2;
-cvt.f32.f16 $3, l3;
-cvt.f32.f16 $4, l4;
-cvt.f32.f16 $5, l5;
-cvt.f32.f16 $6, l6;
-cvt.f32.f16 $7, l7;
-}
-"""
+
+
+def _decode8_ptx() -> str:
+    def masked(reg: str, by: int, mask: str) -> list[str]:  # reg = (word shifted left by `by`, right if < 0) & mask
+        if by == 0:
+            return [f"and.b32 {reg}, $8, {mask};"]
+        op = f"shl.b32 {reg}, $8, {by};" if by > 0 else f"shr.b32 {reg}, $8, {-by};"
+        return [op, f"and.b32 {reg}, {reg}, {mask};"]
+
+    lines = ["{", ".reg .b32 t, u, h0, h1, h2, h3;", ".reg .b16 l0, l1, l2, l3, l4, l5, l6, l7;"]
+    for j in range(4):  # the magnitudes of codes j and j + 4, then their signs
+        lines += masked("t", 9 - 4 * j, "0x0E000E00") + masked("u", 12 - 4 * j, "0x80008000") + [f"or.b32 h{j}, t, u;"]
+    lines += [f"mov.b32 {{l{j}, l{j + 4}}}, h{j};" for j in range(4)]  # the halves: code j low, code j + 4 high
+    lines += [f"cvt.f32.f16 ${j}, l{j};" for j in range(8)]
+    return "\n".join(lines + ["}"])
+
+
+_DECODE8_PTX_TEXT = _decode8_ptx()
 _DECODE8_PTX = tl.constexpr(_DECODE8_PTX_TEXT) if tl is not None else None  # a global a kernel may read
 
 

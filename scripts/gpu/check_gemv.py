@@ -160,12 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("check_gemv: needs a CUDA GPU", file=sys.stderr)
         return 1
-    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
-        apply_fp4_marlin_linear,
-        prepare_fp4_layer_for_marlin,
-    )
-
     from qerl_plugin import nvfp4
+    from vllm_ext.bench.kernels import marlin_linear
     from vllm_ext import nvfp4_gemv as gemv_mod
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
@@ -193,20 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         w_deq = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32)
         raw_bytes = q.packed.numel() + q.scale.numel()
 
-        def marlin_layer(packed, scale):
-            m_ = torch.nn.Module()
-            m_.weight = torch.nn.Parameter(packed.clone(), requires_grad=False)
-            m_.weight_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
-            m_.weight_global_scale = torch.nn.Parameter(1.0 / q.global_scale.float().reshape(1), requires_grad=False)
-            m_.bias, m_.params_dtype = None, bf16
-            m_.output_size_per_partition, m_.input_size_per_partition = n, k
-            prepare_fp4_layer_for_marlin(m_)
-            return m_
 
         c_raw = copies_for(raw_bytes, args.cold_mib)
         c_bf16 = copies_for(2 * n * k, args.cold_mib)
         raws = [(q.packed.clone(), q.scale.clone()) for _ in range(c_raw)]
-        marlins = [marlin_layer(q.packed, q.scale) for _ in range(c_raw)]
+        marlins = [marlin_linear(q.packed, q.scale, q.global_scale, bf16) for _ in range(c_raw)]
         bf16s = [w.clone() for _ in range(c_bf16)]
         record({"what": "linear", "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes, "copies": c_raw,
                 "bf16_copies": c_bf16})
@@ -214,11 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(m, k, device=dev, dtype=bf16)
             ref = x.float() @ w_deq.t()
 
-            def marlin_call(ml):
-                return lambda: apply_fp4_marlin_linear(
-                    input=x, weight=ml.weight, weight_scale=ml.weight_scale,
-                    weight_global_scale=ml.weight_global_scale, workspace=ml.workspace, size_n=n, size_k=k,
-                    use_fp32_reduce=True)
+            def marlin_call(run):
+                return lambda: run(x)
 
             marlin_err = (marlin_call(marlins[0])().float() - ref).abs().max().item()
             iters = max(args.iters, c_raw)

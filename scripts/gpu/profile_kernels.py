@@ -35,12 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("profile_kernels: needs a CUDA GPU", file=sys.stderr)
         return 1
-    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
-        apply_fp4_marlin_linear,
-        prepare_fp4_layer_for_marlin,
-    )
-
     from qerl_plugin import nvfp4
+    from vllm_ext.bench.kernels import marlin_linear
     from verl_ext.kernels import dequantize_nvfp4_triton
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
@@ -49,21 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     gate = nvfp4.quantize((torch.randn(18944, 3584, device=dev) * 0.02).to(bf16))
     n, k = 37888, 3584
     gu = nvfp4.quantize((torch.randn(n, k, device=dev) * 0.02).to(bf16))
-    ml = torch.nn.Module()
-    ml.weight = torch.nn.Parameter(gu.packed.clone(), requires_grad=False)
-    ml.weight_scale = torch.nn.Parameter(gu.scale.clone(), requires_grad=False)
-    ml.weight_global_scale = torch.nn.Parameter(1.0 / gu.global_scale.float().reshape(1), requires_grad=False)
-    ml.bias, ml.params_dtype = None, bf16
-    ml.output_size_per_partition, ml.input_size_per_partition = n, k
-    prepare_fp4_layer_for_marlin(ml)
+    marlin = marlin_linear(gu.packed, gu.scale, gu.global_scale, bf16)
     x = torch.randn(1, k, device=dev, dtype=bf16)
     out = torch.empty(18944, 3584, device=dev, dtype=bf16)
     kernels = {
         "dequant gate_proj -> bf16": (lambda: dequantize_nvfp4_triton(gate.packed, gate.scale, gate.global_scale, out=out),
                                       gate.packed.numel() + gate.scale.numel() + out.numel() * 2),
-        "marlin gate_up m=1": (lambda: apply_fp4_marlin_linear(
-            input=x, weight=ml.weight, weight_scale=ml.weight_scale, weight_global_scale=ml.weight_global_scale,
-            workspace=ml.workspace, size_n=n, size_k=k, use_fp32_reduce=True), gu.packed.numel() + gu.scale.numel()),
+        "marlin gate_up m=1": (lambda: marlin(x), gu.packed.numel() + gu.scale.numel()),
         "row kernel gate_up m=1": (lambda: nvfp4_small_gemm(x, gu.packed, gu.scale, gu.global_scale, words=True,
                                                             block_n=4, block_k=512, split_k=1, num_warps=1),
                                    gu.packed.numel() + gu.scale.numel()),

@@ -117,11 +117,7 @@ def test_refusals_name_the_bad_input():
 @pytest.mark.parametrize("m", [1, 8, 64])
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_gpu_bf16_matches_dequantized_reference_and_marlin(m, split_k):
-    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
-        apply_fp4_marlin_linear,
-        prepare_fp4_layer_for_marlin,
-    )
-
+    from vllm_ext.bench.kernels import marlin_linear
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
     torch.manual_seed(m)
@@ -130,16 +126,7 @@ def test_gpu_bf16_matches_dequantized_reference_and_marlin(m, split_k):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     got = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, split_k=split_k)
     exact = x.float() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.bfloat16).float().t()
-    scratch = torch.nn.Module()
-    scratch.weight = torch.nn.Parameter(q.packed.clone(), requires_grad=False)
-    scratch.weight_scale = torch.nn.Parameter(q.scale.clone(), requires_grad=False)
-    scratch.weight_global_scale = torch.nn.Parameter(1.0 / q.global_scale.float(), requires_grad=False)
-    scratch.bias, scratch.params_dtype = None, torch.bfloat16
-    scratch.output_size_per_partition, scratch.input_size_per_partition = n, k
-    prepare_fp4_layer_for_marlin(scratch)
-    marlin = apply_fp4_marlin_linear(input=x, weight=scratch.weight, weight_scale=scratch.weight_scale,
-                                     weight_global_scale=scratch.weight_global_scale, workspace=scratch.workspace,
-                                     size_n=n, size_k=k)
+    marlin = marlin_linear(q.packed, q.scale, q.global_scale)(x)
     floor = (marlin.float() - exact).abs().max()
     assert (got.float() - exact).abs().max() <= 2 * floor + 1e-2
     assert torch.equal(got, nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, split_k=split_k))  # fixed order
@@ -215,3 +202,45 @@ def test_decode_gemv_dispatch_adds_the_natural_order_bias():
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert r["shape"] == [1, 24]
     assert r["err_bias"] <= 2e-3 * (r["ref_max"] + 4) and r["err_plain"] <= 2e-3 * r["ref_max"]
+
+
+def _run_decode8_ptx(text: str, word: int) -> list[float]:
+    """A tiny interpreter for the instructions the decode PTX uses (shl/shr/and/or on b32, the b32 -> two b16 split,
+    cvt.f32.f16), so its bit moves are checked on the CPU, where Triton's interpreter cannot run inline PTX."""
+    import re as _re
+
+    import numpy as np
+
+    regs: dict[str, int] = {"$8": word & 0xFFFFFFFF}
+    out = [0.0] * 8
+    val = lambda a: regs[a] if a in regs else int(a, 0)  # noqa: E731
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        if m := _re.fullmatch(r"mov\.b32 \{(\w+), (\w+)\}, (\w+)", line):
+            regs[m[1]], regs[m[2]] = regs[m[3]] & 0xFFFF, regs[m[3]] >> 16
+            continue
+        if m := _re.fullmatch(r"cvt\.f32\.f16 \$(\d), (\w+)", line):
+            out[int(m[1])] = float(np.array([regs[m[2]]], dtype=np.uint16).view(np.float16)[0])
+            continue
+        op, dst, a, b = _re.fullmatch(r"(\w+)\.b32 (\S+), (\S+), (\S+)", line).groups()
+        x, y = val(a), val(b)
+        regs[dst] = {"shl": x << y, "shr": x >> y, "and": x & y, "or": x | y}[op] & 0xFFFFFFFF
+    return out
+
+
+def test_decode8_ptx_moves_every_code_to_its_value():
+    """The PTX decode (run on the GPU as asm=True): each of the 8 positions of a word, for all 16 E2M1 codes, gives
+    the code's value times 2^-14, and its neighbours do not leak in."""
+    from vllm_ext.nvfp4_gemv import _DECODE8_PTX_TEXT
+
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    values = e2m1 + [-v for v in e2m1]
+    for pos in range(8):
+        for code in range(16):
+            word = (code << (4 * pos)) | (0xF << (4 * ((pos + 1) % 8)) if pos < 7 else code << 28)
+            got = _run_decode8_ptx(_DECODE8_PTX_TEXT, word)
+            assert got[pos] == values[code] * 2.0**-14, (pos, code, got)
+    word = 0x76543210  # codes 0..7 at positions 0..7
+    assert _run_decode8_ptx(_DECODE8_PTX_TEXT, word) == [v * 2.0**-14 for v in e2m1]

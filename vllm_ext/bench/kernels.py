@@ -39,6 +39,32 @@ COLUMNS = ("bf16", "marlin", "marlin_bf16r", "gemv", "gemv_sk4", "gemv_row", "lo
            "serial", "serial_fused", "overlap")
 
 
+def marlin_linear(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
+    """vLLM's Marlin FP4 layout of an NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8 ``[N, K/16]``,
+    ``global_scale`` the divisor), as the nvfp4 backend installs it, and ``run(x, fp32_reduce=True) -> x @ W.T``."""
+    import torch
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
+        apply_fp4_marlin_linear,
+        prepare_fp4_layer_for_marlin,
+    )
+
+    n, k = packed.shape[0], packed.shape[1] * 2
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(packed.clone(), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
+    layer.weight_global_scale = torch.nn.Parameter(1.0 / global_scale.float().max().reshape(1), requires_grad=False)
+    layer.bias, layer.params_dtype = None, dtype or torch.bfloat16
+    layer.output_size_per_partition, layer.input_size_per_partition = n, k
+    prepare_fp4_layer_for_marlin(layer)
+
+    def run(x, fp32_reduce: bool = True):  # noqa: ANN001, ANN202
+        return apply_fp4_marlin_linear(input=x, weight=layer.weight, weight_scale=layer.weight_scale,
+                                       weight_global_scale=layer.weight_global_scale, workspace=layer.workspace,
+                                       size_n=n, size_k=k, use_fp32_reduce=fp32_reduce)
+
+    return run
+
+
 def _graph_us(fn, iters: int, reps: int = 5) -> float:
     """GPU microseconds per call of ``fn``: ``iters`` calls captured in one CUDA graph, best of ``reps``."""
     import torch
@@ -79,11 +105,6 @@ def run(args: argparse.Namespace) -> int:
         print("qerl bench kernels: needs a CUDA GPU", file=sys.stderr)
         return 1
     from vllm.lora.ops.triton_ops import LoRAKernelMeta, lora_expand, lora_shrink
-    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
-        apply_fp4_marlin_linear,
-        prepare_fp4_layer_for_marlin,
-    )
-
     from qerl_plugin import nvfp4
     from vllm_ext import lora_fused
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
@@ -101,13 +122,7 @@ def run(args: argparse.Namespace) -> int:
         weight = (torch.randn(n, k_in, device=dev) * 0.02).to(bf16)
         parts = nvfp4.quantize_fused(list(weight.split(ns)))
         packed_cat, scale_cat = torch.cat([p.packed for p in parts]), torch.cat([p.scale for p in parts])
-        scratch = torch.nn.Module()
-        scratch.weight = torch.nn.Parameter(packed_cat.clone(), requires_grad=False)
-        scratch.weight_scale = torch.nn.Parameter(scale_cat.clone(), requires_grad=False)
-        scratch.weight_global_scale = torch.nn.Parameter(1.0 / parts[0].global_scale.max(), requires_grad=False)
-        scratch.bias, scratch.params_dtype = None, bf16
-        scratch.output_size_per_partition, scratch.input_size_per_partition = n, k_in
-        prepare_fp4_layer_for_marlin(scratch)
+        marlin_run = marlin_linear(packed_cat, scale_cat, parts[0].global_scale, bf16)
         lora_a = tuple(torch.randn(1, 1, r, k_in, device=dev, dtype=bf16) * 0.02 for _ in ns)
         lora_b = tuple(torch.randn(1, 1, ni, r, device=dev, dtype=bf16) * 0.02 for ni in ns)
         a_cat = torch.cat([a[0, 0] for a in lora_a])  # [S*r, K]
@@ -124,10 +139,7 @@ def run(args: argparse.Namespace) -> int:
             y = torch.empty(m, n, device=dev, dtype=bf16)
 
             def marlin(fp32_reduce=True):
-                return apply_fp4_marlin_linear(input=x, weight=scratch.weight, weight_scale=scratch.weight_scale,
-                                               weight_global_scale=scratch.weight_global_scale,
-                                               workspace=scratch.workspace, size_n=n, size_k=k_in,
-                                               use_fp32_reduce=fp32_reduce)
+                return marlin_run(x, fp32_reduce)
 
             def punica(target):
                 buf = torch.empty(len(ns), m, r, dtype=torch.float32, device=dev)
