@@ -31,7 +31,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -109,37 +109,6 @@ def verdict(a: dict[str, float], b: dict[str, float]) -> str:
     return "faster" if diff > 0 else "slower"
 
 
-def _graph(calls: list[Callable[[], Any]], iters: int):
-    """A CUDA graph of ``iters`` calls cycling through ``calls`` (warmed up first, outside the capture)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            calls[i % len(calls)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
-def _replay_us(graph, iters: int) -> float:
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000.0 / iters
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8,64", help="rows per call (default 1,8,64)")
@@ -161,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         print("check_gemv: needs a CUDA GPU", file=sys.stderr)
         return 1
     from qerl_plugin import nvfp4
+    from vllm_ext.bench.kernels import capture_graph as _graph
     from vllm_ext.bench.kernels import marlin_linear
+    from vllm_ext.bench.kernels import replay_us as _replay_us
     from vllm_ext import nvfp4_gemv as gemv_mod
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 

@@ -65,31 +65,44 @@ def marlin_linear(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN
     return run
 
 
-def _graph_us(fn, iters: int, reps: int = 5) -> float:
-    """GPU microseconds per call of ``fn``: ``iters`` calls captured in one CUDA graph, best of ``reps``."""
+def capture_graph(calls, iters: int, warmups: int = 1):  # noqa: ANN001, ANN201
+    """A CUDA graph of ``iters`` calls cycling through ``calls``, each warmed up ``warmups`` times first (on a side
+    stream, outside the capture: Triton compiles, allocators settle), replayed once before it is returned."""
     import torch
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
+        for _ in range(warmups):
+            for fn in calls:
+                fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
+        for i in range(iters):
+            calls[i % len(calls)]()
     graph.replay()
     torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000.0 / iters)
+    return graph
+
+
+def replay_us(graph, iters: int) -> float:  # noqa: ANN001
+    """GPU microseconds per captured call of one replay of ``graph`` (``iters`` calls in it)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / iters
+
+
+def _graph_us(fn, iters: int, reps: int = 5) -> float:
+    """GPU microseconds per call of ``fn``: ``iters`` calls captured in one CUDA graph, best of ``reps``."""
+    graph = capture_graph([fn], iters, warmups=3)
+    best = min(replay_us(graph, iters) for _ in range(reps))
     del graph
     return best
 
