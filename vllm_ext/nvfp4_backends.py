@@ -19,8 +19,8 @@ from vllm.platforms import current_platform
 
 from qerl_plugin import nvfp4, options
 from qerl_plugin.nvfp4 import GROUP_SIZE, NVFP4Error
+from vllm_ext.nvfp4_gemv import decode_tile  # importing it registers torch.ops.qerl.nvfp4_gemv_row (decode_gemv)
 from vllm_ext.quant import MIN_CAPABILITY
-import vllm_ext.nvfp4_gemv  # noqa: E402,F401  registers torch.ops.qerl.nvfp4_gemv_row (decode_gemv)
 
 __all__ = [
     "BACKEND_ENV",
@@ -232,8 +232,6 @@ class MarlinBackend(Backend):
 
     @staticmethod
     def _gemv_ok(layer: torch.nn.Module) -> bool:
-        from vllm_ext.nvfp4_gemv import decode_tile
-
         return decode_tile(layer.output_size_per_partition, layer.input_size_per_partition) is not None
 
     def refresh_bias(self, layer: torch.nn.Module, raw_bias: torch.Tensor) -> None:

@@ -55,6 +55,23 @@ LAST_COMPILED = None  # the last launch's compiled kernel (registers, spills, sh
 if triton is not None:
 
     @triton.jit
+    def _finish(y_ptrs, ws_ptrs, ws_step, part, ok, gmul, cnt_ptr, pid_k, SPLIT_K: tl.constexpr):
+        """Store ``part * gmul`` at ``y_ptrs``; with split-K, store this program's float32 partial at
+        ``ws_ptrs + pid_k * ws_step`` and count it in at ``cnt_ptr`` (one counter per output block): the last program
+        to arrive sums all the partials in a fixed order, stores the result and resets the counter."""
+        if SPLIT_K == 1:
+            tl.store(y_ptrs, (part * gmul).to(y_ptrs.dtype.element_ty), mask=ok)
+        else:
+            tl.store(ws_ptrs + pid_k * ws_step, part, mask=ok)
+            arrived = tl.atomic_add(cnt_ptr, 1)  # acq_rel at GPU scope: the partials above are visible
+            if arrived == SPLIT_K - 1:
+                tot = tl.zeros_like(part)
+                for s in tl.static_range(SPLIT_K):  # a fixed order: the result does not depend on arrival
+                    tot += tl.load(ws_ptrs + s * ws_step, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptrs, (tot * gmul).to(y_ptrs.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(cnt_ptr, 0)  # ready for the next call (and the next CUDA-graph replay)
+
+    @triton.jit
     def _w4a16_kernel(
         x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -101,22 +118,9 @@ if triton is not None:
                     acc = tl.dot(hi, xo, acc)
         if FMA:
             acc = tl.where(rm[None, :] == 0, tl.sum(acc1, axis=1)[:, None], 0.0)
-        gmul = 16384.0 / tl.load(g_ptr)
-        ok = n_ok[:, None] & m_ok[None, :]
-        y_ptrs = y_ptr + rm[None, :] * sym + rn[:, None]
-        if SPLIT_K == 1:
-            tl.store(y_ptrs, (acc * gmul).to(y_ptr.dtype.element_ty), mask=ok)
-        else:
-            # workspace [SPLIT_K, BLOCK_M, N] float32: this program's partial, then count it in; the last one sums
-            ws = ws_ptr + rm[None, :] * N + rn[:, None]
-            tl.store(ws + pid_k * BLOCK_M * N, acc, mask=ok)
-            arrived = tl.atomic_add(cnt_ptr + pid_n, 1)  # acq_rel at GPU scope: the partials above are visible
-            if arrived == SPLIT_K - 1:
-                tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):  # a fixed order: the result does not depend on arrival
-                    tot += tl.load(ws + s * BLOCK_M * N, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptrs, (tot * gmul).to(y_ptr.dtype.element_ty), mask=ok)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call (and the next CUDA-graph replay)
+        # workspace [SPLIT_K, BLOCK_M, N] float32 for split-K's partials
+        _finish(y_ptr + rm[None, :] * sym + rn[:, None], ws_ptr + rm[None, :] * N + rn[:, None], BLOCK_M * N, acc,
+                n_ok[:, None] & m_ok[None, :], 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k, SPLIT_K)
 
 
 # PTX for one int32 word of 8 E2M1 codes -> 8 float32 (code j times 2^-14, code j in bits 4j..4j+3): codes j and j+4
@@ -211,19 +215,9 @@ if triton is not None:
                 for j in tl.static_range(8):
                     part += codes[j] * tl.load(x_ptr + 8 * cw + j).to(tl.float32)[None, :]
             acc += part * sc  # a word's 8 codes share one group (16 codes = 2 words)
-        gmul = 16384.0 / tl.load(g_ptr)
-        y = tl.sum(acc, axis=1)
-        if SPLIT_K == 1:
-            tl.store(y_ptr + rn, (y * gmul).to(y_ptr.dtype.element_ty), mask=n_ok)
-        else:
-            tl.store(ws_ptr + pid_k * N + rn, y, mask=n_ok)
-            arrived = tl.atomic_add(cnt_ptr + pid_n, 1)
-            if arrived == SPLIT_K - 1:
-                tot = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):
-                    tot += tl.load(ws_ptr + s * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + rn, (tot * gmul).to(y_ptr.dtype.element_ty), mask=n_ok)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+        # workspace [SPLIT_K, N] float32 for split-K's partials
+        _finish(y_ptr + rn, ws_ptr + rn, N, tl.sum(acc, axis=1), n_ok, 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k,
+                SPLIT_K)
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:

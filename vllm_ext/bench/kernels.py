@@ -27,8 +27,8 @@ overhead from Python), for every projection group (qkv, o, gate_up, down) and ba
   serial_fused  marlin then lora_fused on one stream (additional_config={"qerl_lora": "fused"})
   gemv          qerl's experimental Triton NVFP4 GEMM on the checkpoint layout (vllm_ext.nvfp4_gemv), tensor-core
                 path, 64 output features per program; gemv_sk4 the same with the K tiles split over 4 programs (one
-                launch, partials summed in a fixed order); gemv_row its one-row CUDA-core path with the PTX decode
-                (m = 1 only; tile n8k512s4w1, §4j's best on o/down)
+                launch, partials summed in a fixed order); gemv_row its one-row CUDA-core path as decode_gemv runs it
+                in the engine (torch.ops.qerl.nvfp4_gemv_row: PTX decode, x once per word, decode_tile's tiles; m = 1)
 
 Per-step sums (x layers) estimate the linear-layer share of a decode step and what each LoRA strategy costs.
 Writes $OUT/bench_kernels.json; prints the table last. Needs a CUDA GPU and vLLM's compiled ops.
@@ -41,21 +41,18 @@ COLUMNS = ("bf16", "marlin", "marlin_bf16r", "gemv", "gemv_sk4", "gemv_row", "lo
 
 def marlin_linear(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
     """vLLM's Marlin FP4 layout of an NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8 ``[N, K/16]``,
-    ``global_scale`` the divisor), as the nvfp4 backend installs it, and ``run(x, fp32_reduce=True) -> x @ W.T``."""
+    ``global_scale`` the divisor), made by the nvfp4 backend's own :meth:`MarlinBackend._marlin`, and
+    ``run(x, fp32_reduce=True) -> x @ W.T``."""
+    from types import SimpleNamespace
+
     import torch
-    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
-        apply_fp4_marlin_linear,
-        prepare_fp4_layer_for_marlin,
-    )
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import apply_fp4_marlin_linear
+
+    from vllm_ext.nvfp4_backends import MarlinBackend
 
     n, k = packed.shape[0], packed.shape[1] * 2
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(packed.clone(), requires_grad=False)
-    layer.weight_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
-    layer.weight_global_scale = torch.nn.Parameter(1.0 / global_scale.float().max().reshape(1), requires_grad=False)
-    layer.bias, layer.params_dtype = None, dtype or torch.bfloat16
-    layer.output_size_per_partition, layer.input_size_per_partition = n, k
-    prepare_fp4_layer_for_marlin(layer)
+    shape = SimpleNamespace(params_dtype=dtype or torch.bfloat16, output_size_per_partition=n, input_size_per_partition=k)
+    layer = MarlinBackend._marlin(shape, packed, scale, global_scale, None)  # new tensors: the inputs stay as they are
 
     def run(x, fp32_reduce: bool = True):  # noqa: ANN001, ANN202
         return apply_fp4_marlin_linear(input=x, weight=layer.weight, weight_scale=layer.weight_scale,
@@ -120,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm.lora.ops.triton_ops import LoRAKernelMeta, lora_expand, lora_shrink
     from qerl_plugin import nvfp4
     from vllm_ext import lora_fused
-    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+    from vllm_ext.nvfp4_gemv import nvfp4_gemv_row, nvfp4_small_gemm
 
     shp = shape_config(args.shape)
     hidden, inter, layers = shp["hidden_size"], shp["intermediate_size"], shp["num_hidden_layers"]
@@ -193,9 +190,7 @@ def run(args: argparse.Namespace) -> int:
                 "marlin_bf16r": lambda: marlin(False),
                 "gemv": lambda: nvfp4_small_gemm(x, packed_cat, scale_cat, parts[0].global_scale),
                 "gemv_sk4": lambda: nvfp4_small_gemm(x, packed_cat, scale_cat, parts[0].global_scale, split_k=4),
-                "gemv_row": (lambda: nvfp4_small_gemm(x, packed_cat, scale_cat, parts[0].global_scale, words=True,
-                                                      block_n=8, block_k=512, split_k=4, num_warps=1))
-                if m == 1 else None,
+                "gemv_row": (lambda: nvfp4_gemv_row(x, packed_cat, scale_cat, parts[0].global_scale)) if m == 1 else None,
                 "lora_punica": lambda: punica(y),
                 "lora_dense": lambda: dense(y),
                 "serial": serial,
