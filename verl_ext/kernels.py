@@ -23,7 +23,12 @@ __all__ = ["dequantize", "dequantize_nvfp4_triton", "triton_available", "triton_
 logger = logging.getLogger("qerl.verl.kernels")
 Backend = Literal["auto", "triton", "torch"]
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# tile per program: rows x scale groups (16 values, 8 packed bytes each), and warps per program
+# FLAT (default): the flat kernel, QUADS runs of 4 packed bytes per program with FLAT_WARPS warps; False: the
+# earlier tile kernel (kept for same-run timing), BLOCK_R rows x BLOCK_G scale groups (16 values, 8 packed bytes
+# each) per program with NUM_WARPS warps. Both give the same bits.
+FLAT = True
+QUADS = 512
+FLAT_WARPS = 4
 BLOCK_R = 16
 BLOCK_G = 16
 NUM_WARPS = 4
@@ -90,8 +95,52 @@ if triton is not None:
         g2 = g[None, :]
         mask2 = (r2 < rows) & (g2 < n_groups)
 
-        # FP8-E4M3 (fn) group scale from its byte, then the step scale / global scale (IEEE division, as torch)
         sb = tl.load(scale_ptr + r2 * stride_scale + g2, mask=mask2, other=0).to(tl.int32)
+        step = _group_step(sb, gscale_ptr)[:, :, None]
+
+        j = g2[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # packed byte (= output word) within the row
+        r3 = r2[:, :, None]
+        mask = mask2[:, :, None]
+        byte = tl.load(packed_ptr + r3 * stride_packed + j, mask=mask, other=0).to(tl.int32)
+        word = _decode_byte(byte, step, OUT_KIND, HW_BF16, SHIFT_DECODE)
+        tl.store(out_ptr + r3 * stride_out + j, word, mask=mask)
+
+    @triton.jit
+    def _nvfp4_dequant_flat_kernel(
+        packed_ptr,  # uint8, contiguous [rows, cols/2], read as one flat run of bytes
+        scale_ptr,  # uint8, contiguous [rows, cols/16]: the float8_e4m3fn bytes
+        gscale_ptr,  # float32 [1]
+        out_ptr,  # contiguous output storage as one word per packed byte: int32 (bf16/fp16), int64 (fp32)
+        n_quads,  # packed bytes / 4 (a whole number: a row holds cols/2 bytes, a multiple of 8)
+        OUT_KIND: tl.constexpr,
+        QUADS: tl.constexpr,  # runs of 4 packed bytes per program
+        WIDE: tl.constexpr,
+        HW_BF16: tl.constexpr,
+        SHIFT_DECODE: tl.constexpr,
+    ):
+        # With contiguous tensors the layout is flat: packed byte b of the whole tensor holds codes 2b and 2b+1 of
+        # the row-major values, its scale is byte b // 8 of the scales (a row's cols/2 bytes are cols/16 groups of
+        # 8), and its two decoded values are output word b. A program decodes QUADS runs of 4 bytes as a
+        # [QUADS, 4] tile: each thread loads 4 bytes in one 32-bit load, decodes their half group with one scale
+        # and stores the 4 words in one 16-byte store (bf16/fp16). Load, scale and store share one register layout,
+        # so nothing passes through shared memory (the tile kernel converts its layout there: L1-bound, §4j).
+        pid = tl.program_id(0)
+        if WIDE:
+            pid = pid.to(tl.int64)
+        q = pid * QUADS + tl.arange(0, QUADS)
+        qmask = q < n_quads
+        sb = tl.load(scale_ptr + q // 2, mask=qmask, other=0).to(tl.int32)
+        step = _group_step(sb, gscale_ptr)[:, None]
+        b = q[:, None] * 4 + tl.arange(0, 4)[None, :]
+        mask = qmask[:, None]
+        byte = tl.load(packed_ptr + b, mask=mask, other=0).to(tl.int32)
+        word = _decode_byte(byte, step, OUT_KIND, HW_BF16, SHIFT_DECODE)
+        tl.store(out_ptr + b, word, mask=mask)
+
+    @triton.jit
+    def _group_step(sb, gscale_ptr):
+        """The group's decode step from its FP8-E4M3 (fn) scale byte ``sb`` (int32): scale / global scale, by IEEE
+        division as torch does."""
         s_exp = (sb >> 3) & 15
         s_man = sb & 7
         s_normal = (((s_exp + 120) << 23) | (s_man << 20)).to(tl.float32, bitcast=True)
@@ -100,12 +149,12 @@ if triton is not None:
         s_abs = tl.where((s_exp == 15) & (s_man == 7), float("nan"), s_abs)
         # the sign as a bit (negation would be 0 - x, turning -0.0 into +0.0)
         scale = (s_abs.to(tl.int32, bitcast=True) | ((sb >> 7) << 31)).to(tl.float32, bitcast=True)
-        step = tl.math.div_rn(scale, tl.load(gscale_ptr))[:, :, None]
+        return tl.math.div_rn(scale, tl.load(gscale_ptr))
 
-        j = g2[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # packed byte (= output word) within the row
-        r3 = r2[:, :, None]
-        mask = mask2[:, :, None]
-        byte = tl.load(packed_ptr + r3 * stride_packed + j, mask=mask, other=0).to(tl.int32)
+    @triton.jit
+    def _decode_byte(byte, step, OUT_KIND: tl.constexpr, HW_BF16: tl.constexpr, SHIFT_DECODE: tl.constexpr):
+        """One packed byte (int32) -> its two values times ``step`` as one output word: int32 holding two bf16/fp16
+        (low half = the low nibble's column), int64 holding two float32."""
         # E2M1 -> float16 by moving bits: sign to bit 15, the three magnitude bits to 11..9 (exponent's low two bits,
         # mantissa's top bit). The float16 so formed is the E2M1 value times 2**-14 for every code (code 1 lands on
         # the subnormal 2**-15), so times 16384.0 it is the value exactly; one rounding follows, the product with
@@ -119,8 +168,7 @@ if triton is not None:
             lo = _e2m1_value(byte & 15) * step
             hi = _e2m1_value(byte >> 4) * step
         if OUT_KIND == 0:
-            word = _f32_bits(lo).to(tl.uint64) | (_f32_bits(hi).to(tl.uint64) << 32)
-            tl.store(out_ptr + r3 * stride_out + j, word.to(tl.int64, bitcast=True), mask=mask)
+            word = (_f32_bits(lo).to(tl.uint64) | (_f32_bits(hi).to(tl.uint64) << 32)).to(tl.int64, bitcast=True)
         else:
             if OUT_KIND == 1 and HW_BF16:
                 # the GPU's round-to-nearest-even conversion (cvt.rn.bf16): one instruction instead of six integer
@@ -134,8 +182,8 @@ if triton is not None:
             else:
                 lo_bits = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
                 hi_bits = hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-            word = lo_bits | (hi_bits << 16)
-            tl.store(out_ptr + r3 * stride_out + j, word.to(tl.int32, bitcast=True), mask=mask)
+            word = (lo_bits | (hi_bits << 16)).to(tl.int32, bitcast=True)
+        return word
 
     @triton.jit
     def _e2m1_value(code):
@@ -225,10 +273,18 @@ def dequantize_nvfp4_triton(
     # one word per packed byte: int32 holds two bf16/fp16 values, int64 two fp32 values
     words = out.view(torch.int64 if kind == 0 else torch.int32)
     n_groups = cols // GROUP_SIZE
-    # plain integer ceil-division: triton.cdiv goes through Triton's constexpr-function machinery (~5 µs a call)
-    grid = (-(-rows // BLOCK_R), -(-n_groups // BLOCK_G))
     wide = max(packed.numel(), words.numel(), scale_bytes.numel(), packed.stride(0) * rows,
                words.stride(0) * rows) >= _WIDE_FROM
+    if FLAT:
+        n_quads = packed.numel() // 4  # rows * cols/2 bytes, cols a multiple of 16
+        # plain integer ceil-division: triton.cdiv goes through Triton's constexpr-function machinery (~5 µs a call)
+        _nvfp4_dequant_flat_kernel[(-(-n_quads // QUADS),)](
+            packed, scale_bytes, gscale, words, n_quads,
+            OUT_KIND=kind, QUADS=QUADS, WIDE=wide, HW_BF16=HW_BF16 and not interpreting, SHIFT_DECODE=SHIFT_DECODE,
+            num_warps=FLAT_WARPS,
+        )
+        return out
+    grid = (-(-rows // BLOCK_R), -(-n_groups // BLOCK_G))
     _nvfp4_dequant_kernel[grid](
         packed,
         scale_bytes,

@@ -244,24 +244,36 @@ def step_dequant(rec: Recorder, shapes: dict) -> None:
         del src, out
 
 
-TUNE_CONFIGS = [(16, 16, 4), (8, 16, 4), (4, 32, 4), (32, 8, 4), (16, 32, 8), (8, 32, 4), (16, 8, 2), (4, 16, 2),
-                (2, 64, 4), (1, 128, 4), (8, 8, 2), (32, 16, 8), (32, 32, 8), (64, 16, 8), (16, 64, 8), (8, 64, 8)]
-# the kernel's decode variants (SHIFT_DECODE, HW_BF16) timed at the default tile, same run: the current default, its
-# bfloat16 rounding done by integer work, and the earlier integer E2M1 decode with it (the kernel of §4e)
+# the flat kernel's programs (runs of 4 packed bytes, warps), then the tile kernel's (rows, groups, warps)
+TUNE_FLAT = [(512, 4), (128, 4), (256, 4), (1024, 4), (256, 2), (1024, 8), (2048, 8), (4096, 8)]
+TUNE_CONFIGS = [(16, 16, 4), (8, 16, 4), (4, 32, 4), (32, 8, 4), (16, 32, 8), (8, 32, 4), (16, 8, 2), (4, 16, 2)]
+# the decode variants (SHIFT_DECODE, HW_BF16) timed in the default kernel at its default program, same run: the
+# current default, its bfloat16 rounding done by integer work, and the earlier integer E2M1 decode with it (§4e)
 TUNE_DECODES = [(True, True), (True, False), (False, False)]
+_TUNED = ("FLAT", "QUADS", "FLAT_WARPS", "BLOCK_R", "BLOCK_G", "NUM_WARPS", "SHIFT_DECODE", "HW_BF16")
+
+
+def tune_runs(defaults: dict, cpu: bool) -> list[dict]:
+    """The settings step_tune times, each a dict of kernels' module settings (defaults for the rest)."""
+    flat = TUNE_FLAT[:2] if cpu else TUNE_FLAT
+    tile = TUNE_CONFIGS[:1] if cpu else TUNE_CONFIGS
+    runs = [dict(defaults, FLAT=True, QUADS=q, FLAT_WARPS=w) for q, w in flat]
+    runs += [dict(defaults, FLAT=False, BLOCK_R=r, BLOCK_G=g, NUM_WARPS=w) for r, g, w in tile]
+    runs += [dict(defaults, SHIFT_DECODE=sh, HW_BF16=hw) for sh, hw in TUNE_DECODES
+             if (sh, hw) != (defaults["SHIFT_DECODE"], defaults["HW_BF16"])]
+    return runs
 
 
 def step_tune(rec: Recorder, shapes: dict) -> None:
-    """Time the dequant kernel at several tile sizes (BLOCK_R rows x BLOCK_G groups, warps) and decode variants,
-    each checked bit for bit against the torch codec."""
+    """Time the dequant kernels (flat: runs of 4 bytes per program; tile: rows x groups) at several program sizes
+    and warps, and the decode variants, each checked bit for bit against the torch codec, in one run."""
     import torch
 
     from qerl_plugin import nvfp4
     from verl_ext import kernels
 
-    saved = (kernels.BLOCK_R, kernels.BLOCK_G, kernels.NUM_WARPS, kernels.SHIFT_DECODE, kernels.HW_BF16)
-    configs = TUNE_CONFIGS if DEVICE == "cuda" else TUNE_CONFIGS[:2]
-    runs = [(c, saved[3:]) for c in configs] + [(saved[:3], d) for d in TUNE_DECODES if d != saved[3:]]
+    saved = {k: getattr(kernels, k) for k in _TUNED}
+    runs = tune_runs(saved, DEVICE != "cuda")
     try:
         for name, shape in shapes.items():
             if name not in ("q_proj", "gate_proj", "down_proj"):
@@ -271,21 +283,24 @@ def step_tune(rec: Recorder, shapes: dict) -> None:
             out = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
             n = shape[0] * shape[1]
             moved = dequant_bytes(n)
-            for (br, bg, nw), (shift, hw) in runs:
-                kernels.BLOCK_R, kernels.BLOCK_G, kernels.NUM_WARPS = br, bg, nw
-                kernels.SHIFT_DECODE, kernels.HW_BF16 = shift, hw
+            for run in runs:
+                for k, v in run.items():
+                    setattr(kernels, k, v)
                 fn = lambda: kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, torch.bfloat16, out=out)
                 out.zero_()
                 fn()
                 exact = bool(torch.equal(out.view(torch.int16), ref))
                 t = cuda_times_ms(fn, iters=20)
                 ms = statistics.median(t)
-                rec.record(step="tune", case=name, block_r=br, block_g=bg, warps=nw, shift_decode=shift, hw_bf16=hw,
-                           exact=exact, ms=round(ms, 4), ms_min=round(min(t), 4), ms_max=round(max(t), 4),
-                           GBps=round(moved / ms / 1e6, 1), pct_of_peak=round(100 * moved / ms / 1e6 / HBM_PEAK_GBPS, 1),
-                           default=(br, bg, nw, shift, hw) == saved)
+                program = (f"flat q{run['QUADS']} w{run['FLAT_WARPS']}" if run["FLAT"]
+                           else f"tile r{run['BLOCK_R']} g{run['BLOCK_G']} w{run['NUM_WARPS']}")
+                rec.record(step="tune", case=name, program=program, shift_decode=run["SHIFT_DECODE"],
+                           hw_bf16=run["HW_BF16"], exact=exact, ms=round(ms, 4), ms_min=round(min(t), 4),
+                           ms_max=round(max(t), 4), GBps=round(moved / ms / 1e6, 1),
+                           pct_of_peak=round(100 * moved / ms / 1e6 / HBM_PEAK_GBPS, 1), default=run == saved)
     finally:
-        (kernels.BLOCK_R, kernels.BLOCK_G, kernels.NUM_WARPS, kernels.SHIFT_DECODE, kernels.HW_BF16) = saved
+        for k, v in saved.items():
+            setattr(kernels, k, v)
 
 
 def step_layer(rec: Recorder, shapes: dict, tokens_list: list[int], rank: int) -> None:
@@ -523,13 +538,12 @@ def summary(rows: list[dict]) -> str:
             )
     tune = [r for r in rows if r.get("step") == "tune"]
     if tune:
-        lines.append(f"{'tune':10} {'tile R x G / warps':>18} {'decode':>14} {'ms':>8} {'GB/s':>8} {'% peak':>7}  exact")
+        lines.append(f"{'tune':10} {'program':>18} {'decode':>14} {'ms':>8} {'GB/s':>8} {'% peak':>7}  exact")
         for r in tune:
             decode = ("shift" if r.get("shift_decode", True) else "integer") + ("+cvt" if r.get("hw_bf16", True) else "+int")
             lines.append(
-                f"{r['case']:10} {str(r['block_r']) + ' x ' + str(r['block_g']) + ' / ' + str(r['warps']):>18} "
-                f"{decode:>14} {r['ms']:>8} {r['GBps']:>8} {r.get('pct_of_peak', '-'):>7}  {r['exact']}"
-                + ("  (default)" if r.get("default") else "")
+                f"{r['case']:10} {r['program']:>18} {decode:>14} {r['ms']:>8} {r['GBps']:>8} {r.get('pct_of_peak', '-'):>7}"
+                f"  {r['exact']}" + ("  (default)" if r.get("default") else "")
             )
     lay = [r for r in rows if r.get("step") == "layer"]
     if lay:
