@@ -251,21 +251,55 @@ class MarlinBackend(Backend):
         _set_kernel(layer, "bias", marlin_permute_bias(marlin_pad_dim(raw_bias, n, padded_n)))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import apply_fp4_marlin_linear
+        if self.decode_gemv and "qerl_gemv_packed" in layer._parameters:
+            # one op, opaque to torch.compile, so that the row count is read at run time: vLLM compiles the model
+            # once at a large token count and drops the guards, so a Python test on the rows here would be decided
+            # for every batch size when the model is traced (the Marlin branch; §4k)
+            return torch.ops.qerl.nvfp4_marlin_or_row(
+                x, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.workspace,
+                layer.output_size_per_partition, layer.input_size_per_partition, bias, self.fp32_reduce,
+                layer.qerl_gemv_packed, layer.qerl_gemv_scale, layer.qerl_gemv_gscale,
+                # the caller's bias is Marlin's permuted one exactly when it is fused; the row kernel adds the
+                # natural-order one in its epilogue
+                None if bias is None else layer._parameters.get("qerl_gemv_bias", bias),
+            )  # fmt: skip
+        return _marlin_gemm(x, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.workspace,
+                            layer.output_size_per_partition, layer.input_size_per_partition, bias, self.fp32_reduce)
 
-        if self.decode_gemv and x.numel() == x.shape[-1] and "qerl_gemv_packed" in layer._parameters:
-            y = torch.ops.qerl.nvfp4_gemv_row(x, layer.qerl_gemv_packed, layer.qerl_gemv_scale, layer.qerl_gemv_gscale)
-            if bias is not None:  # the caller's bias is Marlin's permuted one exactly when it is fused
-                y = y + (layer.qerl_gemv_bias if "qerl_gemv_bias" in layer._parameters else bias)
-            return y
-        return apply_fp4_marlin_linear(
-            input=x,
-            weight=layer.weight,
-            weight_scale=layer.weight_scale,
-            weight_global_scale=layer.weight_global_scale,
-            workspace=layer.workspace,
-            size_n=layer.output_size_per_partition,
-            size_k=layer.input_size_per_partition,
-            bias=bias,
-            use_fp32_reduce=self.fp32_reduce,
-        )
+
+def _marlin_gemm(x, weight, weight_scale, weight_global_scale, workspace, size_n, size_k, bias, fp32_reduce):  # noqa: ANN001, ANN202
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import apply_fp4_marlin_linear
+
+    return apply_fp4_marlin_linear(
+        input=x,
+        weight=weight,
+        weight_scale=weight_scale,
+        weight_global_scale=weight_global_scale,
+        workspace=workspace,
+        size_n=size_n,
+        size_k=size_k,
+        bias=bias,
+        use_fp32_reduce=fp32_reduce,
+    )
+
+
+MARLIN_OR_ROW_OP = "qerl::nvfp4_marlin_or_row"
+
+
+@torch.library.custom_op(MARLIN_OR_ROW_OP, mutates_args=())
+def nvfp4_marlin_or_row(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor,
+    workspace: torch.Tensor, size_n: int, size_k: int, bias: torch.Tensor | None, fp32_reduce: bool,
+    packed: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor, row_bias: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """decode_gemv's GEMM: one row of ``x`` on the one-row kernel (checkpoint-layout ``packed``/``scale``/``gscale``,
+    natural-order ``row_bias``), any other count on Marlin (its tensors and permuted ``bias``), decided per call."""
+    if x.numel() == x.shape[-1]:
+        return torch.ops.qerl.nvfp4_gemv_row(x, packed, scale, gscale, row_bias)
+    return _marlin_gemm(x, weight, weight_scale, weight_global_scale, workspace, size_n, size_k, bias, fp32_reduce)
+
+
+@nvfp4_marlin_or_row.register_fake
+def _nvfp4_marlin_or_row_fake(x, weight, weight_scale, weight_global_scale, workspace, size_n, size_k, bias,  # noqa: ANN001, ANN202
+                              fp32_reduce, packed, scale, gscale, row_bias):
+    return x.new_empty((*x.shape[:-1], size_n))

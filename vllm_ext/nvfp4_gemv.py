@@ -55,12 +55,14 @@ LAST_COMPILED = None  # the last launch's compiled kernel (registers, spills, sh
 if triton is not None:
 
     @triton.jit
-    def _finish(y_ptrs, ws_ptrs, ws_step, part, ok, gmul, cnt_ptr, pid_k, SPLIT_K: tl.constexpr):
-        """Store ``part * gmul`` at ``y_ptrs``; with split-K, store this program's float32 partial at
-        ``ws_ptrs + pid_k * ws_step`` and count it in at ``cnt_ptr`` (one counter per output block): the last program
-        to arrive sums all the partials in a fixed order, stores the result and resets the counter."""
+    def _finish(y_ptrs, ws_ptrs, ws_step, part, ok, gmul, cnt_ptr, pid_k, SPLIT_K: tl.constexpr, b_ptrs,
+                HAS_BIAS: tl.constexpr):
+        """Store ``part * gmul`` (plus the bias at ``b_ptrs``, added in float32) at ``y_ptrs``; with split-K, store
+        this program's float32 partial at ``ws_ptrs + pid_k * ws_step`` and count it in at ``cnt_ptr`` (one counter
+        per output block): the last program to arrive sums all the partials in a fixed order, stores the result
+        and resets the counter."""
         if SPLIT_K == 1:
-            tl.store(y_ptrs, (part * gmul).to(y_ptrs.dtype.element_ty), mask=ok)
+            tl.store(y_ptrs, _scaled(part, gmul, b_ptrs, ok, HAS_BIAS).to(y_ptrs.dtype.element_ty), mask=ok)
         else:
             tl.store(ws_ptrs + pid_k * ws_step, part, mask=ok)
             arrived = tl.atomic_add(cnt_ptr, 1)  # acq_rel at GPU scope: the partials above are visible
@@ -68,14 +70,21 @@ if triton is not None:
                 tot = tl.zeros_like(part)
                 for s in tl.static_range(SPLIT_K):  # a fixed order: the result does not depend on arrival
                     tot += tl.load(ws_ptrs + s * ws_step, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptrs, (tot * gmul).to(y_ptrs.dtype.element_ty), mask=ok)
+                tl.store(y_ptrs, _scaled(tot, gmul, b_ptrs, ok, HAS_BIAS).to(y_ptrs.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(cnt_ptr, 0)  # ready for the next call (and the next CUDA-graph replay)
 
     @triton.jit
+    def _scaled(part, gmul, b_ptrs, ok, HAS_BIAS: tl.constexpr):
+        out = part * gmul
+        if HAS_BIAS:
+            out += tl.load(b_ptrs, mask=ok, other=0.0).to(tl.float32)
+        return out
+
+    @triton.jit
     def _w4a16_kernel(
-        x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K,
+        x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, b_ptr, M, N, K,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        DOT_F32: tl.constexpr, FMA: tl.constexpr, GROUP_SCALES: tl.constexpr,
+        DOT_F32: tl.constexpr, FMA: tl.constexpr, GROUP_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
     ):  # fmt: skip
         HALF: tl.constexpr = BLOCK_K // 2
         pid_n = tl.program_id(0)
@@ -120,7 +129,8 @@ if triton is not None:
             acc = tl.where(rm[None, :] == 0, tl.sum(acc1, axis=1)[:, None], 0.0)
         # workspace [SPLIT_K, BLOCK_M, N] float32 for split-K's partials
         _finish(y_ptr + rm[None, :] * sym + rn[:, None], ws_ptr + rm[None, :] * N + rn[:, None], BLOCK_M * N, acc,
-                n_ok[:, None] & m_ok[None, :], 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k, SPLIT_K)
+                n_ok[:, None] & m_ok[None, :], 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k, SPLIT_K,
+                b_ptr + rn[:, None], HAS_BIAS)
 
 
 # PTX for one int32 word of 8 E2M1 codes -> 8 float32 (code j times 2^-14, code j in bits 4j..4j+3): codes j and j+4
@@ -161,9 +171,9 @@ if triton is not None:
 
     @triton.jit
     def _nvfp4_row_kernel(
-        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, N, K,
+        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, b_ptr, N, K,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
-        XVEC: tl.constexpr,
+        XVEC: tl.constexpr, HAS_BIAS: tl.constexpr,
     ):  # fmt: skip
         """One row: ``y[n] = sum_k x[k] W[n, k]`` on the CUDA cores, the weight read as int32 words of 8 codes.
         ``XVEC``: ``x`` loaded as one 16-byte run per word (8 values) and the 8 decoded codes joined in registers to
@@ -217,7 +227,7 @@ if triton is not None:
             acc += part * sc  # a word's 8 codes share one group (16 codes = 2 words)
         # workspace [SPLIT_K, N] float32 for split-K's partials
         _finish(y_ptr + rn, ws_ptr + rn, N, tl.sum(acc, axis=1), n_ok, 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k,
-                SPLIT_K)
+                SPLIT_K, b_ptr + rn, HAS_BIAS)
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
@@ -232,7 +242,8 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4,
                      num_stages: int | None = None, fma: bool = False, group_scales: bool = False,
-                     words: bool = False, asm: bool | None = None, xvec: bool = False) -> torch.Tensor:
+                     words: bool = False, asm: bool | None = None, xvec: bool = False,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[..., K]`` (bfloat16/float16, at most :data:`MAX_TOKENS` rows) and ``W`` given as
     the NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the
     float32 divisor ``[1]``); returns ``[..., N]`` in ``x``'s dtype. ``block_n`` output features per program (16,
@@ -241,7 +252,8 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     instead of a tensor-core dot; ``group_scales``: one scale load per group instead of one per byte; ``words``:
     one row on the CUDA cores with the weight read as int32 words and two codes decoded per integer operation
     (:func:`_nvfp4_row_kernel`); ``asm``: that decode in PTX (default: on CUDA, not under the interpreter);
-    ``xvec``: that kernel with ``x`` and the scales loaded once per word and group."""
+    ``xvec``: that kernel with ``x`` and the scales loaded once per word and group; ``bias`` ``[N]``: added to the
+    float32 result in the epilogue, before the one rounding to ``x``'s dtype."""
     if triton is None:
         raise RuntimeError(f"nvfp4_small_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -268,6 +280,8 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"scale {scale.dtype} {tuple(scale.shape)}, expected float8_e4m3fn ({n}, {k // GROUP})")
     if global_scale.numel() != 1:
         problems.append(f"global_scale has {global_scale.numel()} values, expected 1")
+    if bias is not None and (bias.shape != (n,) or bias.device != x.device):
+        problems.append(f"bias {tuple(bias.shape)} on {bias.device}, expected ({n},) on {x.device}")
     if problems:
         raise ValueError("nvfp4_small_gemm: " + "; ".join(problems))
     if x2.stride(-1) != 1:
@@ -284,19 +298,20 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     else:
         ws, cnt = out, out  # unused
     extra = {} if num_stages is None else {"num_stages": num_stages}
+    b = out if bias is None else bias.contiguous()  # unused without a bias
     global LAST_COMPILED
     if words:
         LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](
-            x2, packed.view(torch.int32), scale, g, out, ws, cnt, n, k,
+            x2, packed.view(torch.int32), scale, g, out, ws, cnt, b, n, k,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm,
-            XVEC=xvec,
+            XVEC=xvec, HAS_BIAS=bias is not None,
             num_warps=num_warps, **extra,
         )  # fmt: skip
         return out.reshape(*x.shape[:-1], n)
     LAST_COMPILED = _w4a16_kernel[(blocks, split_k)](
-        x2, x2.stride(0), packed, scale, g, out, out.stride(0), ws, cnt, m, n, k,
+        x2, x2.stride(0), packed, scale, g, out, out.stride(0), ws, cnt, b, m, n, k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=_interpreting(), FMA=fma,
-        GROUP_SCALES=group_scales,
+        GROUP_SCALES=group_scales, HAS_BIAS=bias is not None,
         num_warps=num_warps, **extra,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
@@ -319,15 +334,17 @@ ROW_OP = "qerl::nvfp4_gemv_row"
 
 
 @torch.library.custom_op(ROW_OP, mutates_args=())
-def nvfp4_gemv_row(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for one row of ``x`` with the one-row kernel (PTX decode on CUDA, ``x`` once per word) and
-    :func:`decode_tile`'s tile, as one opaque op for torch.compile and CUDA graphs."""
+def nvfp4_gemv_row(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for one row of ``x`` with the one-row kernel (PTX decode on CUDA, ``x`` once per word,
+    the bias added in its epilogue) and :func:`decode_tile`'s tile, as one opaque op for torch.compile and CUDA
+    graphs."""
     tile = decode_tile(packed.shape[0], x.shape[-1])
     if tile is None:
         raise ValueError(f"{ROW_OP}: K={x.shape[-1]} is not a multiple of 128")
-    return nvfp4_small_gemm(x, packed, scale, global_scale, words=True, xvec=True, **tile)
+    return nvfp4_small_gemm(x, packed, scale, global_scale, words=True, xvec=True, bias=bias, **tile)
 
 
 @nvfp4_gemv_row.register_fake
-def _nvfp4_gemv_row_fake(x, packed, scale, global_scale):  # noqa: ANN001, ANN202
+def _nvfp4_gemv_row_fake(x, packed, scale, global_scale, bias=None):  # noqa: ANN001, ANN202
     return x.new_empty((*x.shape[:-1], packed.shape[0]))

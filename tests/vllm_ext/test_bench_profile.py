@@ -66,7 +66,7 @@ def test_overlapping_kernels_are_counted_once_in_busy_time():
 @pytest.mark.parametrize("name,cat,want", [
     ("_lora_shrink_kernel", "kernel", "lora"), ("_fused_lora_kernel", "kernel", "lora"),
     ("void marlin::Marlin<(vllm::ScalarTypeId)5>", "kernel", "marlin"), ("flash_fwd_kernel", "kernel", "attention"),
-    ("sm90_xmma_gemm_bf16bf16", "kernel", "gemm"), ("triton_red_fused_add_rms_norm_1", "kernel", "inductor"),
+    ("sm90_xmma_gemm_bf16bf16", "kernel", "gemm"), ("_nvfp4_row_kernel", "kernel", "w4a16"), ("triton_red_fused_add_rms_norm_1", "kernel", "inductor"),
     ("triton_red_fused_fused_add_rms_norm_marlin_gemm_2", "kernel", "inductor"),
     ("Memset (Device)", "gpu_memset", "copy"), ("void at::native::vectorized_elementwise_kernel", "kernel", "other"),
 ])

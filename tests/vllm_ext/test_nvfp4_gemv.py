@@ -37,6 +37,9 @@ CASES = [  # (rows, N, K, block_k, split_k, variant): one and several rows, a ra
     (1, 24, 640, 64, 3, {"words": True, "block_n": 8}),
     (1, 40, 512, 128, 1, {"words": True, "xvec": True}),
     (1, 20, 768, 256, 3, {"words": True, "xvec": True, "block_n": 4}),
+    (2, 96, 768, 128, 4, {"bias": True}),  # the bias added in the split-K epilogue, both kernels
+    (1, 20, 768, 256, 3, {"words": True, "xvec": True, "block_n": 4, "bias": True}),
+    (1, 40, 512, 128, 1, {"words": True, "xvec": True, "bias": True}),
 ]
 
 INTERPRETED = textwrap.dedent(
@@ -54,16 +57,19 @@ INTERPRETED = textwrap.dedent(
         q = nvfp4.quantize(w.to(torch.bfloat16))
         x = torch.randn(m, k, generator=g).to(torch.float16)
         var = {"block_n": 32, **var}
+        bias = (torch.randn(n, generator=g) * 4).to(torch.float16) if var.pop("bias", False) else None
+        var["bias"] = bias
         got = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=bk, split_k=sk, **var)
         wq = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float16)
-        ref = x.float() @ wq.float().t()
+        ref = x.float() @ wq.float().t() + (0.0 if bias is None else bias.float())
         err = (got.float() - ref).abs().max().item()
         scale = ref.abs().max().item()
         # the weight as the codec defines it, unrounded (float64): value * (scale / global_scale)
         w64 = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double()
-        ref64 = x.double() @ w64.t()
+        ref64 = x.double() @ w64.t() + (0.0 if bias is None else bias.double())
         excess = ((got.double() - ref64).abs() - 2.0**-11 * ref64.abs()).max().item()
         again = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=bk, split_k=sk, **var)
+        var["bias"] = bias is not None
         out.append({"case": [m, n, k, bk, sk, var], "shape": list(got.shape), "dtype": str(got.dtype),
                     "max_err": err, "ref_max": scale, "excess_vs_exact": excess,
                     "repeat_identical": bool(torch.equal(got, again))})
@@ -155,6 +161,31 @@ def test_gpu_one_row_word_kernel_matches_the_exact_product(split_k, asm, xvec):
                                              block_k=256, split_k=split_k, asm=asm, xvec=xvec))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel and vLLM's Marlin FP4 GEMM)")
+@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 18944)])  # q/k/v (split-K 1), down (split-K 4)
+def test_gpu_marlin_or_row_with_bias(n, k):
+    """decode_gemv's op on real Marlin tensors: one row on the row kernel with the natural-order bias in its epilogue,
+    4 rows on Marlin with its permuted bias; both against the dequantized float32 product plus the bias."""
+    from types import SimpleNamespace
+
+    from vllm_ext.nvfp4_backends import MarlinBackend, nvfp4_marlin_or_row
+
+    torch.manual_seed(n)
+    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    shape = SimpleNamespace(params_dtype=torch.bfloat16, output_size_per_partition=n, input_size_per_partition=k)
+    m = MarlinBackend._marlin(shape, q.packed, q.scale, q.global_scale, bias)
+    w = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32)
+    for rows in (1, 4):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        got = nvfp4_marlin_or_row(x, m.weight, m.weight_scale, m.weight_global_scale, m.workspace, n, k, m.bias, True,
+                                  q.packed, q.scale, q.global_scale.reshape(1).float(), bias)
+        ref = x.float() @ w.t() + bias.float()
+        tol = 2.0**-7 * ref.abs().max().item() + 1e-2  # bf16 output rounding and float32 sums in a different order
+        assert got.shape == (rows, n) and (got.float() - ref).abs().max().item() <= tol, rows
+
+
 def test_decode_tiles_of_the_7b_linears():
     from vllm_ext.nvfp4_gemv import decode_tile
 
@@ -168,40 +199,67 @@ BACKEND_DISPATCH = textwrap.dedent(
     """
     import json
     import torch
+    import torch.nn.functional as F
     from qerl_plugin import nvfp4
+    from vllm_ext import nvfp4_backends
     from vllm_ext.nvfp4_backends import MarlinBackend
 
     g = torch.Generator().manual_seed(0)
     n, k = 24, 512
     q = nvfp4.quantize((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
+    w = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32)
     layer = torch.nn.Module()
     for name, t in (("qerl_gemv_packed", q.packed), ("qerl_gemv_scale", q.scale),
-                    ("qerl_gemv_gscale", q.global_scale.reshape(1).float()), ("qerl_gemv_bias", torch.randn(n, generator=g).half())):
+                    ("qerl_gemv_gscale", q.global_scale.reshape(1).float()), ("qerl_gemv_bias", torch.randn(n, generator=g).half()),
+                    ("weight", torch.zeros(1)), ("weight_scale", torch.zeros(1)), ("weight_global_scale", torch.zeros(1)),
+                    ("workspace", torch.zeros(1))):
         layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-    backend = object.__new__(MarlinBackend)  # no CUDA here: only the one-row dispatch is exercised
+    layer.output_size_per_partition, layer.input_size_per_partition = n, k
+    permuted = torch.full((n,), 1e4).half()  # stands for Marlin's permuted bias: must not be the one the row kernel adds
+    # Marlin's FP4 GEMM needs a GPU. Here a stand-in takes its place (the dequantized weight through F.linear, plus the
+    # bias it is handed); it records that it ran, which is what the run-time choice below is checked by.
+    marlin_calls = []
+    def stand_in(x, weight, weight_scale, weight_global_scale, workspace, size_n, size_k, bias, fp32_reduce):
+        marlin_calls.append(x.shape[0])
+        return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    nvfp4_backends._marlin_gemm = stand_in
+    backend = object.__new__(MarlinBackend)  # no CUDA here: the Marlin checks of __init__ are skipped
     backend.decode_gemv, backend.fp32_reduce = True, True
     x = torch.randn(1, k, generator=g).half()
-    w = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32)
     ref = x.float() @ w.t()
-    permuted = torch.full((n,), 1e4).half()  # stands for Marlin's permuted bias: must not be the one added
     got = backend.apply(layer, x, permuted)
     no_bias = backend.apply(layer, x, None)
-    print(json.dumps({"shape": list(got.shape),
+    eager_marlin = list(marlin_calls)
+    # compiled as vLLM compiles a model: dynamic token count, traced at 8 rows, guards dropped; then one row
+    compiled = torch.compile(lambda t: backend.apply(layer, t, permuted), backend="aot_eager", dynamic=True,
+                             options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+    x8 = torch.randn(8, k, generator=g).half()
+    torch._dynamo.mark_dynamic(x8, 0)
+    many = compiled(x8)
+    one = compiled(x)
+    print(json.dumps({"shape": list(got.shape), "eager_marlin": eager_marlin, "compiled_marlin": marlin_calls[len(eager_marlin):],
                       "err_bias": (got.float() - ref - layer.qerl_gemv_bias.float()).abs().max().item(),
-                      "err_plain": (no_bias.float() - ref).abs().max().item(), "ref_max": ref.abs().max().item()}))
+                      "err_plain": (no_bias.float() - ref).abs().max().item(), "ref_max": ref.abs().max().item(),
+                      "compiled_one_vs_eager": (one.float() - got.float()).abs().max().item(),
+                      "compiled_many_err": (many.float() - (x8.float() @ w.t() + permuted.float())).abs().max().item()}))
     """
 )
 
 
 def test_decode_gemv_dispatch_adds_the_natural_order_bias():
     """MarlinBackend.apply with decode_gemv: a one-row call goes to torch.ops.qerl.nvfp4_gemv_row (the interpreted
-    kernel here) and adds the layer's natural-order bias, not the permuted one it is handed; no bias, none added."""
+    kernel here), which adds the layer's natural-order bias in its epilogue, not the permuted one it is handed; no
+    bias, none added. Under torch.compile as vLLM runs it (traced at 8 rows, guards dropped) the choice is still
+    made per call: 8 rows go to Marlin (a CPU stand-in here), the one-row call to the row kernel."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", BACKEND_DISPATCH], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
     assert r["shape"] == [1, 24]
+    assert r["eager_marlin"] == [] and r["compiled_marlin"] == [8]
     assert r["err_bias"] <= 2e-3 * (r["ref_max"] + 4) and r["err_plain"] <= 2e-3 * r["ref_max"]
+    assert r["compiled_one_vs_eager"] == 0.0
+    assert r["compiled_many_err"] <= 2e-3 * (r["ref_max"] + 1e4)
 
 
 def _run_decode8_ptx(text: str, word: int) -> list[float]:

@@ -9,8 +9,9 @@ one's (GPU clock). Per step the summary gives the median of:
 - ``replay_span_ms`` / ``replay_busy_ms``: the graph replay's first-to-last extent and the union of its kernels;
 - ``outside_busy_ms``: GPU work outside the replay (lm_head, sampling, input copies: vLLM runs these eagerly);
 - ``idle_ms``: the step minus all GPU work, i.e. time the GPU waits for the host;
-- ``by_category_ms``: GPU time per kernel family (``lora``, ``marlin``, ``attention``, ``gemm``, ``inductor`` for
-  torch.compile's Triton kernels, ``copy`` for memcpy/memset, ``other``), inside and outside the replay;
+- ``by_category_ms``: GPU time per kernel family (``lora``, ``marlin``, ``w4a16`` for qerl's one-row kernel,
+  ``attention``, ``gemm``, ``inductor`` for torch.compile's Triton kernels, ``copy`` for memcpy/memset, ``other``),
+  inside and outside the replay;
 - ``top_kernels``: the kernels with the most GPU time per step, with calls per step.
 
 Kernel times are the profiler's (CUPTI) and include its small per-kernel overhead; compare engines profiled the
@@ -32,6 +33,7 @@ GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("lora", ("lora", "sgmv", "bgmv")),
     ("marlin", ("marlin",)),
+    ("w4a16", ("_nvfp4_row_kernel", "_w4a16_kernel")),  # vllm_ext.nvfp4_gemv (decode_gemv)
     ("attention", ("flash", "attn", "fmha", "attention")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv")),
 )
