@@ -2,16 +2,17 @@
 """The NVFP4 kernels under Nsight Compute: what bounds each one (memory, issue, latency, occupancy).
 
 Launches, on 7B shapes with random weights, each kernel ``--calls`` times after one warm-up (Triton compiles on
-the first call): the actor's dequant kernel (``verl_ext.kernels``, gate_proj 18 944 x 3 584, bf16 out), vLLM's
-Marlin FP4 GEMM at one row (gate_up, 37 888 x 3 584), and the experimental one-row W4A16 kernel
-(``vllm_ext.nvfp4_gemv``, same shape, PTX decode, §4j's tile). Meant to run under ``ncu``, e.g. (session.sh
-``ncu_kernels``):
+the first call): the actor's dequant kernels (``verl_ext.kernels``, gate_proj 18 944 x 3 584, bf16 out; the flat
+default and the earlier tile kernel), vLLM's Marlin FP4 GEMM at one row (gate_up, 37 888 x 3 584), and the one-row
+W4A16 kernel as decode_gemv runs it (``torch.ops.qerl.nvfp4_gemv_row``, same shape). Meant to run under ``ncu``,
+e.g. (session.sh ``ncu_kernels``):
 
     ncu --kernel-name regex:'dequant|marlin|row_kernel' --launch-count 16 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \\
         --section LaunchStats --section ComputeWorkloadAnalysis python3 scripts/gpu/profile_kernels.py
 
-Without ncu it prints each kernel's time (CUDA events, median of --calls) so the run also says something alone.
+Without ncu it prints each kernel's time (CUDA events around one call, median of --calls: the host's launch time
+is inside it, so this is an upper bound; ``check_actor_kernels.py`` times the dequant in CUDA graphs).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from qerl_plugin import nvfp4
     from vllm_ext.bench.kernels import marlin_linear
     from verl_ext.kernels import dequantize_nvfp4_triton
-    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+    from vllm_ext.nvfp4_gemv import nvfp4_gemv_row
 
     torch.manual_seed(0)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
@@ -48,13 +49,23 @@ def main(argv: list[str] | None = None) -> int:
     marlin = marlin_linear(gu.packed, gu.scale, gu.global_scale, bf16)
     x = torch.randn(1, k, device=dev, dtype=bf16)
     out = torch.empty(18944, 3584, device=dev, dtype=bf16)
+    def tile_dequant():  # the earlier tile kernel (verl_ext.kernels.FLAT = False), for the same-run comparison
+        from verl_ext import kernels as actor_kernels
+
+        actor_kernels.FLAT = False
+        try:
+            dequantize_nvfp4_triton(gate.packed, gate.scale, gate.global_scale, out=out)
+        finally:
+            actor_kernels.FLAT = True
+
+    dq_bytes = gate.packed.numel() + gate.scale.numel() + out.numel() * 2
     kernels = {
-        "dequant gate_proj -> bf16": (lambda: dequantize_nvfp4_triton(gate.packed, gate.scale, gate.global_scale, out=out),
-                                      gate.packed.numel() + gate.scale.numel() + out.numel() * 2),
+        "dequant (flat) gate_proj -> bf16": (lambda: dequantize_nvfp4_triton(gate.packed, gate.scale,
+                                                                             gate.global_scale, out=out), dq_bytes),
+        "dequant (tile) gate_proj -> bf16": (tile_dequant, dq_bytes),
         "marlin gate_up m=1": (lambda: marlin(x), gu.packed.numel() + gu.scale.numel()),
-        "row kernel gate_up m=1": (lambda: nvfp4_small_gemm(x, gu.packed, gu.scale, gu.global_scale, words=True,
-                                                            block_n=4, block_k=512, split_k=1, num_warps=1),
-                                   gu.packed.numel() + gu.scale.numel()),
+        "row kernel gate_up m=1 (decode_gemv's op)": (lambda: nvfp4_gemv_row(x, gu.packed, gu.scale, gu.global_scale),
+                                                      gu.packed.numel() + gu.scale.numel()),
     }
     for name, (fn, nbytes) in kernels.items():
         fn()  # warm-up: compiles the Triton kernels
