@@ -191,10 +191,11 @@ run_step() {
         run_step ckpt7b
         TAG=-pair BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,stock-nvfp4-lora,bf16-lora --variants default,punica-lora --runs nvfp4-lora@default,nvfp4-lora@punica-lora,stock-nvfp4-lora@punica-lora,bf16-lora@punica-lora --batches 1,8,64 --repeats 3" run_step bench_bg ;;
     bench_gemv)  # 7B decode at b1 and b8, ours (fused LoRA) on Marlin vs with decode_gemv (the one-row kernel), ckpt7b's
-        # checkpoint, and BF16 + punica LoRA for the ratio; 64 profiled tokens per batch size after the timed runs. In the
+        # checkpoint, and BF16 + punica LoRA for the ratio; 64 profiled tokens per batch size after the timed runs
+        # (GEMV_BATCHES, default 1,8; GEMV_REPEATS, default 3). In the
         # background into $work/bench-gemv; `TAG=-gemv session.sh bench_watch` follows it
         run_step ckpt7b
-        TAG=-gemv BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,bf16-lora --variants default,decode-gemv,punica-lora --runs nvfp4-lora@default,nvfp4-lora@decode-gemv,bf16-lora@punica-lora --batches 1,8 --new-tokens 256 --repeats 3 --profile-tokens 64" run_step bench_bg ;;
+        TAG=-gemv BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,bf16-lora --variants default,decode-gemv,punica-lora --runs nvfp4-lora@default,nvfp4-lora@decode-gemv,bf16-lora@punica-lora --batches ${GEMV_BATCHES:-1,8} --new-tokens 256 --repeats ${GEMV_REPEATS:-3} --profile-tokens 64" run_step bench_bg ;;
     actor_gpu)  # the actor's dequant kernels on the GPU: bit-exact against the torch codec (tests/verl_ext/test_kernels.py)
         step actor_gpu 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/verl_ext/test_kernels.py ;;
     watch)  # status of the runs until they end or the call's time is nearly up
