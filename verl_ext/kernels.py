@@ -23,14 +23,9 @@ __all__ = ["dequantize", "dequantize_nvfp4_triton", "triton_available", "triton_
 logger = logging.getLogger("qerl.verl.kernels")
 Backend = Literal["auto", "triton", "torch"]
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# FLAT (default): the flat kernel, QUADS runs of 4 packed bytes per program with FLAT_WARPS warps; False: the
-# earlier tile kernel (kept for same-run timing), BLOCK_R rows x BLOCK_G scale groups (16 values, 8 packed bytes
-# each) per program with NUM_WARPS warps. Both give the same bits.
-FLAT = True
+# runs of 4 packed bytes per program, and warps per program (docs/benchmarks.md §4k: 82.9 % of the H100's HBM
+# bandwidth on the 7B gate/down weights; the [rows, groups] tile kernel it replaced reached 76 %)
 QUADS = 512
-FLAT_WARPS = 4
-BLOCK_R = 16
-BLOCK_G = 16
 NUM_WARPS = 4
 # E2M1 decoded by moving its bits into a float16 (True) or by the earlier integer decode (False, kept for same-run
 # timing); bfloat16 rounded by the GPU's conversion instruction (True) or by integer work (False; always under the
@@ -64,49 +59,6 @@ if triton is not None:
 
     @triton.jit
     def _nvfp4_dequant_kernel(
-        packed_ptr,  # uint8 [rows, cols/2]: two E2M1 codes per byte
-        scale_ptr,  # uint8 [rows, cols/16]: the float8_e4m3fn bytes
-        gscale_ptr,  # float32 [1]
-        out_ptr,  # the output's storage as one word per byte: int32 [rows, cols/2] (bf16/fp16), int64 (fp32)
-        rows,
-        n_groups,  # cols / 16: scale groups per row (8 packed bytes each)
-        stride_packed,
-        stride_scale,
-        stride_out,  # in words
-        OUT_KIND: tl.constexpr,  # 0 float32, 1 bfloat16, 2 float16
-        BLOCK_R: tl.constexpr,  # rows per program
-        BLOCK_G: tl.constexpr,  # scale groups per program
-        WIDE: tl.constexpr,  # 64-bit offsets (tensors of 2**31 or more words)
-        HW_BF16: tl.constexpr,  # bfloat16 by the GPU's conversion (the interpreter's cast does not round to nearest even)
-        SHIFT_DECODE: tl.constexpr,  # E2M1 through float16 bits (default); False: the earlier integer decode, for timing
-    ):
-        # Each program decodes a [BLOCK_R, BLOCK_G, 8] tile of packed bytes: BLOCK_G groups of 16 values per row.
-        # The group's FP8 scale and its quotient by the global scale are computed once per group; a byte holds
-        # columns 2j (low nibble) and 2j+1 (high nibble), and both decoded values leave as one word (low half =
-        # column 2j, little-endian), so loads and stores are contiguous runs.
-        pid_r = tl.program_id(0)
-        pid_g = tl.program_id(1)
-        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        g = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
-        if WIDE:
-            r = r.to(tl.int64)
-            g = g.to(tl.int64)
-        r2 = r[:, None]
-        g2 = g[None, :]
-        mask2 = (r2 < rows) & (g2 < n_groups)
-
-        sb = tl.load(scale_ptr + r2 * stride_scale + g2, mask=mask2, other=0).to(tl.int32)
-        step = _group_step(sb, gscale_ptr)[:, :, None]
-
-        j = g2[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # packed byte (= output word) within the row
-        r3 = r2[:, :, None]
-        mask = mask2[:, :, None]
-        byte = tl.load(packed_ptr + r3 * stride_packed + j, mask=mask, other=0).to(tl.int32)
-        word = _decode_byte(byte, step, OUT_KIND, HW_BF16, SHIFT_DECODE)
-        tl.store(out_ptr + r3 * stride_out + j, word, mask=mask)
-
-    @triton.jit
-    def _nvfp4_dequant_flat_kernel(
         packed_ptr,  # uint8, contiguous [rows, cols/2], read as one flat run of bytes
         scale_ptr,  # uint8, contiguous [rows, cols/16]: the float8_e4m3fn bytes
         gscale_ptr,  # float32 [1]
@@ -123,7 +75,8 @@ if triton is not None:
         # 8), and its two decoded values are output word b. A program decodes QUADS runs of 4 bytes as a
         # [QUADS, 4] tile: each thread loads 4 bytes in one 32-bit load, decodes their half group with one scale
         # and stores the 4 words in one 16-byte store (bf16/fp16). Load, scale and store share one register layout,
-        # so nothing passes through shared memory (the tile kernel converts its layout there: L1-bound, §4j).
+        # so nothing passes through shared memory (the earlier [rows, groups, 8] tile kernel converted its layout
+        # there and was bound by its L1 traffic: §4j lease 6, §4k).
         pid = tl.program_id(0)
         if WIDE:
             pid = pid.to(tl.int64)
@@ -272,35 +225,12 @@ def dequantize_nvfp4_triton(
     kind = _OUT_KIND[dtype]
     # one word per packed byte: int32 holds two bf16/fp16 values, int64 two fp32 values
     words = out.view(torch.int64 if kind == 0 else torch.int32)
-    n_groups = cols // GROUP_SIZE
-    wide = max(packed.numel(), words.numel(), scale_bytes.numel(), packed.stride(0) * rows,
-               words.stride(0) * rows) >= _WIDE_FROM
-    if FLAT:
-        n_quads = packed.numel() // 4  # rows * cols/2 bytes, cols a multiple of 16
-        # plain integer ceil-division: triton.cdiv goes through Triton's constexpr-function machinery (~5 µs a call)
-        _nvfp4_dequant_flat_kernel[(-(-n_quads // QUADS),)](
-            packed, scale_bytes, gscale, words, n_quads,
-            OUT_KIND=kind, QUADS=QUADS, WIDE=wide, HW_BF16=HW_BF16 and not interpreting, SHIFT_DECODE=SHIFT_DECODE,
-            num_warps=FLAT_WARPS,
-        )
-        return out
-    grid = (-(-rows // BLOCK_R), -(-n_groups // BLOCK_G))
-    _nvfp4_dequant_kernel[grid](
-        packed,
-        scale_bytes,
-        gscale,
-        words,
-        rows,
-        n_groups,
-        packed.stride(0),
-        scale_bytes.stride(0),
-        words.stride(0),
-        OUT_KIND=kind,
-        BLOCK_R=BLOCK_R,
-        BLOCK_G=BLOCK_G,
-        WIDE=wide,
-        HW_BF16=HW_BF16 and not interpreting,
-        SHIFT_DECODE=SHIFT_DECODE,
+    wide = max(packed.numel(), words.numel()) >= _WIDE_FROM  # one word per packed byte; fewer scale bytes
+    n_quads = packed.numel() // 4  # rows * cols/2 bytes, cols a multiple of 16
+    # plain integer ceil-division: triton.cdiv goes through Triton's constexpr-function machinery (~5 µs a call)
+    _nvfp4_dequant_kernel[(-(-n_quads // QUADS),)](
+        packed, scale_bytes, gscale, words, n_quads,
+        OUT_KIND=kind, QUADS=QUADS, WIDE=wide, HW_BF16=HW_BF16 and not interpreting, SHIFT_DECODE=SHIFT_DECODE,
         num_warps=NUM_WARPS,
     )
     return out

@@ -261,29 +261,26 @@ def step_dequant(rec: Recorder, shapes: dict) -> None:
         del src, out
 
 
-# the flat kernel's programs (runs of 4 packed bytes, warps), then the tile kernel's (rows, groups, warps)
-TUNE_FLAT = [(512, 4), (128, 4), (256, 4), (1024, 4), (256, 2), (1024, 8), (2048, 8), (4096, 8)]
-TUNE_CONFIGS = [(16, 16, 4), (8, 16, 4), (4, 32, 4), (32, 8, 4), (16, 32, 8), (8, 32, 4), (16, 8, 2), (4, 16, 2)]
-# the decode variants (SHIFT_DECODE, HW_BF16) timed in the default kernel at its default program, same run: the
-# current default, its bfloat16 rounding done by integer work, and the earlier integer E2M1 decode with it (§4e)
+# the kernel's programs: runs of 4 packed bytes per program, warps (the [rows, groups] tile kernel it replaced is in
+# §4k's lease-2 rows)
+TUNE_CONFIGS = [(512, 4), (128, 4), (256, 4), (1024, 4), (256, 2), (1024, 8), (2048, 8), (4096, 8)]
+# the decode variants (SHIFT_DECODE, HW_BF16) timed at the default program, same run: the current default, its
+# bfloat16 rounding done by integer work, and the earlier integer E2M1 decode with it (§4e)
 TUNE_DECODES = [(True, True), (True, False), (False, False)]
-_TUNED = ("FLAT", "QUADS", "FLAT_WARPS", "BLOCK_R", "BLOCK_G", "NUM_WARPS", "SHIFT_DECODE", "HW_BF16")
+_TUNED = ("QUADS", "NUM_WARPS", "SHIFT_DECODE", "HW_BF16")
 
 
 def tune_runs(defaults: dict, cpu: bool) -> list[dict]:
     """The settings step_tune times, each a dict of kernels' module settings (defaults for the rest)."""
-    flat = TUNE_FLAT[:2] if cpu else TUNE_FLAT
-    tile = TUNE_CONFIGS[:1] if cpu else TUNE_CONFIGS
-    runs = [dict(defaults, FLAT=True, QUADS=q, FLAT_WARPS=w) for q, w in flat]
-    runs += [dict(defaults, FLAT=False, BLOCK_R=r, BLOCK_G=g, NUM_WARPS=w) for r, g, w in tile]
+    runs = [dict(defaults, QUADS=q, NUM_WARPS=w) for q, w in (TUNE_CONFIGS[:2] if cpu else TUNE_CONFIGS)]
     runs += [dict(defaults, SHIFT_DECODE=sh, HW_BF16=hw) for sh, hw in TUNE_DECODES
              if (sh, hw) != (defaults["SHIFT_DECODE"], defaults["HW_BF16"])]
     return runs
 
 
 def step_tune(rec: Recorder, shapes: dict) -> None:
-    """Time the dequant kernels (flat: runs of 4 bytes per program; tile: rows x groups) at several program sizes
-    and warps, and the decode variants, each checked bit for bit against the torch codec, in one run."""
+    """Time the dequant kernel at several program sizes (runs of 4 packed bytes) and warps, and the decode variants,
+    each checked bit for bit against the torch codec, in one run."""
     import torch
 
     from qerl_plugin import nvfp4
@@ -309,8 +306,7 @@ def step_tune(rec: Recorder, shapes: dict) -> None:
                 exact = bool(torch.equal(out.view(torch.int16), ref))
                 t = graph_times_ms(fn)
                 ms = statistics.median(t)
-                program = (f"flat q{run['QUADS']} w{run['FLAT_WARPS']}" if run["FLAT"]
-                           else f"tile r{run['BLOCK_R']} g{run['BLOCK_G']} w{run['NUM_WARPS']}")
+                program = f"q{run['QUADS']} w{run['NUM_WARPS']}"
                 rec.record(step="tune", case=name, program=program, shift_decode=run["SHIFT_DECODE"],
                            hw_bf16=run["HW_BF16"], exact=exact, ms=round(ms, 4), ms_min=round(min(t), 4),
                            ms_max=round(max(t), 4), GBps=round(moved / ms / 1e6, 1),

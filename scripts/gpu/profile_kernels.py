@@ -2,10 +2,9 @@
 """The NVFP4 kernels under Nsight Compute: what bounds each one (memory, issue, latency, occupancy).
 
 Launches, on 7B shapes with random weights, each kernel ``--calls`` times after one warm-up (Triton compiles on
-the first call): the actor's dequant kernels (``verl_ext.kernels``, gate_proj 18 944 x 3 584, bf16 out; the flat
-default and the earlier tile kernel), vLLM's Marlin FP4 GEMM at one row (gate_up, 37 888 x 3 584), and the one-row
-W4A16 kernel as decode_gemv runs it (``torch.ops.qerl.nvfp4_gemv_row``, same shape). Meant to run under ``ncu``,
-e.g. (session.sh ``ncu_kernels``):
+the first call): the actor's dequant kernel (``verl_ext.kernels``, gate_proj 18 944 x 3 584, bf16 out), vLLM's
+Marlin FP4 GEMM at one row (gate_up, 37 888 x 3 584), and the one-row W4A16 kernel as decode_gemv runs it
+(``torch.ops.qerl.nvfp4_gemv_row``, same shape). Meant to run under ``ncu``, e.g. (session.sh ``ncu_kernels``):
 
     ncu --kernel-name regex:'dequant|marlin|row_kernel' --launch-count 16 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \\
@@ -49,20 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     marlin = marlin_linear(gu.packed, gu.scale, gu.global_scale, bf16)
     x = torch.randn(1, k, device=dev, dtype=bf16)
     out = torch.empty(18944, 3584, device=dev, dtype=bf16)
-    def tile_dequant():  # the earlier tile kernel (verl_ext.kernels.FLAT = False), for the same-run comparison
-        from verl_ext import kernels as actor_kernels
-
-        actor_kernels.FLAT = False
-        try:
-            dequantize_nvfp4_triton(gate.packed, gate.scale, gate.global_scale, out=out)
-        finally:
-            actor_kernels.FLAT = True
-
     dq_bytes = gate.packed.numel() + gate.scale.numel() + out.numel() * 2
     kernels = {
-        "dequant (flat) gate_proj -> bf16": (lambda: dequantize_nvfp4_triton(gate.packed, gate.scale,
-                                                                             gate.global_scale, out=out), dq_bytes),
-        "dequant (tile) gate_proj -> bf16": (tile_dequant, dq_bytes),
+        "dequant gate_proj -> bf16": (lambda: dequantize_nvfp4_triton(gate.packed, gate.scale, gate.global_scale,
+                                                                      out=out), dq_bytes),
         "marlin gate_up m=1": (lambda: marlin(x), gu.packed.numel() + gu.scale.numel()),
         "row kernel gate_up m=1 (decode_gemv's op)": (lambda: nvfp4_gemv_row(x, gu.packed, gu.scale, gu.global_scale),
                                                       gu.packed.numel() + gu.scale.numel()),

@@ -31,10 +31,8 @@ KERNEL_CHECK = textwrap.dedent(
     g = torch.Generator().manual_seed(0)
     bad = []
     cases = [(16, 32, 1.0), (37, 96, 2688.0), (5, 528, 1e-3), (64, 256, 3.0e7), (3, 4096, 0.37)]
-    # the flat kernel (default) with the float16-bits decode (default) and the earlier integer one; the tile kernel
-    runs = [(c, True, True) for c in cases] + [(c, True, False) for c in cases[:2]] + [(c, False, True) for c in cases[:3]]
-    for (rows, cols, gs), flat, shift in runs:
-        kernels.FLAT, kernels.SHIFT_DECODE = flat, shift
+    for (rows, cols, gs), shift in [(c, True) for c in cases] + [(c, False) for c in cases[:2]]:
+        kernels.SHIFT_DECODE = shift  # the float16-bits decode (default) and the earlier integer one
         packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
         sbytes = torch.randint(0, 256, (rows, cols // 16), dtype=torch.uint8, generator=g)
         sbytes.view(-1)[: min(256, sbytes.numel())] = torch.arange(min(256, sbytes.numel()), dtype=torch.uint8)
@@ -46,8 +44,8 @@ KERNEL_CHECK = textwrap.dedent(
             iv = torch.int32 if dt == torch.float32 else torch.int16
             nan = torch.isnan(b)
             if not (torch.equal(torch.isnan(a), nan) and torch.equal(a.view(iv)[~nan], b.view(iv)[~nan])):
-                bad.append((rows, cols, gs, str(dt), flat, shift))
-    kernels.FLAT, kernels.SHIFT_DECODE = True, True
+                bad.append((rows, cols, gs, str(dt), shift))
+    kernels.SHIFT_DECODE = True
     # a real quantized weight, through the dispatcher with backend="triton"
     w = torch.randn(48, 160, generator=g).to(torch.bfloat16)
     q = nvfp4.quantize(w)
@@ -56,14 +54,12 @@ KERNEL_CHECK = textwrap.dedent(
         bad.append("quantized weight")
     # the 64-bit-offset variant (tensors of 2**31 words and more), forced on small inputs: the same bits
     kernels._WIDE_FROM = 0
-    for flat in (True, False):
-        kernels.FLAT = flat
-        for dt in (torch.float32, torch.bfloat16):
-            a = kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, dt)
-            iv = torch.int32 if dt == torch.float32 else torch.int16
-            if not torch.equal(a.view(iv), q.dequantize(dt).view(iv)):
-                bad.append(f"64-bit offsets {dt} flat={flat}")
-    kernels._WIDE_FROM, kernels.FLAT = 2**31, True
+    for dt in (torch.float32, torch.bfloat16):
+        a = kernels.dequantize_nvfp4_triton(q.packed, q.scale, q.global_scale, dt)
+        iv = torch.int32 if dt == torch.float32 else torch.int16
+        if not torch.equal(a.view(iv), q.dequantize(dt).view(iv)):
+            bad.append("64-bit offsets " + str(dt))
+    kernels._WIDE_FROM = 2**31
     # a non-contiguous input (a column slice of a wider packed tensor) is made contiguous first: the same bits
     wide_packed = torch.cat([q.packed, q.packed], dim=1)[:, : q.packed.shape[1]]
     a = kernels.dequantize_nvfp4_triton(wide_packed, q.scale, q.global_scale, torch.bfloat16)
