@@ -64,11 +64,11 @@ if triton is not None:
         gscale_ptr,  # float32 [1]
         out_ptr,  # contiguous output storage as one word per packed byte: int32 (bf16/fp16), int64 (fp32)
         n_quads,  # packed bytes / 4 (a whole number: a row holds cols/2 bytes, a multiple of 8)
-        OUT_KIND: tl.constexpr,
+        OUT_KIND: tl.constexpr,  # 0 float32, 1 bfloat16, 2 float16
         QUADS: tl.constexpr,  # runs of 4 packed bytes per program
-        WIDE: tl.constexpr,
-        HW_BF16: tl.constexpr,
-        SHIFT_DECODE: tl.constexpr,
+        WIDE: tl.constexpr,  # 64-bit offsets (tensors of 2**31 or more bytes)
+        HW_BF16: tl.constexpr,  # bfloat16 by the GPU's conversion (the interpreter's cast does not round to nearest even)
+        SHIFT_DECODE: tl.constexpr,  # E2M1 through float16 bits (default); False: the earlier integer decode, for timing
     ):
         # With contiguous tensors the layout is flat: packed byte b of the whole tensor holds codes 2b and 2b+1 of
         # the row-major values, its scale is byte b // 8 of the scales (a row's cols/2 bytes are cols/16 groups of
