@@ -657,3 +657,6 @@ def test_gemv_check_sweep_cold_copies_and_verdict():
     assert cg.verdict(fast, slow) == "faster" and cg.verdict(slow, fast) == "slower"
     assert cg.verdict(fast, {"median_us": 11.0, "spread_us": 1.5}) == "equal"  # the spread exceeds the difference
     assert cg.summarize([3.0, 1.0, 2.0]) == {"median_us": 2.0, "spread_us": 2.0, "runs_us": [3.0, 1.0, 2.0]}
+    # --shape 32B: every one-row tile of the xvec sweep divides the 32B input sizes (the kernel needs whole K tiles)
+    assert cg.LAYERS == {"7B": 28, "32B": 64} and cg.LINEARS["32B"]["down"] == (27648, 5120)
+    assert all(k % t["block_k"] == 0 for k, _ in cg.LINEARS["32B"].values() for t in cg.sweep_tiles(sweep="xvec"))

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """GPU check of the experimental W4A16 NVFP4 GEMM (``vllm_ext.nvfp4_gemv``) against vLLM's Marlin FP4 GEMM on the
-linears of a 7B decode step: error, a tile sweep, and the time per call with the weights streamed from HBM.
+linears of a 7B (or ``--shape 32B``) decode step: error, a tile sweep, and the time per call with the weights
+streamed from HBM.
 
 Run from the repository root on the GPU machine (vLLM installed):
 
@@ -15,7 +16,9 @@ For each linear and row count:
      weight, enough copies that one pass reads >= ``--cold-mib`` MiB. So the weights come from HBM as in a decode
      step, not from the 50 MB L2 (a single copy of q/k/v, 9 MB, would stay in L2).
   3. the fastest tile, Marlin and BF16 cuBLAS are then timed ``--reps`` times each, interleaved; median and
-     (max - min). Per decode step: the medians summed over the four linears times the layer count.
+     (max - min). Per decode step: the medians summed over the four linears times the layer count. At one row,
+     the tile ``decode_tile`` ships for that linear (what decode_gemv runs) is timed with them, when it is not
+     the fastest.
 
 A tile is "faster than Marlin" for a linear where the difference of the medians exceeds both spreads.
 Writes $OUT/check_gemv.jsonl (one JSON object per measurement) and prints the tables.
@@ -37,9 +40,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# Qwen2.5-7B: (input features, output features) of the fused projections, 28 layers
-LINEARS_7B = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
-LAYERS_7B = 28
+# Qwen2.5-7B / 32B: (input features, output features) of the fused projections, and the layer counts
+LINEARS = {
+    "7B": {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)},
+    "32B": {"qkv": (5120, 7168), "o": (5120, 5120), "gate_up": (5120, 55296), "down": (27648, 5120)},
+}
+LAYERS = {"7B": 28, "32B": 64}
 
 
 def sweep_tiles(quick: bool = False, sweep: str = "tiles", m: int = 1) -> list[dict[str, int]]:
@@ -112,7 +118,8 @@ def verdict(a: dict[str, float], b: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8,64", help="rows per call (default 1,8,64)")
-    p.add_argument("--linears", default=",".join(LINEARS_7B), help=f"from {list(LINEARS_7B)}")
+    p.add_argument("--shape", default="7B", choices=sorted(LINEARS), help="Qwen2.5 shape (default 7B)")
+    p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
     p.add_argument("--iters", type=int, default=64, help="calls per CUDA graph (at least the copy count)")
     p.add_argument("--reps", type=int, default=5, help="timed replays per kernel in the final comparison")
     p.add_argument("--cold-mib", type=float, default=256.0, help="MiB one pass of a graph reads (default 256)")
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_ext.bench.kernels import marlin_linear
     from vllm_ext.bench.kernels import replay_us as _replay_us
     from vllm_ext import nvfp4_gemv as gemv_mod
-    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+    from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_small_gemm
 
     out = Path(args.out or os.environ.get("OUT") or ".out").expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -148,12 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     tiles = sweep_tiles(args.quick, args.sweep, 1)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
-    record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    record({"what": "setup", "shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "tiles": [tile_name(t) for t in tiles], "batches": batches, "cold_mib": args.cold_mib})
     finals: list[dict[str, Any]] = []
     bad = 0
     for lname in args.linears.split(","):
-        k, n = LINEARS_7B[lname]
+        k, n = LINEARS[args.shape][lname]
         torch.manual_seed(0)
         w = (torch.randn(n, k, device=dev) * 0.02).to(bf16)
         q = nvfp4.quantize(w)
@@ -206,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
                 record({"what": "final", "linear": lname, "m": m, "error": "no tile swept or none correct"})
                 continue
             best = min(swept, key=lambda s: s[0])[1]
+            shipped = decode_tile(n, k)
+            if m == 1 and shipped is not None:
+                shipped = dict(shipped, words=True, asm=True, xvec=True)  # as torch.ops.qerl.nvfp4_gemv_row runs it
+            else:
+                shipped = None
             graphs = {
                 "gemv": _graph([(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **best))
                                 for p_, s_ in raws], iters),
@@ -213,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                 "bf16": _graph([(lambda w_=w_: F.linear(x, w_)) for w_ in bf16s], max(args.iters, c_bf16)),
             }
             its = {"gemv": iters, "marlin": iters, "bf16": max(args.iters, c_bf16)}
+            if shipped is not None and tile_name(shipped) != tile_name(best):
+                graphs["shipped"] = _graph([(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **shipped))
+                                            for p_, s_ in raws], iters)
+                its["shipped"] = iters
             times: dict[str, list[float]] = {key: [] for key in graphs}
             for _ in range(args.reps):
                 for key, g in graphs.items():
@@ -224,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
                    "marlin_over_gemv": round(res["marlin"]["median_us"] / res["gemv"]["median_us"], 3),
                    "gemv_gb_s": round(raw_bytes / res["gemv"]["median_us"] / 1e3, 1),
                    "marlin_gb_s": round(raw_bytes / res["marlin"]["median_us"] / 1e3, 1)}
+            if shipped is not None:
+                fin["shipped_tile"] = tile_name(shipped)
+                fin["shipped"] = res.get("shipped", res["gemv"])
+                fin["best_vs_shipped"] = verdict(res["gemv"], fin["shipped"]) if "shipped" in res else "same tile"
             record(fin)
             finals.append(fin)
         del raws, marlins, bf16s
@@ -240,14 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     for m in batches:
         sel = [f for f in finals if f["m"] == m]
         if len(sel) == len(args.linears.split(",")):
-            step = {key: round(LAYERS_7B * sum(f[key]["median_us"] for f in sel) / 1000.0, 3)
-                    for key in ("gemv", "marlin", "bf16")}
-            spread = {key: round(LAYERS_7B * sum(f[key]["spread_us"] for f in sel) / 1000.0, 3)
-                      for key in ("gemv", "marlin", "bf16")}
-            record({"what": "per_step_ms", "m": m, "median": step, "spread": spread})
-            lines.append(f"per 7B decode step (x{LAYERS_7B}), m={m}: gemv {step['gemv']:.3f} ms (±{spread['gemv']:.3f}), "
-                         f"marlin {step['marlin']:.3f} (±{spread['marlin']:.3f}), bf16 {step['bf16']:.3f} "
-                         f"(±{spread['bf16']:.3f})")
+            layers = LAYERS[args.shape]
+            keys = ("gemv", "marlin", "bf16") + (("shipped",) if all("shipped" in f for f in sel) else ())
+            step = {key: round(layers * sum(f[key]["median_us"] for f in sel) / 1000.0, 3) for key in keys}
+            spread = {key: round(layers * sum(f[key]["spread_us"] for f in sel) / 1000.0, 3) for key in keys}
+            record({"what": "per_step_ms", "shape": args.shape, "m": m, "median": step, "spread": spread})
+            lines.append(f"per {args.shape} decode step (x{layers}), m={m}: gemv (best tiles) {step['gemv']:.3f} ms "
+                         f"(±{spread['gemv']:.3f}), marlin {step['marlin']:.3f} (±{spread['marlin']:.3f}), bf16 "
+                         f"{step['bf16']:.3f} (±{spread['bf16']:.3f})"
+                         + (f", shipped tiles {step['shipped']:.3f} (±{spread['shipped']:.3f})" if "shipped" in step else ""))
     lines.append(f"tiles refused for error or non-reproducible split-K: {bad}")
     print("\n".join(lines), flush=True)
     return 1 if bad else 0
