@@ -186,12 +186,16 @@ def test_gpu_marlin_or_row_with_bias(n, k):
         assert got.shape == (rows, n) and (got.float() - ref).abs().max().item() <= tol, rows
 
 
-def test_decode_tiles_of_the_7b_linears():
+def test_decode_tiles_of_the_7b_and_32b_linears():
     from vllm_ext.nvfp4_gemv import decode_tile
 
     assert decode_tile(4608, 3584) == dict(block_n=4, block_k=512, split_k=1, num_warps=4)  # q/k/v, o
     assert decode_tile(37888, 3584) == dict(block_n=8, block_k=512, split_k=1, num_warps=2)  # gate/up
     assert decode_tile(3584, 18944) == dict(block_n=8, block_k=512, split_k=4, num_warps=2)  # down
+    # the 32B linears (§4k lease 5): 2 warps on q/k/v and o, split-K 8 on down; gate/up as at 7B
+    assert decode_tile(7168, 5120) == decode_tile(5120, 5120) == dict(block_n=4, block_k=512, split_k=1, num_warps=2)
+    assert decode_tile(55296, 5120) == dict(block_n=8, block_k=512, split_k=1, num_warps=2)
+    assert decode_tile(5120, 27648) == dict(block_n=8, block_k=512, split_k=8, num_warps=2)
     assert decode_tile(64, 384)["block_k"] == 128 and decode_tile(64, 200) is None
 
 
