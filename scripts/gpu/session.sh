@@ -200,7 +200,8 @@ run_step() {
         # LoRA, on a random 32B NVFP4A16 checkpoint (~19 GB in $work/ckpt_32b_nvfp4); in the background into
         # $work/bench-gemv32; `TAG=-gemv32 session.sh bench_watch` follows it
         step ckpt32b 300 python3 scripts/gpu/random_checkpoint.py "$work/ckpt_32b_nvfp4" --shape 32B --kind nvfp4 --if-missing
-        TAG=-gemv32 BENCH_ARGS="--shape 32B --nvfp4-model $work/ckpt_32b_nvfp4 --configs nvfp4-lora,bf16-lora --variants default,decode-gemv,punica-lora --runs nvfp4-lora@default,nvfp4-lora@decode-gemv,bf16-lora@punica-lora --batches 1 --new-tokens 128 --repeats 3 --profile-tokens 32" run_step bench_bg ;;
+        # (GEMV32_RUNS: the engines, default all three)
+        TAG=-gemv32 BENCH_ARGS="--shape 32B --nvfp4-model $work/ckpt_32b_nvfp4 --configs nvfp4-lora,bf16-lora --variants default,decode-gemv,punica-lora --runs ${GEMV32_RUNS:-nvfp4-lora@default,nvfp4-lora@decode-gemv,bf16-lora@punica-lora} --batches 1 --new-tokens 128 --repeats 3 --profile-tokens 32" run_step bench_bg ;;
     actor_gpu)  # the actor's dequant kernels on the GPU: bit-exact against the torch codec (tests/verl_ext/test_kernels.py)
         step actor_gpu 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/verl_ext/test_kernels.py ;;
     watch)  # status of the runs until they end or the call's time is nearly up
