@@ -225,7 +225,7 @@ def dequantize_nvfp4_triton(
     kind = _OUT_KIND[dtype]
     # one word per packed byte: int32 holds two bf16/fp16 values, int64 two fp32 values
     words = out.view(torch.int64 if kind == 0 else torch.int32)
-    wide = max(packed.numel(), words.numel()) >= _WIDE_FROM  # one word per packed byte; fewer scale bytes
+    wide = packed.numel() >= _WIDE_FROM  # the largest offset: one output word per packed byte, fewer scale bytes
     n_quads = packed.numel() // 4  # rows * cols/2 bytes, cols a multiple of 16
     # plain integer ceil-division: triton.cdiv goes through Triton's constexpr-function machinery (~5 µs a call)
     _nvfp4_dequant_kernel[(-(-n_quads // QUADS),)](

@@ -263,11 +263,12 @@ class MarlinBackend(Backend):
                 # natural-order one in its epilogue
                 None if bias is None else layer._parameters.get("qerl_gemv_bias", bias),
             )  # fmt: skip
-        return _marlin_gemm(x, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.workspace,
+        return marlin_gemm(x, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.workspace,
                             layer.output_size_per_partition, layer.input_size_per_partition, bias, self.fp32_reduce)
 
 
-def _marlin_gemm(x, weight, weight_scale, weight_global_scale, workspace, size_n, size_k, bias, fp32_reduce):  # noqa: ANN001, ANN202
+def marlin_gemm(x, weight, weight_scale, weight_global_scale, workspace, size_n, size_k, bias, fp32_reduce):  # noqa: ANN001, ANN202
+    """``x @ W.T (+ bias)`` on vLLM's Marlin FP4 GEMM, from the tensors :meth:`MarlinBackend._marlin` makes."""
     from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import apply_fp4_marlin_linear
 
     return apply_fp4_marlin_linear(
@@ -296,7 +297,7 @@ def nvfp4_marlin_or_row(
     natural-order ``row_bias``), any other count on Marlin (its tensors and permuted ``bias``), decided per call."""
     if x.numel() == x.shape[-1]:
         return torch.ops.qerl.nvfp4_gemv_row(x, packed, scale, gscale, row_bias)
-    return _marlin_gemm(x, weight, weight_scale, weight_global_scale, workspace, size_n, size_k, bias, fp32_reduce)
+    return marlin_gemm(x, weight, weight_scale, weight_global_scale, workspace, size_n, size_k, bias, fp32_reduce)
 
 
 @nvfp4_marlin_or_row.register_fake

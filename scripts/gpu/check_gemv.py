@@ -166,8 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         q = nvfp4.quantize(w)
         w_deq = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32)
         raw_bytes = q.packed.numel() + q.scale.numel()
-
-
         c_raw = copies_for(raw_bytes, args.cold_mib)
         c_bf16 = copies_for(2 * n * k, args.cold_mib)
         raws = [(q.packed.clone(), q.scale.clone()) for _ in range(c_raw)]
@@ -213,21 +211,22 @@ def main(argv: list[str] | None = None) -> int:
                 record({"what": "final", "linear": lname, "m": m, "error": "no tile swept or none correct"})
                 continue
             best = min(swept, key=lambda s: s[0])[1]
-            shipped = decode_tile(n, k)
-            if m == 1 and shipped is not None:
-                shipped = dict(shipped, words=True, asm=True, xvec=True)  # as torch.ops.qerl.nvfp4_gemv_row runs it
-            else:
-                shipped = None
+            tile = decode_tile(n, k) if m == 1 else None
+            # the shipped tile as torch.ops.qerl.nvfp4_gemv_row runs it
+            shipped = None if tile is None else dict(tile, words=True, asm=True, xvec=True)
+
+            def gemv_graph(t):  # noqa: ANN001, ANN202
+                return _graph([(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **t))
+                               for p_, s_ in raws], iters)
+
             graphs = {
-                "gemv": _graph([(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **best))
-                                for p_, s_ in raws], iters),
+                "gemv": gemv_graph(best),
                 "marlin": _graph([marlin_call(ml) for ml in marlins], iters),
                 "bf16": _graph([(lambda w_=w_: F.linear(x, w_)) for w_ in bf16s], max(args.iters, c_bf16)),
             }
             its = {"gemv": iters, "marlin": iters, "bf16": max(args.iters, c_bf16)}
             if shipped is not None and tile_name(shipped) != tile_name(best):
-                graphs["shipped"] = _graph([(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **shipped))
-                                            for p_, s_ in raws], iters)
+                graphs["shipped"] = gemv_graph(shipped)
                 its["shipped"] = iters
             times: dict[str, list[float]] = {key: [] for key in graphs}
             for _ in range(args.reps):

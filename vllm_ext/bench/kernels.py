@@ -42,22 +42,20 @@ COLUMNS = ("bf16", "marlin", "marlin_bf16r", "gemv", "gemv_sk4", "gemv_row", "lo
 def marlin_linear(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
     """vLLM's Marlin FP4 layout of an NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8 ``[N, K/16]``,
     ``global_scale`` the divisor), made by the nvfp4 backend's own :meth:`MarlinBackend._marlin`, and
-    ``run(x, fp32_reduce=True) -> x @ W.T``."""
+    ``run(x, fp32_reduce=True) -> x @ W.T`` through its :func:`marlin_gemm`."""
     from types import SimpleNamespace
 
     import torch
-    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import apply_fp4_marlin_linear
 
-    from vllm_ext.nvfp4_backends import MarlinBackend
+    from vllm_ext.nvfp4_backends import MarlinBackend, marlin_gemm
 
     n, k = packed.shape[0], packed.shape[1] * 2
     shape = SimpleNamespace(params_dtype=dtype or torch.bfloat16, output_size_per_partition=n, input_size_per_partition=k)
     layer = MarlinBackend._marlin(shape, packed, scale, global_scale, None)  # new tensors: the inputs stay as they are
 
     def run(x, fp32_reduce: bool = True):  # noqa: ANN001, ANN202
-        return apply_fp4_marlin_linear(input=x, weight=layer.weight, weight_scale=layer.weight_scale,
-                                       weight_global_scale=layer.weight_global_scale, workspace=layer.workspace,
-                                       size_n=n, size_k=k, use_fp32_reduce=fp32_reduce)
+        return marlin_gemm(x, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.workspace, n, k, None,
+                           fp32_reduce)
 
     return run
 
