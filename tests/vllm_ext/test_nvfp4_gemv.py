@@ -116,6 +116,8 @@ def test_refusals_name_the_bad_input():
         nvfp4_small_gemm(torch.randn(1, 256).half(), q.packed, q.scale, q.global_scale, block_n=48)
     with pytest.raises(ValueError, match=r"packed torch.uint8 \(32, 128\), expected uint8 \(32, 64\)"):
         nvfp4_small_gemm(torch.randn(1, 128).half(), q.packed, q.scale, q.global_scale)
+    with pytest.raises(ValueError, match=r"bias \(3,\) on cpu, expected \(32,\) on cpu"):
+        nvfp4_small_gemm(torch.randn(1, 256).half(), q.packed, q.scale, q.global_scale, bias=torch.zeros(3).half())
 
 
 @pytest.mark.gpu
