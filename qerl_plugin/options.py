@@ -15,6 +15,9 @@ engine built with AQN never reuses a graph compiled without it)::
                                                                 tokens, punica above (vllm_ext.lora_fused)
     {"qerl_lora": "punica"}                                     vLLM's own multi-adapter kernels for every call
     {"qerl_lora": "dense"}                                      one adapter as two dense GEMMs (vllm_ext.lora_dense)
+    {"qerl_lora": "overlap"}                                    fused's kernel on a second CUDA stream, beside the
+                                                                base GEMM instead of after it (calls of <= 64
+                                                                tokens; above, base GEMM then punica)
 
     vllm serve MODEL --quantization nvfp4 --additional-config '{"qerl_aqn": true}'
     LLM(MODEL, quantization="nvfp4", additional_config={"qerl_aqn": True})
@@ -54,7 +57,8 @@ AQN_KEY = "qerl_aqn"
 NVFP4_KEY = "qerl_nvfp4"
 NVFP4_BACKENDS = ("auto", "marlin", "emulation")
 LORA_KEY = "qerl_lora"
-LORA_MODES = ("fused", "punica", "dense")  # vllm_ext.lora_fused | vLLM's multi-adapter kernels | vllm_ext.lora_dense
+# vllm_ext.lora_fused | vLLM's multi-adapter kernels | vllm_ext.lora_dense | lora_fused's kernel on a side stream
+LORA_MODES = ("fused", "punica", "dense", "overlap")
 # The mode of an engine that names none: fused was faster than punica at batch 1, 8 and 64 inside a 7B engine on
 # an H100 (docs/benchmarks.md §4g); engines with more than one adapter slot run punica whatever the mode.
 LORA_DEFAULT = "fused"

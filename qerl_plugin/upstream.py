@@ -255,6 +255,18 @@ _VLLM: tuple[Upstream, ...] = (
     Upstream(f"{_LORA}.punica_wrapper.punica_gpu:PunicaWrapperGPU.add_lora_linear", "overrides", "vllm_ext.lora_dense_wrapper",
              "one adapter as two dense GEMMs per slice",
              params=("self", "y", "x", "lora_a_stacked", "lora_b_stacked", "scale", "output_slices"), keywords=("buffer",)),
+    Upstream(f"{_LORA}.layers.column_parallel_linear:_mcp_apply", "private", "vllm_ext.lora_dense_wrapper",
+             "shadowed by route_merged_layers: merged q/k/v and gate/up layers take add_lora_linear (or, in the "
+             "overlap mode, qerl::linear_lora_overlap)", params=("x", "bias", "layer")),
+    Upstream(f"{_LORA}.layers.base_linear:BaseLinearLayerWithLoRA.apply", "private", "vllm_ext.lora_dense_wrapper",
+             "replaced on the class by route_merged_layers: in the overlap mode o_proj/down_proj run "
+             "qerl::linear_lora_overlap; every other layer calls it", params=("self", "x", "bias")),
+    Upstream(f"{_LORA}.layers.base:BaseLayerWithLoRA.set_mapping", "private", "vllm_ext.lora_dense_wrapper",
+             "replaced on the class by route_merged_layers: registers each layer of an overlap-mode wrapper by its "
+             "base layer's prefix", params=("self", "punica_wrapper")),
+    Upstream(f"{_LORA}.layers.base_linear:BaseLinearLayerWithLoRA", "private", "vllm_ext.lora_dense_wrapper",
+             "the overlap op reads each layer's LoRA tensors, slices, wrapper and base quant method",
+             attrs=("lora_a_stacked", "lora_b_stacked", "output_slices", "base_layer")),
     Upstream("vllm.platforms.interface:Platform.get_punica_wrapper", "private", "vllm_ext.lora_dense",
              "replaced on the CUDA platform's class by one that names QerlPunicaWrapper (vLLM's own unless an "
              "engine asks for dense); reads the engine's additional_config with get_current_vllm_config_or_none"),

@@ -16,6 +16,17 @@ torch.compile and a symbolic token count: a Python ``if tokens <= 64`` in the wr
 when the model is traced (with thousands of tokens), and bake punica into every graph. The op decides per
 call instead, when it runs (eagerly, or while vLLM captures a CUDA graph for one batch size): at most
 :data:`vllm_ext.lora_fused.MAX_TOKENS` tokens take the one-launch kernel, more take punica.
+
+The ``overlap`` path (``additional_config={"qerl_lora": "overlap"}``) runs the same kernel on a second CUDA stream,
+beside the layer's base GEMM instead of after it: one op, ``qerl::linear_lora_overlap``, computes the base GEMM
+on the current stream while the kernel writes the update into a scratch tensor on the side stream, joins, and
+adds (``y + round(update)``: the bits ``fused`` gives). At decode the kernel is latency-bound (~8 us per linear,
+§4h) and the 4-bit GEMM bandwidth-bound, so the two can share the GPU. Calls of more than 64 tokens run the base
+GEMM and punica one after the other, as ``fused`` does. vLLM's own ``VLLM_LORA_ENABLE_DUAL_STREAM`` does the
+same with punica's three launches (and a zero-filled buffer) for every call size; it is a process-wide switch.
+The op finds its layer by the layer's name (``base_layer.prefix``), registered when the LoRA manager hands the
+layer its wrapper (:func:`route_merged_layers` wraps ``BaseLayerWithLoRA.set_mapping``): a name, unlike an
+``id()``, means the same layer in the process that loads vLLM's AOT-compiled graph from its cache.
 """
 
 from __future__ import annotations
@@ -30,7 +41,8 @@ from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 from vllm_ext import lora_fused
 from vllm_ext.lora_dense import dense_lora_linear, requested_mode
 
-__all__ = ["FUSED_OP", "MERGED_APPLY_TARGET", "QerlPunicaWrapper", "route_merged_layers"]
+__all__ = ["FUSED_OP", "LINEAR_APPLY_TARGET", "MERGED_APPLY_TARGET", "OVERLAP_OP", "SET_MAPPING_TARGET",
+           "QerlPunicaWrapper", "route_merged_layers"]
 
 logger = logging.getLogger("qerl.vllm.lora_dense")
 
@@ -38,6 +50,12 @@ FUSED_OP = "qerl::lora_linear_fused"
 _WRAPPERS: "weakref.WeakValueDictionary[int, QerlPunicaWrapper]" = weakref.WeakValueDictionary()
 _LOGGED: set[tuple[str, int]] = set()
 MERGED_APPLY_TARGET = "vllm.lora.layers.column_parallel_linear:_mcp_apply"  # what route_merged_layers wraps
+# ... and, for the overlap path, o_proj/down_proj's apply and the method that hands a layer its wrapper
+LINEAR_APPLY_TARGET = "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.apply"
+SET_MAPPING_TARGET = "vllm.lora.layers.base:BaseLayerWithLoRA.set_mapping"
+OVERLAP_OP = "qerl::linear_lora_overlap"
+OVERLAP_MODE = "overlap"
+_LAYERS: "weakref.WeakValueDictionary[str, torch.nn.Module]" = weakref.WeakValueDictionary()
 _PUNICA_SIZES_LOGGED = 4  # eager engines see every prefill length: name the first few, then say so once
 
 
@@ -69,7 +87,7 @@ def lora_linear_fused(y: torch.Tensor, x: torch.Tensor, lora_a_stacked: list[tor
     tokens = x.numel() // x.shape[-1]
     path = "fused" if why is None else "punica"
     _log_path(path, tokens, why)
-    wrapper = _WRAPPERS.get(wrapper_id)
+    wrapper = _wrapper(wrapper_id)
     if why is None:
         state = wrapper._qerl_sync if wrapper is not None else _standalone_state(x.device)
         lora_fused.launch(y, x, a, b, scale, slices, token_lora_indices, state)  # supports() said yes above
@@ -83,6 +101,18 @@ def lora_linear_fused(y: torch.Tensor, x: torch.Tensor, lora_a_stacked: list[tor
 def _lora_linear_fused_fake(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, token_lora_indices,
                             wrapper_id) -> None:
     return None
+
+
+def _wrapper(wrapper_id: int) -> "QerlPunicaWrapper | None":
+    """The wrapper ``wrapper_id`` names, else the process's only live one. vLLM 0.24 loads an AOT-compiled model
+    from its cache in a later process (``VLLM_USE_AOT_COMPILE``, on by default with torch >= 2.10), and the
+    ``id()`` baked into that graph names a wrapper of the process that compiled it."""
+    wrapper = _WRAPPERS.get(wrapper_id)
+    if wrapper is None and wrapper_id != -1:
+        live = list(_WRAPPERS.values())
+        if len(live) == 1:
+            wrapper = live[0]
+    return wrapper
 
 
 _STANDALONE: dict[str, torch.Tensor] = {}
@@ -109,34 +139,131 @@ def _routed(layer: torch.nn.Module) -> bool:
     )
 
 
+def _layer_name(layer: torch.nn.Module) -> str:
+    """The name the overlap op finds ``layer`` by: its base layer's prefix (``model.layers.3.mlp.down_proj``)."""
+    name = getattr(getattr(layer, "base_layer", None), "prefix", "") or ""
+    if not name:
+        raise RuntimeError(f"{OVERLAP_OP}: {type(layer).__name__} has no base_layer.prefix to be found by; run "
+                           f"this engine with additional_config={{'qerl_lora': 'fused'}} instead")
+    return name
+
+
+def _overlapped(layer: torch.nn.Module) -> bool:
+    return _routed(layer) and layer.punica_wrapper.qerl_mode == OVERLAP_MODE
+
+
+def _overlap_call(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What a routed layer's ``apply`` returns in the overlap mode: the op, which finds the layer by name."""
+    return torch.ops.qerl.linear_lora_overlap(x, bias, _layer_name(layer), sum(layer.output_slices))
+
+
+@torch.library.custom_op(OVERLAP_OP, mutates_args=())
+def linear_lora_overlap(x: torch.Tensor, bias: torch.Tensor | None, layer_name: str, out_features: int) -> torch.Tensor:
+    """``base(x) + LoRA(x)`` of the LoRA layer named ``layer_name``: the base GEMM on the current stream and, for
+    calls the one-launch kernel takes, the kernel on the wrapper's side stream at the same time; larger calls run
+    the base GEMM and punica in order. The result is a new tensor ``[..., out_features]``."""
+    layer = _LAYERS.get(layer_name)
+    if layer is None:
+        raise RuntimeError(f"{OVERLAP_OP}: no LoRA layer named {layer_name!r} in this process (known: "
+                           f"{len(_LAYERS)}); it is registered when vLLM's LoRA manager sets the layer's wrapper")
+    return _apply_overlapped(layer, x, bias)
+
+
+@linear_lora_overlap.register_fake
+def _linear_lora_overlap_fake(x, bias, layer_name, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    wrapper = layer.punica_wrapper
+    a, b = tuple(layer.lora_a_stacked), tuple(layer.lora_b_stacked)
+    slices = tuple(layer.output_slices)
+    x2 = x.reshape(-1, x.shape[-1])
+    tokens = x2.shape[0]
+    base = layer._get_quant_method()
+    if not x.is_cuda or lora_fused.supports(x2, a, b, slices) is not None:
+        # in order, on this stream, as the fused mode runs: the base GEMM, then the wrapper adds the update
+        # (the one-launch kernel where it takes the call, punica for more than 64 tokens)
+        out = base.apply(layer.base_layer, x, bias)
+        wrapper.add_lora_linear(out.view(-1, out.shape[-1]), x2, a, b, 1.0, slices)
+        return out
+    _log_path(OVERLAP_MODE, tokens, None)
+    side, start, done = wrapper._qerl_side_stream(x.device)
+    main = torch.cuda.current_stream(x.device)
+    update = torch.empty((tokens, sum(slices)), dtype=x.dtype, device=x.device)  # every element gets written
+    start.record(main)
+    out = base.apply(layer.base_layer, x, bias)
+    with torch.cuda.stream(side):
+        side.wait_event(start)
+        lora_fused.launch(update, x2, a, b, 1.0, slices, wrapper._token_lora_indices, wrapper._qerl_sync,
+                          add_inputs=False)
+        done.record(side)
+    main.wait_event(done)  # x, update and the kernel's state are not touched again until the side stream is done
+    out.view(-1, out.shape[-1]).add_(update)
+    return out
+
+
 def route_merged_layers() -> None:
     """Wrap ``column_parallel_linear._mcp_apply`` (:data:`MERGED_APPLY_TARGET`) so that merged column-parallel
     LoRA layers whose wrapper runs a qerl mode compute ``base(x) + add_lora_linear`` (see the module docstring);
-    every other layer keeps vLLM's function. Idempotent."""
+    every other layer keeps vLLM's function. For the overlap mode, also wrap ``BaseLinearLayerWithLoRA.apply``
+    (:data:`LINEAR_APPLY_TARGET`: o_proj, down_proj) and ``BaseLayerWithLoRA.set_mapping``
+    (:data:`SET_MAPPING_TARGET`: registers each layer by name), so that routed layers run
+    ``qerl::linear_lora_overlap``. Idempotent."""
+    import vllm.lora.layers.base as lbase
+    import vllm.lora.layers.base_linear as blin
     import vllm.lora.layers.column_parallel_linear as cpl
 
     original = cpl._mcp_apply
-    if getattr(original, "__qerl_patch__", False):
-        return
+    if not getattr(original, "__qerl_patch__", False):
 
-    @functools.wraps(original)
-    def _mcp_apply(x: torch.Tensor, bias: torch.Tensor | None, layer: torch.nn.Module) -> torch.Tensor:
-        if _routed(layer):
-            output = layer._get_quant_method().apply(layer.base_layer, x, bias)
-            return layer._apply_lora_to_output(x, output)
-        return original(x, bias, layer)
+        @functools.wraps(original)
+        def _mcp_apply(x: torch.Tensor, bias: torch.Tensor | None, layer: torch.nn.Module) -> torch.Tensor:
+            if _routed(layer):
+                if layer.punica_wrapper.qerl_mode == OVERLAP_MODE:
+                    return _overlap_call(layer, x, bias)
+                output = layer._get_quant_method().apply(layer.base_layer, x, bias)
+                return layer._apply_lora_to_output(x, output)
+            return original(x, bias, layer)
 
-    _mcp_apply.__qerl_patch__ = True
-    cpl._mcp_apply = _mcp_apply
-    logger.warning("qerl: merged q/k/v and gate/up LoRA layers take the wrapper's add_lora_linear (one GPU, LoRA "
-                   "not fully sharded); others keep vLLM's add_shrink/add_expand route")
+        _mcp_apply.__qerl_patch__ = True
+        cpl._mcp_apply = _mcp_apply
+        logger.warning("qerl: merged q/k/v and gate/up LoRA layers take the wrapper's add_lora_linear (one GPU, "
+                       "LoRA not fully sharded); others keep vLLM's add_shrink/add_expand route")
+
+    linear_apply = blin.BaseLinearLayerWithLoRA.apply
+    if not getattr(linear_apply, "__qerl_patch__", False):
+
+        @functools.wraps(linear_apply)
+        def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            if _overlapped(self):
+                return _overlap_call(self, x, bias)
+            return linear_apply(self, x, bias)
+
+        apply.__qerl_patch__ = True
+        blin.BaseLinearLayerWithLoRA.apply = apply
+
+    set_mapping = lbase.BaseLayerWithLoRA.set_mapping
+    if not getattr(set_mapping, "__qerl_patch__", False):
+
+        @functools.wraps(set_mapping)
+        def _set_mapping(self, punica_wrapper):
+            set_mapping(self, punica_wrapper)
+            if isinstance(punica_wrapper, QerlPunicaWrapper) and punica_wrapper.qerl_mode == OVERLAP_MODE:
+                name = getattr(getattr(self, "base_layer", None), "prefix", "")
+                if name:
+                    _LAYERS[name] = self
+
+        _set_mapping.__qerl_patch__ = True
+        lbase.BaseLayerWithLoRA.set_mapping = _set_mapping
 
 
 class QerlPunicaWrapper(PunicaWrapperGPU):
     """vLLM's GPU punica wrapper. With one adapter slot (``max_loras=1``) its linear layers take
     :func:`~vllm_ext.lora_dense.dense_lora_linear` (mode ``dense``) or the ``qerl::lora_linear_fused`` op (mode
     ``fused``: the kernel of :mod:`vllm_ext.lora_fused` for calls of at most 64 tokens, punica for larger ones,
-    decided per call); everything else runs punica. Merged column-parallel layers (q/k/v, gate/up) reach
+    decided per call), or, in mode ``overlap``, ``qerl::linear_lora_overlap`` (the same kernel on a side stream
+    beside the base GEMM); everything else runs punica. Merged column-parallel layers (q/k/v, gate/up) reach
     ``add_lora_linear`` through :func:`route_merged_layers`."""
 
     def __init__(self, *args, **kwargs):
@@ -144,8 +271,9 @@ class QerlPunicaWrapper(PunicaWrapperGPU):
         mode = requested_mode()
         self.qerl_mode = mode if self.max_loras == 1 else "punica"
         self._qerl_sync = None
+        self._qerl_side: tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event] | None = None
         self._qerl_static_fallbacks: set[str] = set()
-        if self.qerl_mode == "fused":
+        if self.qerl_mode in ("fused", OVERLAP_MODE):
             self._qerl_sync = lora_fused.new_sync(self.device, max(16, self.lora_config.max_lora_rank))
             _WRAPPERS[id(self)] = self
         if self.qerl_mode != "punica":
@@ -154,6 +282,13 @@ class QerlPunicaWrapper(PunicaWrapperGPU):
         logger.warning("qerl: LoRA linears on the %s path (asked: %s, max_loras=%d)", self.qerl_mode, mode,
                        self.max_loras)
 
+    def _qerl_side_stream(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event]:
+        """The overlap path's side stream and its two events (fork, join), made on first use. One of each is
+        enough: every overlapped call joins before the next one forks."""
+        if self._qerl_side is None:
+            self._qerl_side = (torch.cuda.Stream(device=device), torch.cuda.Event(), torch.cuda.Event())
+        return self._qerl_side
+
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs):
         if self.qerl_mode == "dense":
             dense_lora_linear(
@@ -161,7 +296,8 @@ class QerlPunicaWrapper(PunicaWrapperGPU):
                 add_inputs=kwargs.get("add_inputs", True),
             )  # fmt: skip
             return None
-        if self.qerl_mode == "fused" and buffer is None and kwargs.get("add_inputs", True):
+        # overlap: layers that reach add_lora_linear outside the overlap op (not routed) run fused, on this stream
+        if self.qerl_mode in ("fused", OVERLAP_MODE) and buffer is None and kwargs.get("add_inputs", True):
             # decided when the model is traced: nothing here depends on the token count
             why = lora_fused.weights_supported(x.dtype, x.shape[-1], lora_a_stacked, lora_b_stacked, output_slices)
             if why is None:

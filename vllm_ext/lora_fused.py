@@ -107,7 +107,7 @@ if triton is not None:
     @triton.jit
     def _expand_block(y_ptr, sym, idx_ptr, b_ptr, h_ptr, sync_ptr, s, j, col0, n, M, KS, scale,
                       R: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, HROWS: tl.constexpr,
-                      UPCAST: tl.constexpr):
+                      UPCAST: tl.constexpr, ADD: tl.constexpr):
         offs_m = tl.arange(0, BLOCK_M)
         offs_r = tl.arange(0, R)
         mmask = offs_m < M
@@ -118,7 +118,8 @@ if triton is not None:
         bt = tl.load(b_ptr + offs_n[None, :] * R + offs_r[:, None], mask=nmask[None, :], other=0.0)  # [R, BN]
         yp = y_ptr + offs_m[:, None] * sym + col0 + offs_n[None, :]
         ymask = mmask[:, None] & nmask[None, :]
-        yv = tl.load(yp, mask=ymask, other=0.0)
+        if ADD:
+            yv = tl.load(yp, mask=ymask, other=0.0)
         done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
         while done < KS:
             done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
@@ -130,7 +131,10 @@ if triton is not None:
             out = tl.dot(hw.to(tl.float32), bt.to(tl.float32)).to(y_ptr.dtype.element_ty)
         else:
             out = tl.dot(hw, bt).to(y_ptr.dtype.element_ty)
-        tl.store(yp, (yv.to(tl.float32) + out.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=ymask)
+        if ADD:
+            tl.store(yp, (yv.to(tl.float32) + out.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=ymask)
+        else:  # y = the update alone (rows without the adapter get 0): the caller adds it later
+            tl.store(yp, out, mask=ymask)
 
     @triton.jit
     def _fused_lora_kernel(
@@ -144,7 +148,7 @@ if triton is not None:
         h_ptr,  # fp32 [MAX_SLICES, HROWS, R], zero between launches
         M, K, KS, scale,
         S: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
-        HROWS: tl.constexpr, UPCAST: tl.constexpr,
+        HROWS: tl.constexpr, UPCAST: tl.constexpr, ADD: tl.constexpr,
     ):
         t = tl.atomic_add(sync_ptr, 1)
         nb0 = tl.cdiv(n0, BN)
@@ -162,13 +166,13 @@ if triton is not None:
             e = t - KS
             if e < nb0:
                 _expand_block(y_ptr, sym, idx_ptr, b0, h_ptr, sync_ptr, 0, e, 0, n0, M, KS, scale, R, BLOCK_M, BN,
-                              HROWS, UPCAST)
+                              HROWS, UPCAST, ADD)
             elif e < nb0 + nb1:
                 _expand_block(y_ptr, sym, idx_ptr, b1, h_ptr, sync_ptr, 1, e - nb0, n0, n1, M, KS, scale, R, BLOCK_M,
-                              BN, HROWS, UPCAST)
+                              BN, HROWS, UPCAST, ADD)
             else:
                 _expand_block(y_ptr, sym, idx_ptr, b2, h_ptr, sync_ptr, 2, e - nb0 - nb1, n0 + n1, n2, M, KS, scale,
-                              R, BLOCK_M, BN, HROWS, UPCAST)
+                              R, BLOCK_M, BN, HROWS, UPCAST, ADD)
         left = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel")
         if left == total - 1:  # the last program out: every other one is past its waits and its reads of h
             offs_m = tl.arange(0, BLOCK_M)
@@ -200,15 +204,17 @@ def fused_lora_linear(
     output_slices: tuple[int, ...],
     token_lora_indices: torch.Tensor,
     sync: torch.Tensor,
+    add_inputs: bool = True,
 ) -> None:
-    """punica's ``add_lora_linear`` (``add_inputs=True``) for one adapter in slot 0, in one launch: ``y``
-    ``[tokens, sum(output_slices)]`` gains ``B_s @ (scale * A_s @ x)`` in each slice's columns for tokens whose
-    slot is 0. ``lora_*_stacked[s]``: ``[1, 1, r, in]`` / ``[1, 1, out_s, r]``. Raises
+    """punica's ``add_lora_linear`` for one adapter in slot 0, in one launch: ``y`` ``[tokens,
+    sum(output_slices)]`` gains ``B_s @ (scale * A_s @ x)`` in each slice's columns for tokens whose slot is 0
+    (``add_inputs=False``: ``y`` is overwritten with the update alone, zero for the other tokens, so it needs no
+    initial value). ``lora_*_stacked[s]``: ``[1, 1, r, in]`` / ``[1, 1, out_s, r]``. Raises
     :class:`FusedLoRAUnsupported` where :func:`supports` says no."""
     why = supports(x, lora_a_stacked, lora_b_stacked, output_slices)
     if why is not None:
         raise FusedLoRAUnsupported(why)
-    launch(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, token_lora_indices, sync)
+    launch(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, token_lora_indices, sync, add_inputs)
 
 
 def launch(
@@ -220,6 +226,7 @@ def launch(
     output_slices: tuple[int, ...],
     token_lora_indices: torch.Tensor,
     sync: torch.Tensor,
+    add_inputs: bool = True,
 ) -> None:
     """:func:`fused_lora_linear` for a caller that has already had ``None`` from :func:`supports` for this call
     (the engine's op asks it once per call to choose its path); still refuses a strided output and a state too
@@ -246,4 +253,5 @@ def launch(
     _fused_lora_kernel[grid](
         x2, x2.stride(0), y2, y2.stride(0), token_lora_indices, *a, *b, *n, sync, h, m, k, ks, float(scale),
         S=slices, R=rank, BLOCK_M=block_m, CHUNK=CHUNK_K, BN=BLOCK_N, HROWS=MAX_TOKENS, UPCAST=_interpreting(),
+        ADD=bool(add_inputs),
     )  # fmt: skip

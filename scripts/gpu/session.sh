@@ -196,6 +196,13 @@ run_step() {
         # background into $work/bench-gemv; `TAG=-gemv session.sh bench_watch` follows it
         run_step ckpt7b
         TAG=-gemv BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,bf16-lora --variants default,decode-gemv,punica-lora --runs nvfp4-lora@default,nvfp4-lora@decode-gemv,bf16-lora@punica-lora --batches ${GEMV_BATCHES:-1,8} --new-tokens 256 --repeats ${GEMV_REPEATS:-3} --profile-tokens 64" run_step bench_bg ;;
+    bench_overlap)  # 7B decode (§4l): ours as shipped (fused LoRA), the overlap LoRA mode, NVFP4 without LoRA (the LoRA
+        # overhead), BF16 + punica LoRA (the ratio), on ckpt7b's checkpoint; b1/b8/b64 (OVERLAP_BATCHES), 3 repeats,
+        # 64 profiled tokens. In the background into $work/bench-overlap; `TAG=-overlap session.sh bench_watch` follows it
+        run_step ckpt7b
+        TAG=-overlap BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4,bf16-lora --variants default,overlap-lora,punica-lora --runs nvfp4-lora@default,nvfp4-lora@overlap-lora,nvfp4@default,bf16-lora@punica-lora --batches ${OVERLAP_BATCHES:-1,8,64} --new-tokens 256 --repeats ${OVERLAP_REPEATS:-3} --profile-tokens ${OVERLAP_PROFILE:-64}" run_step bench_bg ;;
+    overlap_test)  # the overlap mode's GPU tests (side stream vs fused and the exact result, CUDA-graph replay) and the fused kernel's
+        step overlap_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_lora_overlap.py tests/vllm_ext/test_lora_fused.py ;;
     bench_gemv32)  # 32B decode at b1, the 3.0x row: ours (fused LoRA) on Marlin and with decode_gemv, BF16 + punica
         # LoRA, on a random 32B NVFP4A16 checkpoint (~19 GB in $work/ckpt_32b_nvfp4); in the background into
         # $work/bench-gemv32; `TAG=-gemv32 session.sh bench_watch` follows it

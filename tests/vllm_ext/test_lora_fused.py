@@ -92,6 +92,15 @@ INTERPRETED = textwrap.dedent(
     reference(ref, x, a, b, 1.0, (64, 64), idx)
     reference(ref, x, a, b, 1.0, (64, 64), idx)
     out["twice_close"] = ((got.float() - ref.float()).abs() <= 8 * 2**-10 * ref.float().abs().clamp_min(2**-14)).all().item()
+    # add_inputs=False (the overlap mode's scratch tensor): y is overwritten with the update alone, whatever it held
+    x, y0, a, b, idx = case(7, 700, 16, (64, 40), torch.float16, 13)
+    got = torch.full_like(y0, float("nan"))
+    lf.fused_lora_linear(got, x, a, b, 0.5, (64, 40), idx, sync, add_inputs=False)
+    ref = torch.zeros_like(y0)
+    reference(ref, x, a, b, 0.5, (64, 40), idx)
+    served = idx[:7] == 0
+    out["overwrite_close"] = ((got.float() - ref.float()).abs() <= 8 * 2**-10 * ref.float().abs().clamp_min(2**-14)).all().item()
+    out["overwrite_skipped_zero"] = bool((got[~served] == 0).all()) and not bool(got.isnan().any())
     # a 3-d input ([batch, seq, features], as some layers pass it) and a strided output view
     x, y0, a, b, idx = case(6, 300, 16, (32,), torch.float16, 10)
     wide = torch.zeros(6, 40, dtype=torch.float16)
@@ -153,6 +162,11 @@ def test_punicas_arithmetic_under_the_interpreter(interpreted):
         assert c["skipped_rows_untouched"], c  # slot -1 tokens: y as it was, as punica's kernels leave it
         assert c["adapter_contributed"], c
         assert c["state_nonzero_after"] == 0, c  # the last program out zeroes the workspace and the counters
+
+
+def test_overwrite_mode_writes_the_update_alone(interpreted):
+    assert interpreted["overwrite_close"]
+    assert interpreted["overwrite_skipped_zero"]
 
 
 def test_each_launch_adds_once_and_views_work(interpreted):
@@ -237,7 +251,7 @@ def test_fused_is_a_lora_mode(monkeypatch):
     config = types.SimpleNamespace(additional_config={"qerl_lora": "fused"})
     monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: config)
     assert lora_dense.requested_mode() == "fused"
-    with pytest.raises(ValueError, match="expected one of fused, punica, dense"):
+    with pytest.raises(ValueError, match="expected one of fused, punica, dense, overlap"):
         options.lora_mode({"qerl_lora": "cublas"})
 
 

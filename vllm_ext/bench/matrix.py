@@ -84,6 +84,9 @@ VARIANTS: dict[str, Variant] = {
                           additional={"qerl_lora": "dense"}, only="lora"),
     "punica-lora": Variant("vLLM's punica kernels for every LoRA call (qerl's default is fused)",
                            additional={"qerl_lora": "punica"}, only="lora"),
+    "overlap-lora": Variant("fused-lora's kernel on a second CUDA stream beside the base GEMM (one op per linear: "
+                            "fork, base GEMM, kernel, join, add) for calls of at most 64 tokens",
+                            additional={"qerl_lora": "overlap"}, only="lora"),
     "fused-lora": Variant("the adapter's shrink and expand in one Triton launch per linear for calls of at most 64 "
                           "tokens, punica above (vllm_ext.lora_fused)", additional={"qerl_lora": "fused"}, only="lora"),
 }

@@ -1,0 +1,331 @@
+"""The ``overlap`` LoRA mode (vllm_ext.lora_dense_wrapper): one op per LoRA linear that runs the base GEMM on the
+current CUDA stream and the one-launch LoRA kernel (vllm_ext.lora_fused, writing the update into a scratch
+tensor) on a side stream, then joins and adds.
+
+CPU: real vLLM LoRA layers (merged gate/up and q/k/v, row-parallel o_proj) in float32 reach the op in the
+overlap mode, eagerly and under ``torch.compile(fullgraph=True)``; the layer is found by name; the result equals
+the base linear plus the adapter computed independently in torch. On the CPU the op runs its in-order path (no
+streams), with the wrapper's update replaced by the torch reference. GPU: the streams themselves, bf16 on the 7B
+shapes, eager and replayed from a CUDA graph, against the exact fp32 result and the fused mode's output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.lora.layers import LoRAMapping  # noqa: E402
+
+from qerl_plugin import options  # noqa: E402
+from vllm_ext import lora_dense_wrapper as ldw  # noqa: E402
+from vllm_ext.lora_dense import dense_lora_linear  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_pinned_memory(monkeypatch):
+    # vLLM's metadata upload pins host memory, which needs a CUDA driver
+    import vllm.utils.torch_utils as tu
+
+    monkeypatch.setattr(tu, "PIN_MEMORY", False)
+
+
+def test_overlap_is_a_lora_mode():
+    assert "overlap" in options.LORA_MODES
+    assert options.lora_mode({"qerl_lora": " Overlap "}) == "overlap"
+    assert options.LORA_DEFAULT in options.LORA_MODES
+
+
+def _layer(kind: str, mode: str, *, prefix: str | None = None, k: int = 64, r: int = 16, dtype=torch.float32,
+           device: str = "cpu", wrapper=None):
+    """A real vLLM LoRA layer (gate_up, qkv or o), one adapter in slot 0, whose punica wrapper is qerl's in
+    ``mode`` (built without PunicaWrapperGPU's Triton metadata unless one is given). Returns the layer, its base
+    layer, the adapter's A and B per slice, and which tokens the adapter serves."""
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.layers import (MergedColumnParallelLinearWithLoRA, MergedQKVParallelLinearWithLoRA,
+                                  RowParallelLinearWithLoRA)
+    from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    ldw.route_merged_layers()  # what QerlPunicaWrapper.__init__ does before vLLM hands layers their wrapper
+    prefix = f"model.layers.0.{kind}" if prefix is None else prefix
+    with torch.device(device):
+        if kind == "gate_up":
+            base = MergedColumnParallelLinear(k, [48, 80], bias=False, params_dtype=dtype, prefix=prefix)
+            layer = MergedColumnParallelLinearWithLoRA(base)
+        elif kind == "qkv":
+            base = QKVParallelLinear(k, head_size=16, total_num_heads=4, total_num_kv_heads=2, bias=True,
+                                     params_dtype=dtype, prefix=prefix)
+            base.bias.data.normal_()
+            layer = MergedQKVParallelLinearWithLoRA(base)
+        else:
+            base = RowParallelLinear(k, 96, bias=False, params_dtype=dtype, prefix=prefix)
+            layer = RowParallelLinearWithLoRA(base)
+        base.weight.data.normal_(std=k**-0.5)
+        cfg = LoRAConfig(max_loras=1, max_lora_rank=r, lora_dtype=dtype)
+        layer.create_lora_weights(1, cfg)
+    if wrapper is None:
+        wrapper = ldw.QerlPunicaWrapper.__new__(ldw.QerlPunicaWrapper)
+        PunicaWrapperBase.__init__(wrapper, 64, 8, device)
+        wrapper.lora_config, wrapper.max_loras, wrapper.qerl_mode = cfg, 1, mode
+        wrapper._qerl_sync, wrapper._qerl_side = None, None
+        mapping = (1, 1, 0, 1, 1)  # the third token has no adapter
+        PunicaWrapperBase.update_metadata(wrapper, LoRAMapping(mapping, mapping, is_prefill=False), [1], 1, 32000)
+    layer.set_mapping(wrapper)
+    g = torch.Generator().manual_seed(len(kind))
+    a = [(torch.randn(r, k, generator=g) / k**0.5).to(device, dtype) for _ in layer.output_slices]
+    b = [(torch.randn(n, r, generator=g) / r**0.5).to(device, dtype) for n in layer.output_slices]
+    layer.set_lora(0, a if len(a) > 1 else a[0], b if len(b) > 1 else b[0])
+    return layer, base, a, b
+
+
+def _torch_update(wrapper):
+    """The wrapper's ``add_lora_linear`` replaced by the torch statement of one adapter (vllm_ext.lora_dense), so
+    the CPU path needs no Triton; the calls are recorded."""
+    calls = []
+
+    def add(y, x, a, b, scale, slices, **kw):
+        calls.append((tuple(y.shape), tuple(slices)))
+        dense_lora_linear(y, x, a, b, scale, slices, wrapper._token_lora_indices, add_inputs=True)
+
+    wrapper.add_lora_linear = add
+    return calls
+
+
+def _call(layer, x):
+    """The layer's forward, as the model calls it (it passes the bias on to ``apply``)."""
+    out = layer(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _expected(base, a, b, x, served):
+    plain = torch.nn.functional.linear(x, base.weight, getattr(base, "bias", None))
+    delta = torch.cat([(x @ ai.t()) @ bi.t() for ai, bi in zip(a, b)], dim=1)
+    return torch.where(served[:, None], plain + delta, plain), plain
+
+
+@pytest.mark.parametrize("kind", ["gate_up", "qkv", "o"])
+def test_overlap_mode_routes_each_linear_through_the_op(cpu_config, monkeypatch, kind):
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(cpu_config):
+        layer, base, a, b = _layer(kind, "overlap")
+        assert ldw._LAYERS[base.prefix] is layer  # registered by name when the layer got its wrapper
+        calls = _torch_update(layer.punica_wrapper)
+        ops = []
+        real = ldw._apply_overlapped
+        monkeypatch.setattr(ldw, "_apply_overlapped", lambda *args: ops.append(args[0]) or real(*args))
+        x = torch.randn(5, 64)
+        out = _call(layer, x)
+    assert ops == [layer]  # one op call, which found this layer by its name
+    assert calls == [((5, sum(layer.output_slices)), tuple(layer.output_slices))]  # CPU: in order, one update
+    served = torch.tensor([True, True, False, True, True])
+    want, plain = _expected(base, a, b, x, served)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out[~served], plain[~served], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gate_up", "o"])
+def test_overlap_op_is_one_opaque_node_under_torch_compile(cpu_config, kind):
+    """vLLM compiles the model with fullgraph=True and a symbolic token count: the routed apply must trace into
+    one ``qerl::linear_lora_overlap`` node, with no graph break, and give the eager result."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(cpu_config):
+        layer, base, a, b = _layer(kind, "overlap", prefix=f"compiled.{kind}")
+        _torch_update(layer.punica_wrapper)
+        seen = []
+
+        def backend(gm, example_inputs):
+            seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+
+        compiled = torch.compile(lambda x: _call(layer, x), backend=backend, dynamic=True, fullgraph=True)
+        x = torch.randn(5, 64)
+        got = compiled(x)
+        eager = _call(layer, x)
+    assert sum("linear_lora_overlap" in t for t in seen) == 1, seen
+    assert not any("linear.default" in t or t.endswith("mm") for t in seen), seen  # the base GEMM is inside the op
+    torch.testing.assert_close(got, eager, rtol=0, atol=0)
+
+
+def test_overlap_op_schema_and_fake_kernel(cpu_config):
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(cpu_config):
+        layer, base, *_ = _layer("gate_up", "overlap", prefix="opcheck.gate_up")
+        _torch_update(layer.punica_wrapper)
+        x = torch.randn(5, 64)
+        torch.library.opcheck(ldw.linear_lora_overlap, (x, None, base.prefix, 128),
+                              test_utils=("test_schema", "test_faketensor"))
+        out = torch.ops.qerl.linear_lora_overlap(x, None, base.prefix, 128)
+    assert out.shape == (5, 128)
+
+
+def test_an_unknown_layer_name_is_an_error_naming_it():
+    with pytest.raises(RuntimeError, match="no LoRA layer named 'model.layers.99.mlp.down_proj'"):
+        torch.ops.qerl.linear_lora_overlap(torch.zeros(1, 4), None, "model.layers.99.mlp.down_proj", 4)
+
+
+def test_other_modes_keep_their_paths_and_register_nothing(cpu_config, monkeypatch):
+    """fused: o_proj's apply is vLLM's (base GEMM, then the wrapper's add_lora_linear); no layer is registered,
+    and the op is never called."""
+    from vllm.config import set_current_vllm_config
+
+    monkeypatch.setattr(ldw, "_apply_overlapped", lambda *a: pytest.fail("the overlap op ran in the fused mode"))
+    with set_current_vllm_config(cpu_config):
+        layer, base, a, b = _layer("o", "fused", prefix="fused.o_proj")
+        calls = _torch_update(layer.punica_wrapper)
+        x = torch.randn(5, 64)
+        out = _call(layer, x)
+    assert "fused.o_proj" not in ldw._LAYERS
+    assert len(calls) == 1
+    want, _ = _expected(base, a, b, x, torch.tensor([True, True, False, True, True]))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+
+
+def test_patches_are_idempotent_and_listed_upstream():
+    import pkgutil
+
+    from qerl_plugin import upstream
+
+    ldw.route_merged_layers()
+    ldw.route_merged_layers()
+    targets = {e.target for e in upstream.SURFACE}
+    for target in (ldw.MERGED_APPLY_TARGET, ldw.LINEAR_APPLY_TARGET, ldw.SET_MAPPING_TARGET):
+        assert target in targets
+        patched = pkgutil.resolve_name(target)
+        assert patched.__qerl_patch__ and not getattr(patched.__wrapped__, "__qerl_patch__", False)
+
+
+def test_a_stale_wrapper_id_finds_the_only_live_wrapper(monkeypatch):
+    """vLLM loads its AOT-compiled graph in a later process with the compiling process's id() baked in."""
+    live = ldw.QerlPunicaWrapper.__new__(ldw.QerlPunicaWrapper)
+    monkeypatch.setattr(ldw, "_WRAPPERS", {id(live): live})
+    assert ldw._wrapper(id(live)) is live
+    assert ldw._wrapper(12345) is live
+    assert ldw._wrapper(-1) is None  # tests and benchmarks: no wrapper asked for
+    other = ldw.QerlPunicaWrapper.__new__(ldw.QerlPunicaWrapper)
+    monkeypatch.setattr(ldw, "_WRAPPERS", {id(live): live, id(other): other})
+    assert ldw._wrapper(12345) is None  # two engines in one process: no guess
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: the side stream, bf16, Qwen2.5-7B's LoRA linears, eager and in a CUDA graph
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (side streams, Triton kernels)")
+
+# (kind, in features, out features of the row layer or None); r32 as the recipes
+SHAPES_7B = {"qkv": 3584, "gate_up": 3584, "o": 3584, "down": 18944}
+
+
+def _gpu_layer(kind, mode, tokens, monkeypatch):
+    import types
+
+    import vllm.config
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.layers import (MergedColumnParallelLinearWithLoRA, MergedQKVParallelLinearWithLoRA,
+                                  RowParallelLinearWithLoRA)
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none",
+                        lambda: types.SimpleNamespace(additional_config={"qerl_lora": mode}))
+    r, dtype, k = 32, torch.bfloat16, SHAPES_7B[kind]
+    cfg = LoRAConfig(max_loras=1, max_lora_rank=r, lora_dtype=dtype)
+    w = ldw.QerlPunicaWrapper(1024, 256, device="cuda", lora_config=cfg)
+    assert w.qerl_mode == mode
+    mapping = tuple(0 if i % 3 == 2 else 1 for i in range(tokens))  # every third token without the adapter
+    w.update_metadata(LoRAMapping(mapping, mapping, is_prefill=False), [1], 1, 32000)
+    prefix = f"gpu.{mode}.{kind}.{tokens}"
+    torch.manual_seed(tokens + k)
+    with torch.device("cuda"):
+        if kind == "gate_up":
+            base = MergedColumnParallelLinear(k, [18944, 18944], bias=False, params_dtype=dtype, prefix=prefix)
+            layer = MergedColumnParallelLinearWithLoRA(base)
+        elif kind == "qkv":
+            base = QKVParallelLinear(k, head_size=128, total_num_heads=28, total_num_kv_heads=4, bias=True,
+                                     params_dtype=dtype, prefix=prefix)
+            base.bias.data.normal_()
+            layer = MergedQKVParallelLinearWithLoRA(base)
+        else:
+            base = RowParallelLinear(k, 3584, bias=False, params_dtype=dtype, prefix=prefix)
+            layer = RowParallelLinearWithLoRA(base)
+        base.weight.data.normal_(std=k**-0.5)
+        layer.create_lora_weights(1, cfg)
+    layer.set_mapping(w)
+    g = torch.Generator().manual_seed(7)
+    a = [(torch.randn(r, k, generator=g) / k**0.5).to("cuda", dtype) for _ in layer.output_slices]
+    b = [(torch.randn(n, r, generator=g) / r**0.5).to("cuda", dtype) for n in layer.output_slices]
+    layer.set_lora(0, a if len(a) > 1 else a[0], b if len(b) > 1 else b[0])
+    served = torch.tensor([m == 1 for m in mapping], device="cuda")
+    return layer, base, a, b, served
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("tokens", [1, 8, 64, 65])
+@pytest.mark.parametrize("kind", sorted(SHAPES_7B))
+def test_gpu_overlap_matches_fused_and_the_exact_result(cpu_config, monkeypatch, caplog, kind, tokens):
+    import logging
+
+    from vllm.config import set_current_vllm_config
+
+    caplog.set_level(logging.WARNING, logger="qerl.vllm.lora_dense")
+    with set_current_vllm_config(cpu_config):
+        outs = {}
+        for mode in ("fused", "overlap"):
+            layer, base, a, b, served = _gpu_layer(kind, mode, tokens, monkeypatch)
+            x = torch.randn(tokens, SHAPES_7B[kind], device="cuda", dtype=torch.bfloat16,
+                            generator=torch.Generator("cuda").manual_seed(3))
+            outs[mode] = _call(layer, x)
+            if mode == "overlap" and tokens <= 64:  # the same call captured in a CUDA graph and replayed
+                static = x.clone()
+                _call(layer, static)  # warm-up outside the capture (Triton compiles)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = _call(layer, static)
+                replays = []
+                for _ in range(3):
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    replays.append(captured.clone())
+        xf = x.float()
+        plain = xf @ base.weight.float().t() + (base.bias.float() if getattr(base, "bias", None) is not None else 0)
+        delta = torch.cat([(xf @ ai.float().t()) @ bi.float().t() for ai, bi in zip(a, b)], dim=1)
+        exact = torch.where(served[:, None], plain + delta, plain)
+    fused, overlap = outs["fused"].float(), outs["overlap"].float()
+    floor = (fused - exact).abs().max().item()  # the fused mode's own distance from the exact result
+    assert (overlap - exact).abs().max().item() <= 1.5 * floor + 1e-2
+    # the same kernel and the same rounding: the shrink's fp32 atomics may add in another order, nothing else
+    differing = (overlap != fused).float().mean().item()
+    assert differing <= 1e-3, f"{differing:.2%} of the outputs differ from the fused mode's"
+    if tokens <= 64:
+        assert f"LoRA call with {tokens} tokens on the overlap path" in caplog.text
+        for rep in replays:
+            assert (rep.float() - exact).abs().max().item() <= 1.5 * floor + 1e-2
+    else:
+        assert f"LoRA call with {tokens} tokens on the overlap path" not in caplog.text
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_kernel_overwrite_mode_equals_adding_to_zero():
+    from vllm_ext import lora_fused
+
+    g = torch.Generator().manual_seed(1)
+    k, r, slices, m = 3584, 32, (3584, 512, 512), 8
+    x = torch.randn(m, k, generator=g).bfloat16().cuda()
+    a = tuple((torch.randn(1, 1, r, k, generator=g) / k**0.5).bfloat16().cuda() for _ in slices)
+    b = tuple((torch.randn(1, 1, n, r, generator=g) / r**0.5).bfloat16().cuda() for n in slices)
+    idx = torch.tensor([0, 0, -1, 0, 0, -1, 0, 0], device="cuda")
+    sync = lora_fused.new_sync("cuda")
+    added = torch.zeros(m, sum(slices), dtype=torch.bfloat16, device="cuda")
+    lora_fused.fused_lora_linear(added, x, a, b, 1.0, slices, idx, sync)
+    written = torch.full_like(added, float("nan"))
+    lora_fused.fused_lora_linear(written, x, a, b, 1.0, slices, idx, sync, add_inputs=False)
+    assert not written.isnan().any()
+    assert torch.equal(written[idx[:m] == -1], torch.zeros_like(written[idx[:m] == -1]))
+    assert (written.float() - added.float()).abs().max().item() <= 2 ** -6 * added.float().abs().max().item()
+    assert int(sync.count_nonzero()) == 0
