@@ -37,11 +37,20 @@ def test_overlap_is_a_lora_mode():
     assert options.LORA_DEFAULT in options.LORA_MODES
 
 
-def _layer(kind: str, mode: str, *, prefix: str | None = None, k: int = 64, r: int = 16, dtype=torch.float32,
+# layer sizes: (in features, gate/up outputs, q/k/v head size / heads / kv heads, o_proj outputs)
+SMALL = (64, [48, 80], (16, 4, 2), 96)
+QWEN_7B = {"qkv": 3584, "gate_up": 3584, "o": 3584, "down": 18944}  # in features of the 7B LoRA linears
+
+
+def _sizes_7b(kind: str):
+    return (QWEN_7B[kind], [18944, 18944], (128, 28, 4), 3584)
+
+
+def _layer(kind: str, mode: str, *, prefix: str | None = None, sizes=SMALL, r: int = 16, dtype=torch.float32,
            device: str = "cpu", wrapper=None):
-    """A real vLLM LoRA layer (gate_up, qkv or o), one adapter in slot 0, whose punica wrapper is qerl's in
-    ``mode`` (built without PunicaWrapperGPU's Triton metadata unless one is given). Returns the layer, its base
-    layer, the adapter's A and B per slice, and which tokens the adapter serves."""
+    """A real vLLM LoRA layer (gate_up, qkv, or a row-parallel o/down), one adapter in slot 0, whose punica wrapper
+    is ``wrapper`` or else qerl's in ``mode`` built without PunicaWrapperGPU's Triton metadata (tokens 0, 1, 3, 4
+    served, token 2 without the adapter). Returns the layer, its base layer, and the adapter's A and B per slice."""
     from vllm.config.lora import LoRAConfig
     from vllm.lora.layers import (MergedColumnParallelLinearWithLoRA, MergedQKVParallelLinearWithLoRA,
                                   RowParallelLinearWithLoRA)
@@ -49,28 +58,29 @@ def _layer(kind: str, mode: str, *, prefix: str | None = None, k: int = 64, r: i
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
     ldw.route_merged_layers()  # what QerlPunicaWrapper.__init__ does before vLLM hands layers their wrapper
+    k, gate_up, (head, heads, kv_heads), row_out = sizes
     prefix = f"model.layers.0.{kind}" if prefix is None else prefix
+    cfg = LoRAConfig(max_loras=1, max_lora_rank=r, lora_dtype=dtype)
     with torch.device(device):
         if kind == "gate_up":
-            base = MergedColumnParallelLinear(k, [48, 80], bias=False, params_dtype=dtype, prefix=prefix)
+            base = MergedColumnParallelLinear(k, gate_up, bias=False, params_dtype=dtype, prefix=prefix)
             layer = MergedColumnParallelLinearWithLoRA(base)
         elif kind == "qkv":
-            base = QKVParallelLinear(k, head_size=16, total_num_heads=4, total_num_kv_heads=2, bias=True,
+            base = QKVParallelLinear(k, head_size=head, total_num_heads=heads, total_num_kv_heads=kv_heads, bias=True,
                                      params_dtype=dtype, prefix=prefix)
             base.bias.data.normal_()
             layer = MergedQKVParallelLinearWithLoRA(base)
         else:
-            base = RowParallelLinear(k, 96, bias=False, params_dtype=dtype, prefix=prefix)
+            base = RowParallelLinear(k, row_out, bias=False, params_dtype=dtype, prefix=prefix)
             layer = RowParallelLinearWithLoRA(base)
         base.weight.data.normal_(std=k**-0.5)
-        cfg = LoRAConfig(max_loras=1, max_lora_rank=r, lora_dtype=dtype)
         layer.create_lora_weights(1, cfg)
     if wrapper is None:
         wrapper = ldw.QerlPunicaWrapper.__new__(ldw.QerlPunicaWrapper)
         PunicaWrapperBase.__init__(wrapper, 64, 8, device)
         wrapper.lora_config, wrapper.max_loras, wrapper.qerl_mode = cfg, 1, mode
         wrapper._qerl_sync, wrapper._qerl_side = None, None
-        mapping = (1, 1, 0, 1, 1)  # the third token has no adapter
+        mapping = (1, 1, 0, 1, 1)
         PunicaWrapperBase.update_metadata(wrapper, LoRAMapping(mapping, mapping, is_prefill=False), [1], 1, 32000)
     layer.set_mapping(wrapper)
     g = torch.Generator().manual_seed(len(kind))
@@ -216,48 +226,24 @@ def test_a_stale_wrapper_id_finds_the_only_live_wrapper(monkeypatch):
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (side streams, Triton kernels)")
 
-# (kind, in features, out features of the row layer or None); r32 as the recipes
-SHAPES_7B = {"qkv": 3584, "gate_up": 3584, "o": 3584, "down": 18944}
-
-
 def _gpu_layer(kind, mode, tokens, monkeypatch):
+    """A 7B-sized bf16 LoRA layer (r32, as the recipes) on CUDA with a real QerlPunicaWrapper in ``mode``; every
+    third token without the adapter."""
     import types
 
     import vllm.config
     from vllm.config.lora import LoRAConfig
-    from vllm.lora.layers import (MergedColumnParallelLinearWithLoRA, MergedQKVParallelLinearWithLoRA,
-                                  RowParallelLinearWithLoRA)
-    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
     monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none",
                         lambda: types.SimpleNamespace(additional_config={"qerl_lora": mode}))
-    r, dtype, k = 32, torch.bfloat16, SHAPES_7B[kind]
-    cfg = LoRAConfig(max_loras=1, max_lora_rank=r, lora_dtype=dtype)
+    cfg = LoRAConfig(max_loras=1, max_lora_rank=32, lora_dtype=torch.bfloat16)
     w = ldw.QerlPunicaWrapper(1024, 256, device="cuda", lora_config=cfg)
     assert w.qerl_mode == mode
-    mapping = tuple(0 if i % 3 == 2 else 1 for i in range(tokens))  # every third token without the adapter
+    mapping = tuple(0 if i % 3 == 2 else 1 for i in range(tokens))
     w.update_metadata(LoRAMapping(mapping, mapping, is_prefill=False), [1], 1, 32000)
-    prefix = f"gpu.{mode}.{kind}.{tokens}"
-    torch.manual_seed(tokens + k)
-    with torch.device("cuda"):
-        if kind == "gate_up":
-            base = MergedColumnParallelLinear(k, [18944, 18944], bias=False, params_dtype=dtype, prefix=prefix)
-            layer = MergedColumnParallelLinearWithLoRA(base)
-        elif kind == "qkv":
-            base = QKVParallelLinear(k, head_size=128, total_num_heads=28, total_num_kv_heads=4, bias=True,
-                                     params_dtype=dtype, prefix=prefix)
-            base.bias.data.normal_()
-            layer = MergedQKVParallelLinearWithLoRA(base)
-        else:
-            base = RowParallelLinear(k, 3584, bias=False, params_dtype=dtype, prefix=prefix)
-            layer = RowParallelLinearWithLoRA(base)
-        base.weight.data.normal_(std=k**-0.5)
-        layer.create_lora_weights(1, cfg)
-    layer.set_mapping(w)
-    g = torch.Generator().manual_seed(7)
-    a = [(torch.randn(r, k, generator=g) / k**0.5).to("cuda", dtype) for _ in layer.output_slices]
-    b = [(torch.randn(n, r, generator=g) / r**0.5).to("cuda", dtype) for n in layer.output_slices]
-    layer.set_lora(0, a if len(a) > 1 else a[0], b if len(b) > 1 else b[0])
+    torch.manual_seed(tokens)
+    layer, base, a, b = _layer("o" if kind == "down" else kind, mode, prefix=f"gpu.{mode}.{kind}.{tokens}",
+                               sizes=_sizes_7b(kind), r=32, dtype=torch.bfloat16, device="cuda", wrapper=w)
     served = torch.tensor([m == 1 for m in mapping], device="cuda")
     return layer, base, a, b, served
 
@@ -265,7 +251,7 @@ def _gpu_layer(kind, mode, tokens, monkeypatch):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("tokens", [1, 8, 64, 65])
-@pytest.mark.parametrize("kind", sorted(SHAPES_7B))
+@pytest.mark.parametrize("kind", sorted(QWEN_7B))
 def test_gpu_overlap_matches_fused_and_the_exact_result(cpu_config, monkeypatch, caplog, kind, tokens):
     import logging
 
@@ -276,7 +262,7 @@ def test_gpu_overlap_matches_fused_and_the_exact_result(cpu_config, monkeypatch,
         outs = {}
         for mode in ("fused", "overlap"):
             layer, base, a, b, served = _gpu_layer(kind, mode, tokens, monkeypatch)
-            x = torch.randn(tokens, SHAPES_7B[kind], device="cuda", dtype=torch.bfloat16,
+            x = torch.randn(tokens, QWEN_7B[kind], device="cuda", dtype=torch.bfloat16,
                             generator=torch.Generator("cuda").manual_seed(3))
             outs[mode] = _call(layer, x)
             if mode == "overlap" and tokens <= 64:  # the same call captured in a CUDA graph and replayed
