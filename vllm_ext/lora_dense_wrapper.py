@@ -188,19 +188,10 @@ def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
         wrapper.add_lora_linear(out.view(-1, out.shape[-1]), x2, a, b, 1.0, slices)
         return out
     _log_path(OVERLAP_MODE, tokens, None)
-    side, start, done = wrapper._qerl_side_stream(x.device)
-    main = torch.cuda.current_stream(x.device)
     update = torch.empty((tokens, sum(slices)), dtype=x.dtype, device=x.device)  # every element gets written
-    start.record(main)
-    out = base.apply(layer.base_layer, x, bias)
-    with torch.cuda.stream(side):
-        side.wait_event(start)
-        lora_fused.launch(update, x2, a, b, 1.0, slices, wrapper._token_lora_indices, wrapper._qerl_sync,
-                          add_inputs=False)
-        done.record(side)
-    main.wait_event(done)  # x, update and the kernel's state are not touched again until the side stream is done
-    out.view(-1, out.shape[-1]).add_(update)
-    return out
+    return lora_fused.launch_beside(lambda: base.apply(layer.base_layer, x, bias), update, x2, a, b, 1.0, slices,
+                                    wrapper._token_lora_indices, wrapper._qerl_sync,
+                                    *wrapper._qerl_side_stream(x.device))
 
 
 def route_merged_layers() -> None:

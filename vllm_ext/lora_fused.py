@@ -256,3 +256,25 @@ def launch(
         S=slices, R=rank, BLOCK_M=block_m, CHUNK=CHUNK_K, BN=BLOCK_N, HROWS=MAX_TOKENS, UPCAST=_interpreting(),
         ADD=bool(add_inputs),
     )  # fmt: skip
+
+
+def launch_beside(base, update: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
+                  lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...],
+                  token_lora_indices: torch.Tensor, sync: torch.Tensor, side: "torch.cuda.Stream",
+                  start: "torch.cuda.Event", done: "torch.cuda.Event") -> torch.Tensor:
+    """``base() + LoRA(x)`` with the kernel beside the base GEMM (the overlap mode): ``start`` is recorded on the
+    current stream, ``base()`` is enqueued there, the kernel (overwrite mode, into ``update`` ``[tokens, sum(slices)]``)
+    on ``side`` after ``start``; the current stream waits for ``done`` and adds. ``x``, ``update`` and ``sync`` must
+    stay untouched until then, which the wait guarantees for anything the current stream does next. CUDA graphs
+    capture the fork and join as edges (``side`` joins the capture through ``start``)."""
+    main = torch.cuda.current_stream(x.device)
+    start.record(main)
+    out = base()
+    with torch.cuda.stream(side):
+        side.wait_event(start)
+        launch(update, x, lora_a_stacked, lora_b_stacked, scale, output_slices, token_lora_indices, sync,
+               add_inputs=False)
+        done.record(side)
+    main.wait_event(done)
+    out.view(-1, out.shape[-1]).add_(update)
+    return out

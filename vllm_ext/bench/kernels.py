@@ -25,6 +25,8 @@ overhead from Python), for every projection group (qkv, o, gate_up, down) and ba
   serial        marlin then lora_punica on one stream (vLLM's default)
   overlap       marlin on the main stream, lora_punica on a second stream, joined (VLLM_LORA_ENABLE_DUAL_STREAM's idea)
   serial_fused  marlin then lora_fused on one stream (additional_config={"qerl_lora": "fused"})
+  overlap_fused marlin on the main stream, lora_fused (overwrite mode) beside it on a second stream, joined, added
+                (additional_config={"qerl_lora": "overlap"}); overlap_row the same beside gemv_row (m = 1)
   gemv          qerl's experimental Triton NVFP4 GEMM on the checkpoint layout (vllm_ext.nvfp4_gemv), tensor-core
                 path, 64 output features per program; gemv_sk4 the same with the K tiles split over 4 programs (one
                 launch, partials summed in a fixed order); gemv_row its one-row CUDA-core path as decode_gemv runs it
@@ -36,7 +38,7 @@ Writes $OUT/bench_kernels.json; prints the table last. Needs a CUDA GPU and vLLM
 
 
 COLUMNS = ("bf16", "marlin", "marlin_bf16r", "gemv", "gemv_sk4", "gemv_row", "lora_punica", "lora_dense", "lora_fused",
-           "serial", "serial_fused", "overlap")
+           "serial", "serial_fused", "overlap", "overlap_fused", "overlap_row")
 
 
 def marlin_linear(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
@@ -182,19 +184,30 @@ def run(args: argparse.Namespace) -> int:
             def serial():
                 punica(marlin())
 
+            beside = (lora_fused.new_sync(dev), torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event())
+
+            def fused_beside(base_fn):
+                update = torch.empty(m, n, device=dev, dtype=bf16)
+                return lora_fused.launch_beside(base_fn, update, x, lora_a, lora_b, 1.0, tuple(ns), slots, *beside)
+
+            def row():
+                return nvfp4_gemv_row(x, packed_cat, scale_cat, parts[0].global_scale)
+
             cases = {
                 "bf16": lambda: F.linear(x, weight),
                 "marlin": marlin,
                 "marlin_bf16r": lambda: marlin(False),
                 "gemv": lambda: nvfp4_small_gemm(x, packed_cat, scale_cat, parts[0].global_scale),
                 "gemv_sk4": lambda: nvfp4_small_gemm(x, packed_cat, scale_cat, parts[0].global_scale, split_k=4),
-                "gemv_row": (lambda: nvfp4_gemv_row(x, packed_cat, scale_cat, parts[0].global_scale)) if m == 1 else None,
+                "gemv_row": row if m == 1 else None,
                 "lora_punica": lambda: punica(y),
                 "lora_dense": lambda: dense(y),
                 "serial": serial,
                 "overlap": overlap,
                 "lora_fused": lambda: fused(y),
                 "serial_fused": lambda: fused(marlin()),
+                "overlap_fused": lambda: fused_beside(marlin),
+                "overlap_row": (lambda: fused_beside(row)) if m == 1 else None,
             }
             row: dict[str, Any] = {"group": gname, "m": m, "n": n, "k": k_in}
             for cname, fn in cases.items():
