@@ -203,6 +203,18 @@ run_step() {
         TAG=-overlap BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4,bf16-lora --variants default,overlap-lora,punica-lora --runs nvfp4-lora@default,nvfp4-lora@overlap-lora,nvfp4@default,bf16-lora@punica-lora --batches ${OVERLAP_BATCHES:-1,8,64} --new-tokens 256 --repeats ${OVERLAP_REPEATS:-3} --profile-tokens ${OVERLAP_PROFILE:-64}" run_step bench_bg ;;
     overlap_test)  # the overlap mode's GPU tests (side stream vs fused and the exact result, CUDA-graph replay) and the fused kernel's
         step overlap_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_lora_overlap.py tests/vllm_ext/test_lora_fused.py ;;
+    bnb)  # the bitsandbytes wheel for the nf4 (QLoRA) configs, carried in .whl/ (ignored by git); fetch it here with
+        # python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        #   --platform manylinux_2_24_x86_64 -d .whl bitsandbytes==0.50.2      (43 MB; its CUDA 13.0 library included)
+        step bnb 120 bash -c 'ls .whl/bitsandbytes-*.whl >/dev/null 2>&1 || { echo "no .whl/bitsandbytes-*.whl: carry .whl (see session.sh bnb)"; exit 1; }; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/bitsandbytes-*.whl && python3 -c "import bitsandbytes, torch; print(\"bitsandbytes\", bitsandbytes.__version__, \"cuda\", torch.version.cuda)"' ;;
+    ckpt7b_bf16)  # a random 7B BF16 checkpoint (~15 GB) for the nf4 (QLoRA) configs: $work/ckpt_7b_bf16
+        step ckpt7b_bf16 300 python3 scripts/gpu/random_checkpoint.py "$work/ckpt_7b_bf16" --shape 7B --kind bf16 --if-missing ;;
+    bench_qlora)  # 7B decode against QLoRA's base (§4l): ours as shipped, NF4 + LoRA through vLLM's bitsandbytes loader on
+        # vLLM's punica (QLoRA serving as vLLM gives it), BF16 + punica LoRA; b1/b8/b64, 3 repeats; needs `bnb` first.
+        # In the background into $work/bench-qlora; `TAG=-qlora session.sh bench_watch` follows it
+        run_step ckpt7b
+        run_step ckpt7b_bf16
+        TAG=-qlora BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --bf16-model $work/ckpt_7b_bf16 --configs nvfp4-lora,nf4-lora,bf16-lora --variants default,punica-lora --runs nvfp4-lora@default,nf4-lora@punica-lora,bf16-lora@punica-lora --batches ${QLORA_BATCHES:-1,8,64} --new-tokens 256 --repeats 3" run_step bench_bg ;;
     bench_gemv32)  # 32B decode at b1, the 3.0x row: ours (fused LoRA) on Marlin and with decode_gemv, BF16 + punica
         # LoRA, on a random 32B NVFP4A16 checkpoint (~19 GB in $work/ckpt_32b_nvfp4); in the background into
         # $work/bench-gemv32; `TAG=-gemv32 session.sh bench_watch` follows it

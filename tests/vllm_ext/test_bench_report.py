@@ -113,3 +113,27 @@ def test_profiled_steps_are_printed():
     assert ("nvfp4-lora@default b1: step 1.000 = replay 0.270 (span 0.270, 4 kernels) + outside 0.305 + idle 0.425; "
             "outside:gemm 0.300, marlin 0.200, lora 0.050, attention 0.020, outside:copy 0.005") in table
     assert "nvfp4-lora@default b8: the trace has no GPU kernels" in table
+
+
+def test_ratios_against_qloras_nf4_base_where_the_run_has_one(rollout_args):
+    """The paper's headline multipliers are against QLoRA: with an nf4-lora run (vLLM's punica, as QLoRA serving
+    gets it), each LoRA row also carries its ratio against that run, named, and the table prints them."""
+    results = [
+        _res("nvfp4-lora", "default", {1: 212.0, 8: 1600.0}),
+        _res("nf4-lora", "punica-lora", {1: 100.0, 8: 1000.0}),
+        _res("bf16-lora", "punica-lora", {1: 125.0, 8: 1000.0}),
+        _res("nvfp4", "default", {1: 260.0, 8: 2000.0}),
+    ]
+    summary = report.summarize(results, rollout_args("--shape", "7B"))
+    ours = summary["rows"]["nvfp4-lora@default"]
+    assert ours["vs_qlora"] == {"1": 2.12, "8": 1.6} and ours["qlora_baseline"] == "nf4-lora@punica-lora"
+    assert summary["rows"]["bf16-lora@punica-lora"]["vs_qlora"] == {"1": 1.25, "8": 1.0}
+    assert "vs_qlora" not in summary["rows"]["nf4-lora@punica-lora"]  # not against itself
+    assert "vs_qlora" not in summary["rows"]["nvfp4@default"]  # no LoRA: not a QLoRA comparison
+    table = report.format_table(results, summary, [1, 8])
+    assert "x against QLoRA's NF4 base (nf4-lora@punica-lora" in table
+    assert "nvfp4-lora@default: b1 2.12x, b8 1.60x" in table
+    # without an nf4 run, nothing about QLoRA
+    summary = report.summarize(results[:1] + results[2:], rollout_args("--shape", "7B"))
+    assert all("vs_qlora" not in row for row in summary["rows"].values())
+    assert "QLoRA" not in report.format_table(results[:1] + results[2:], summary, [1, 8])

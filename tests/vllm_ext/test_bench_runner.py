@@ -128,3 +128,35 @@ def test_failed_engine_is_reported_and_the_run_goes_on(tmp_path, capsys, rollout
     lines = (tmp_path / "out" / "bench_rollout.jsonl").read_text().splitlines()
     assert len(lines) == 2
     assert re.search(r"bf16@default +FAILED", capsys.readouterr().out)
+
+
+def test_plan_nf4_needs_real_bf16_files_and_bitsandbytes(tmp_path, rollout_args, monkeypatch):
+    """QLoRA's base (nf4-*) goes through vLLM's bitsandbytes loader, which quantizes real BF16 files while loading:
+    on random weights it needs --bf16-model, and the bitsandbytes package; each missing piece is named."""
+    import importlib.util
+
+    from vllm_ext.bench.shapes import shape_config
+
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    (bf16 / "config.json").write_text(json.dumps(shape_config("1.5B")))
+    common = ("--shape", "1.5B", "--configs", "nf4-lora,bf16-lora", "--variants", "punica-lora", "--out", str(tmp_path),
+              "--work", str(tmp_path))
+    runs, skipped = runner.plan(rollout_args(*common), tmp_path)
+    assert [r.key for r in runs] == ["bf16-lora@punica-lora"]
+    assert skipped[0]["config"] == "nf4-lora" and skipped[0]["reason"].startswith("nf4-lora needs --bf16-model")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real_find_spec(name, *a))
+    runs, skipped = runner.plan(rollout_args(*common, "--bf16-model", str(bf16)), tmp_path)
+    assert [r.key for r in runs] == ["bf16-lora@punica-lora"]
+    assert "needs the bitsandbytes package" in skipped[0]["reason"] and "session.sh bnb" in skipped[0]["reason"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "bitsandbytes" else real_find_spec(name, *a))
+    runs, skipped = runner.plan(rollout_args(*common, "--bf16-model", str(bf16)), tmp_path)
+    assert not skipped
+    engine = {r.key: r.spec["engine"] for r in runs}["nf4-lora@punica-lora"]
+    assert engine["model"] == str(bf16.resolve())
+    assert engine["quantization"] == engine["load_format"] == "bitsandbytes"
+    assert engine["enable_lora"] and engine["additional_config"] == {"qerl_lora": "punica"}
+    assert {r.key: r.spec["engine"] for r in runs}["bf16-lora@punica-lora"]["load_format"] == "dummy"
+    runs, skipped = runner.plan(rollout_args(*common, "--bf16-model", str(tmp_path / "nowhere")), tmp_path)
+    assert "has no config.json" in skipped[0]["reason"]

@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--nvfp4-model", help="NVFP4A16 checkpoint (`qerl quantize` output) for the nvfp4/stock configs "
                    "instead of quantizing while loading; needed for the stock-* and humming-* configs (with random weights, "
                    "scripts/gpu/random_checkpoint.py writes one of a shape)")
+    p.add_argument("--bf16-model", help="a BF16 checkpoint of the same shape for the nf4 configs (QLoRA's base), which "
+                   "vLLM's bitsandbytes loader quantizes while loading and so cannot take dummy weights (with random "
+                   "weights, scripts/gpu/random_checkpoint.py's bf16 kind writes one); --model serves when given")
     p.add_argument("--configs", type=_csv(str), default=_csv(str)(DEFAULT_CONFIGS),
                    help=f"comma list from {list(CONFIGS)} (default {DEFAULT_CONFIGS})")
     p.add_argument("--variants", type=_csv(str), default=["default"],

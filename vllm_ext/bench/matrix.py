@@ -8,7 +8,8 @@ from typing import Any
 
 from qerl_plugin.options import METHOD
 
-__all__ = ["BASELINE", "CONFIGS", "DEFAULT_CONFIGS", "MAX_LORA_OVERHEAD", "TARGETS", "VARIANTS", "BenchConfig",
+__all__ = ["BASELINE", "CONFIGS", "DEFAULT_CONFIGS", "MAX_LORA_OVERHEAD", "QLORA_BASELINE", "TARGETS", "VARIANTS",
+           "BenchConfig",
            "Variant", "applies", "parse_variant"]
 
 
@@ -16,6 +17,7 @@ __all__ = ["BASELINE", "CONFIGS", "DEFAULT_CONFIGS", "MAX_LORA_OVERHEAD", "TARGE
 class BenchConfig:
     quant: str | None  # None (BF16) | "nvfp4" (ours) | "stock" (vLLM's compressed-tensors NVFP4A16 path)
     #                    | "humming" (vLLM's humming JIT W4A16 kernels on the NVFP4A16 checkpoint)
+    #                    | "nf4" (QLoRA's base: vLLM's bitsandbytes loader quantizes a BF16 checkpoint to NF4)
     lora: bool = False
     aqn: bool = False
 
@@ -33,9 +35,14 @@ CONFIGS: dict[str, BenchConfig] = {
     # a candidate faster small-batch kernel than Marlin, measured here before any integration
     "humming-nvfp4": BenchConfig("humming"),
     "humming-nvfp4-lora": BenchConfig("humming", lora=True),
+    # QLoRA's base, the paper's other baseline (its 1.5x rollout / 1.7x end-to-end are against it): NF4 through
+    # vLLM's bitsandbytes loader, which quantizes real BF16 files while loading (needs the bitsandbytes package)
+    "nf4": BenchConfig("nf4"),
+    "nf4-lora": BenchConfig("nf4", lora=True),
 }
 DEFAULT_CONFIGS = "bf16,bf16-lora,nvfp4,nvfp4-lora,nvfp4-lora-aqn"
 BASELINE = "bf16-lora"
+QLORA_BASELINE = "nf4-lora"  # a second ratio, where a run has it: the paper's headline multipliers are against QLoRA
 
 
 @dataclass(frozen=True)

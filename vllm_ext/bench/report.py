@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vllm_ext.bench.matrix import BASELINE, CONFIGS, MAX_LORA_OVERHEAD, TARGETS
+from vllm_ext.bench.matrix import BASELINE, CONFIGS, MAX_LORA_OVERHEAD, QLORA_BASELINE, TARGETS
 
 __all__ = ["format_table", "summarize"]
 
@@ -14,17 +14,25 @@ def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
     """Ratios vs bf16-lora (same variant, else the default variant, else vLLM's own punica LoRA), LoRA overhead,
     target checks."""
     by = {(r["config"], r["variant"]): r for r in results if r.get("ok")}
+
+    def baseline(config: str, vname: str) -> dict | None:  # same variant, else the default, else vLLM's punica LoRA
+        return by.get((config, vname)) or by.get((config, "default")) or by.get((config, "punica-lora"))
+
     rows: dict[str, Any] = {}
     for (cname, vname), r in by.items():
-        base = by.get((BASELINE, vname)) or by.get((BASELINE, "default")) or by.get((BASELINE, "punica-lora"))
+        base, qlora = baseline(BASELINE, vname), baseline(QLORA_BASELINE, vname)
         row: dict[str, Any] = {"decode_tok_s": {}, "vs_bf16_lora": {}, "lora_overhead": {},
                                "baseline": f"{base['config']}@{base['variant']}" if base else None}
+        if qlora and CONFIGS[cname].lora and cname != QLORA_BASELINE:
+            row.update(vs_qlora={}, qlora_baseline=f"{qlora['config']}@{qlora['variant']}")
         no_lora = by.get((cname.replace("-lora-aqn", "").replace("-lora", ""), vname)) if CONFIGS[cname].lora else None
         for b, m in r.get("batches", {}).items():
             tok = m.get("decode_tok_s")
             row["decode_tok_s"][b] = tok
             if base and tok and base["batches"].get(b, {}).get("decode_tok_s"):
                 row["vs_bf16_lora"][b] = round(tok / base["batches"][b]["decode_tok_s"], 3)
+            if "vs_qlora" in row and tok and qlora["batches"].get(b, {}).get("decode_tok_s"):
+                row["vs_qlora"][b] = round(tok / qlora["batches"][b]["decode_tok_s"], 3)
             if no_lora and tok and no_lora["batches"].get(b, {}).get("decode_tok_s"):
                 row["lora_overhead"][b] = round(1 - tok / no_lora["batches"][b]["decode_tok_s"], 3)
         rows[f"{cname}@{vname}"] = row
@@ -111,6 +119,12 @@ def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
                   if row.get("baseline") and row["baseline"].split("@")[1] != k.split("@")[1]]
     if other_base:
         lines += ["", "x against another variant of bf16-lora: " + "; ".join(other_base)]
+    vs_qlora = [f"{k}: " + ", ".join(f"b{b} {v:.2f}x" for b, v in row["vs_qlora"].items())
+                for k, row in summary["rows"].items() if row.get("vs_qlora")]
+    if vs_qlora:
+        qbase = next(row["qlora_baseline"] for row in summary["rows"].values() if row.get("vs_qlora"))
+        lines += ["", f"x against QLoRA's NF4 base ({qbase}; the paper's 1.5x / 1.7x / 2.2x are of this kind): "
+                  + "; ".join(vs_qlora)]
     overheads = [f"{k}: " + ", ".join(f"b{b} {v:.0%}" for b, v in row["lora_overhead"].items())
                  for k, row in summary["rows"].items() if row["lora_overhead"]]
     if overheads:

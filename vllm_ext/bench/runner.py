@@ -45,6 +45,22 @@ class Run:
         return re.sub(r"[^A-Za-z0-9._-]", "_", self.key.replace("@", "--"))
 
 
+def _nf4_unavailable(cname: str, nf4_dir: Path | None) -> str | None:
+    """Why an nf4 config cannot run here (a sentence naming the fix), else None."""
+    import importlib.util
+
+    if nf4_dir is None:
+        return (f"{cname} needs --bf16-model: a BF16 checkpoint of the same shape (vLLM's bitsandbytes loader "
+                "quantizes real files while loading, so dummy weights cannot serve; scripts/gpu/random_checkpoint.py's "
+                "bf16 kind writes one of random weights)")
+    if not (nf4_dir / "config.json").exists():
+        return f"{cname}: --bf16-model {nf4_dir} has no config.json; pass a Hugging Face checkpoint folder"
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return (f"{cname} needs the bitsandbytes package (vLLM 0.24 asks for >= 0.46.1): pip install bitsandbytes; "
+                "on the GPU machine it travels as a wheel (scripts/gpu/session.sh bnb)")
+    return None
+
+
 def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
     """One engine per (config, variant) pair the variant applies to, and the skipped pairs with the reason."""
     unknown = [c for c in args.configs if c not in CONFIGS]
@@ -71,6 +87,8 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
     else:
         bf16_dir, dummy = write_shape(args.shape, models), True
     nvfp4_dir = Path(args.nvfp4_model).expanduser().resolve() if args.nvfp4_model else None
+    nf4_dir = bf16_dir if not dummy else (
+        Path(args.bf16_model).expanduser().resolve() if getattr(args, "bf16_model", None) else None)
     adapter = None
     if any(CONFIGS[c].lora for c in args.configs):
         adapter = write_adapter(bf16_dir, args.lora_rank, work / f"adapter-{bf16_dir.name}-r{args.lora_rank}")
@@ -97,7 +115,13 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
                     reason += ")"
                 skipped.append({"config": cname, "variant": vname, "reason": reason})
                 continue
-            model_dir = {None: bf16_dir, options.METHOD: nvfp4_dir or bf16_dir, "stock": nvfp4_dir, "humming": nvfp4_dir}[cfg.quant]
+            if cfg.quant == "nf4":
+                why = _nf4_unavailable(cname, nf4_dir)
+                if why:
+                    skipped.append({"config": cname, "variant": vname, "reason": why})
+                    continue
+            model_dir = {None: bf16_dir, options.METHOD: nvfp4_dir or bf16_dir, "stock": nvfp4_dir, "humming": nvfp4_dir,
+                         "nf4": nf4_dir}[cfg.quant]
             engine: dict[str, Any] = dict(
                 model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                 max_model_len=args.prompt_len + args.new_tokens + 16, enforce_eager=False,
@@ -107,6 +131,8 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
             )
             if cfg.quant in (options.METHOD, "humming"):
                 engine["quantization"] = cfg.quant
+            elif cfg.quant == "nf4":  # vLLM's bitsandbytes loader: NF4 (its in-flight quant_type), quantized at load
+                engine.update(quantization="bitsandbytes", load_format="bitsandbytes")
             additional: dict[str, Any] = {}
             if cfg.lora:
                 engine.update(enable_lora=True, max_loras=1, max_lora_rank=args.lora_rank)
