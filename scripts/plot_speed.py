@@ -1,0 +1,207 @@
+"""Speed at a glance: docs/speed.png from the raw GPU results committed under docs/gpu-runs (no GPU needed).
+
+Three panels, each from one H100 run (one machine per panel):
+
+1. 7B decode tokens/s at batch 1 / 8 / 64 (docs/benchmarks.md §4j lease 1, random NVFP4A16 checkpoint): BF16 + LoRA
+   on vLLM's punica, vLLM's stock NVFP4A16 + LoRA on punica, ours as shipped (fused LoRA); each NVFP4 bar carries its
+   ratio against BF16 + LoRA, and the issue's target is drawn as a tick on ours.
+2. A 7B GRPO step in verl (§4i), seconds per phase (median of the steady-state steps; the bar's whisker is the step
+   time's min-max), BF16 + LoRA and NVFP4 + LoRA back to back at 512- and 2048-token responses.
+3. Ratios against 16-bit LoRA: the paper's (read from its released figures, §7) next to ours, with the issue's targets.
+
+    python scripts/plot_speed.py                 # writes docs/speed.png
+    python scripts/plot_speed.py --out /tmp/s.png --json /tmp/s.json   # and the numbers drawn, as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "docs" / "gpu-runs"
+DECODE_7B = RUNS / "2026-11-25" / "tenth" / "lease1" / "bench-pair" / "a" / "bench_rollout.json"
+DECODE_32B = RUNS / "2026-11-25" / "eleventh" / "lease3" / "bench-gemv32" / "a" / "bench_rollout.json"
+STEP_2048 = RUNS / "2026-11-24" / "ninth" / "lease1" / "verl_7b" / "results.jsonl"
+STEP_512 = RUNS / "2026-11-24" / "ninth" / "lease2" / "verl_7b" / "results.jsonl"
+
+# The paper's own figures against vanilla (16-bit) LoRA, from NVlabs/QeRL's README plots (assets/performance.png,
+# assets/rank_speed.png): 7B rollout 2 092 vs 1 641 tokens/s, 7B end to end x1.2 vs x1, 32B rollout at rank 32
+# 56.0 vs 33.3 tokens/s (docs/benchmarks.md §7).
+PAPER_VS_LORA = {"7B rollout": 2092 / 1641, "7B end to end": 1.2, "32B rollout (r32)": 56.0 / 33.3}
+# The issue's targets (issue 12) for the same quantities; the 7B rollout has none as such (decode b1/b8/b64 do).
+TARGETS = {"7B end to end": 1.8, "32B rollout (r32)": 3.0}
+DECODE_TARGETS = {"1": 2.5, "8": 2.2, "64": 1.3}
+ENGINES = (("bf16-lora@punica-lora", "BF16 + LoRA (vLLM punica)", "#9e9e9e"),
+           ("stock-nvfp4-lora@punica-lora", "stock vLLM NVFP4A16 + LoRA", "#f2b134"),
+           ("nvfp4-lora@default", "ours: NVFP4 + LoRA (fused)", "#c0392b"))
+PHASES = (("gen_s", "rollout", "#c0392b"), ("update_actor_s", "actor update", "#2c7fb8"),
+          ("update_weights_s", "adapter sync", "#7fcdbb"))
+
+
+class SpeedDataError(ValueError):
+    """A raw result file is missing or lacks what the figure needs; the message names the file."""
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpeedDataError(f"{path}: not found (the raw results are committed under docs/gpu-runs)") from None
+
+
+def decode_rows(path: Path = DECODE_7B) -> dict[str, dict[str, float]]:
+    """``{run: {batch: tokens/s}}`` of a ``qerl bench rollout`` JSON (median of its repeats)."""
+    rows = _load_json(path).get("summary", {}).get("rows", {})
+    if not rows:
+        raise SpeedDataError(f"{path}: no summary rows")
+    return {k: {b: float(t) for b, t in v["decode_tok_s"].items() if t} for k, v in rows.items()}
+
+
+def step_phases(path: Path) -> dict[str, dict]:
+    """Per run of a verl_7b_memory_step results.jsonl (``bf16-r2048f`` ...): step time median/min/max and the
+    phases' medians over the steady-state steps (what the script itself recorded)."""
+    out = {}
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise SpeedDataError(f"{path}: not found (the raw results are committed under docs/gpu-runs)") from None
+    for line in lines:
+        rec = json.loads(line)
+        if rec.get("phase", "").startswith(("bf16-", "nvfp4-")) and rec.get("rc") == 0:
+            spread = rec["step_s_spread"]
+            out[rec["phase"]] = {
+                "step": spread["median"], "step_min": spread["min"], "step_max": spread["max"],
+                "gen_s": rec["gen_s_spread"]["median"], "update_actor_s": rec["update_actor_s_spread"]["median"],
+                "update_weights_s": rec["update_weights_s"], "response": rec["settings"]["response"],
+            }
+    return out
+
+
+def figure_data() -> dict:
+    """Every number the figure draws, read from the raw files."""
+    decode = decode_rows(DECODE_7B)
+    base = decode["bf16-lora@punica-lora"]
+    ratios = {k: {b: round(t / base[b], 3) for b, t in v.items()} for k, v in decode.items()}
+    steps = {**step_phases(STEP_512), **step_phases(STEP_2048)}
+    pairs = {}
+    for resp, bf16, nvfp4 in ((512, "bf16-r512f", "nvfp4-r512f"), (2048, "bf16-r2048f", "nvfp4-r2048f")):
+        if bf16 not in steps or nvfp4 not in steps:
+            raise SpeedDataError(f"the {resp}-token pair ({bf16}, {nvfp4}) is not in {STEP_512} / {STEP_2048}")
+        pairs[str(resp)] = {"bf16": steps[bf16], "nvfp4": steps[nvfp4],
+                            "ratio": round(steps[bf16]["step"] / steps[nvfp4]["step"], 3),
+                            "rollout_ratio": round(steps[bf16]["gen_s"] / steps[nvfp4]["gen_s"], 3)}
+    d32 = decode_rows(DECODE_32B)
+    ours32 = round(d32["nvfp4-lora@default"]["1"] / d32["bf16-lora@punica-lora"]["1"], 3)
+    ours_vs_lora = {"7B rollout": pairs["2048"]["rollout_ratio"], "7B end to end": pairs["2048"]["ratio"],
+                    "32B rollout (r32)": ours32}
+    return {"decode_tok_s": decode, "decode_vs_bf16_lora": ratios, "grpo_step": pairs,
+            "vs_lora": {"paper": {k: round(v, 3) for k, v in PAPER_VS_LORA.items()}, "ours": ours_vs_lora,
+                        "targets": TARGETS}}
+
+
+def plot(data: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2), gridspec_kw={"width_ratios": [1.25, 1.0, 1.0]})
+    # 1. decode tokens/s, log scale (b1 ~ 100s, b64 ~ 1000s)
+    ax = axes[0]
+    batches = ["1", "8", "64"]
+    width = 0.26
+    for i, (key, label, color) in enumerate(ENGINES):
+        vals = [data["decode_tok_s"][key][b] for b in batches]
+        xs = [j + (i - 1) * width for j in range(len(batches))]
+        ax.bar(xs, vals, width, label=label, color=color)
+        base = data["decode_tok_s"]["bf16-lora@punica-lora"]
+        for x, b, v in zip(xs, batches, vals):
+            if key == "bf16-lora@punica-lora":
+                continue
+            top = v
+            if key == "nvfp4-lora@default":  # the target's tick, and the ratio above whichever is higher
+                goal = DECODE_TARGETS[b] * base[b]
+                ax.plot([x - width / 2, x + width / 2], [goal, goal], color="black", lw=1.5, ls="--")
+                top = max(v, goal)
+            ax.annotate(f"{data['decode_vs_bf16_lora'][key][b]:.2f}×", (x, top), ha="center", va="bottom",
+                        fontsize=8, xytext=(0, 2), textcoords="offset points")
+    ax.plot([], [], color="black", lw=1.5, ls="--", label="issue's target (× BF16 + LoRA)")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_ylabel("decode tokens/s (log scale)")
+    ax.set_title("Qwen2.5-7B shape, decode, r32 adapter\n(H100, one run, 2026-11-25, §4j)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    # 2. GRPO step phases
+    ax = axes[1]
+    labels, xs = [], []
+    for j, resp in enumerate(("512", "2048")):
+        pair = data["grpo_step"][resp]
+        for i, run in enumerate(("bf16", "nvfp4")):
+            rec = pair[run]
+            x = j * 2.6 + i
+            bottom = 0.0
+            for key, name, color in PHASES:
+                ax.bar(x, rec[key], 0.8, bottom=bottom, color=color, label=name if (j, i) == (0, 0) else None)
+                bottom += rec[key]
+            ax.bar(x, rec["step"] - bottom, 0.8, bottom=bottom, color="#dddddd",
+                   label="other (log-prob, reward, ...)" if (j, i) == (0, 0) else None)
+            ax.errorbar(x, rec["step"], yerr=[[rec["step"] - rec["step_min"]], [rec["step_max"] - rec["step"]]],
+                        color="black", capsize=3, lw=1)
+            labels.append(f"{'BF16' if run == 'bf16' else 'NVFP4'}\n{resp} tok")
+            xs.append(x)
+        ax.annotate(f"{pair['ratio']:.2f}× step\n{pair['rollout_ratio']:.2f}× rollout",
+                    (j * 2.6 + 1, pair["nvfp4"]["step_max"]), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 4), textcoords="offset points")
+    ax.set_xticks(xs, labels, fontsize=8)
+    ax.set_ylabel("seconds per GRPO step (median of 3 steady steps)")
+    ax.set_title("verl GRPO step, 7B shape, LoRA r32, both on one machine\n(H100, random weights, §4i)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    # 3. against 16-bit LoRA: paper vs ours vs target
+    ax = axes[2]
+    names = list(PAPER_VS_LORA)
+    for i, (who, color) in enumerate((("paper", "#7f7f7f"), ("ours", "#c0392b"))):
+        vals = [data["vs_lora"][who][n] for n in names]
+        xs = [j + (i - 0.5) * 0.36 for j in range(len(names))]
+        ax.bar(xs, vals, 0.36, color=color, label="paper (its own setup)" if who == "paper" else "ours (one H100 run)")
+        for x, v in zip(xs, vals):
+            ax.annotate(f"{v:.2f}×", (x, v), ha="center", va="bottom", fontsize=8, xytext=(0, 2),
+                        textcoords="offset points")
+    for j, n in enumerate(names):
+        if n in TARGETS:
+            ax.plot([j - 0.4, j + 0.4], [TARGETS[n]] * 2, color="black", ls="--", lw=1.5)
+    ax.plot([], [], color="black", ls="--", lw=1.5, label="issue's target")
+    ax.axhline(1.0, color="black", lw=0.6)
+    ax.set_xticks(range(len(names)), ["7B rollout\n(ours: verl, 2048)", "7B end to end\n(ours: 2048)",
+                                      "32B rollout, r32\n(ours: decode b1)"], fontsize=8)
+    ax.set_ylabel("× 16-bit LoRA")
+    ax.set_title("Against 16-bit LoRA: the paper's figures and ours\n(not a same-machine comparison; §7)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "speed.png", help="PNG to write (default docs/speed.png)")
+    p.add_argument("--json", type=Path, default=None, help="also write the numbers drawn here")
+    args = p.parse_args(argv)
+    try:
+        data = figure_data()
+    except SpeedDataError as exc:
+        print(f"plot_speed: {exc}", file=sys.stderr)
+        return 2
+    plot(data, args.out)
+    if args.json:
+        args.json.write_text(json.dumps(data, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""scripts/plot_speed.py: the speed figure's numbers come from the committed raw GPU results and equal what
+docs/benchmarks.md quotes from them; a missing file is an error that names it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("plot_speed", ROOT / "scripts" / "plot_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_numbers_are_the_documented_ones():
+    data = _script().figure_data()
+    # §4j lease 1: ours as shipped vs BF16 + LoRA on punica, and vLLM's stock NVFP4A16 row
+    assert data["decode_vs_bf16_lora"]["nvfp4-lora@default"] == {"1": 1.702, "8": 1.627, "64": 1.205}
+    assert data["decode_vs_bf16_lora"]["stock-nvfp4-lora@punica-lora"] == {"1": 1.469, "8": 1.493, "64": 1.126}
+    # §4i: 1.17x end to end at both lengths (9.92 vs 8.47 s; 31.03 vs 26.43 s), rollout 1.36x / 1.35x
+    step = data["grpo_step"]
+    assert (step["512"]["bf16"]["step"], step["512"]["nvfp4"]["step"]) == (9.922, 8.47)
+    assert (step["2048"]["bf16"]["step"], step["2048"]["nvfp4"]["step"]) == (31.031, 26.432)
+    assert round(step["512"]["ratio"], 2) == round(step["2048"]["ratio"], 2) == 1.17
+    assert round(step["512"]["rollout_ratio"], 2) == 1.36 and round(step["2048"]["rollout_ratio"], 2) == 1.35
+    # §7: the paper's vs-LoRA figures and ours; §4k lease 3: 32B b1 2.22x
+    assert data["vs_lora"]["paper"] == {"7B rollout": 1.275, "7B end to end": 1.2, "32B rollout (r32)": 1.682}
+    assert data["vs_lora"]["ours"]["32B rollout (r32)"] == 2.221
+
+
+def test_writes_the_png_and_the_numbers(tmp_path):
+    pytest.importorskip("matplotlib")
+    out, numbers = tmp_path / "speed.png", tmp_path / "speed.json"
+    assert _script().main(["--out", str(out), "--json", str(numbers)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    assert json.loads(numbers.read_text())["grpo_step"]["2048"]["nvfp4"]["response"] == 2048
+
+
+def test_a_missing_raw_file_is_named(tmp_path, monkeypatch, capsys):
+    mod = _script()
+    monkeypatch.setattr(mod, "DECODE_7B", tmp_path / "nowhere.json")
+    assert mod.main(["--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "nowhere.json: not found" in err and not (tmp_path / "x.png").exists()
