@@ -284,9 +284,10 @@ def test_gpu_overlap_matches_fused_and_the_exact_result(cpu_config, monkeypatch,
     fused, overlap = outs["fused"].float(), outs["overlap"].float()
     floor = (fused - exact).abs().max().item()  # the fused mode's own distance from the exact result
     assert (overlap - exact).abs().max().item() <= 1.5 * floor + 1e-2
-    # the same kernel and the same rounding: the shrink's fp32 atomics may add in another order, nothing else
-    differing = (overlap != fused).float().mean().item()
-    assert differing <= 1e-3, f"{differing:.2%} of the outputs differ from the fused mode's"
+    # the same kernel and the same rounding: the shrink's fp32 atomics may add in another order, nothing else. Where
+    # that flips one bf16 rounding of the rank-r intermediate, a whole row of the update moves by about an ulp, so
+    # the check is a closeness of ~2 bf16 ulps, not a count of identical elements
+    torch.testing.assert_close(overlap, fused, rtol=2**-6, atol=2**-6)
     if tokens <= 64:
         assert f"LoRA call with {tokens} tokens on the overlap path" in caplog.text
         for rep in replays:
