@@ -264,6 +264,9 @@ _VLLM: tuple[Upstream, ...] = (
     Upstream(f"{_LORA}.layers.base:BaseLayerWithLoRA.set_mapping", "private", "vllm_ext.lora_dense_wrapper",
              "replaced on the class by route_merged_layers: registers each layer of an overlap-mode wrapper by its "
              "base layer's prefix", params=("self", "punica_wrapper")),
+    Upstream(f"{_LORA}.layers.base_linear:BaseLinearLayerWithLoRA._apply_lora_to_output", "private",
+             "vllm_ext.lora_dense_wrapper", "called by the routed merged layers and the overlap op's in-order path: "
+             "the wrapper's add_lora_linear on the base output", params=("self", "x", "output")),
     Upstream(f"{_LORA}.layers.base_linear:BaseLinearLayerWithLoRA", "private", "vllm_ext.lora_dense_wrapper",
              "the overlap op reads each layer's LoRA tensors, slices, wrapper and base quant method",
              attrs=("lora_a_stacked", "lora_b_stacked", "output_slices", "base_layer")),

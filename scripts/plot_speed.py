@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -46,16 +45,16 @@ class SpeedDataError(ValueError):
     """A raw result file is missing or lacks what the figure needs; the message names the file."""
 
 
-def _load_json(path: Path) -> dict:
+def _read(path: Path) -> str:
     try:
-        return json.loads(path.read_text())
+        return path.read_text()
     except FileNotFoundError:
         raise SpeedDataError(f"{path}: not found (the raw results are committed under docs/gpu-runs)") from None
 
 
 def decode_rows(path: Path = DECODE_7B) -> dict[str, dict[str, float]]:
     """``{run: {batch: tokens/s}}`` of a ``qerl bench rollout`` JSON (median of its repeats)."""
-    rows = _load_json(path).get("summary", {}).get("rows", {})
+    rows = json.loads(_read(path)).get("summary", {}).get("rows", {})
     if not rows:
         raise SpeedDataError(f"{path}: no summary rows")
     return {k: {b: float(t) for b, t in v["decode_tok_s"].items() if t} for k, v in rows.items()}
@@ -65,11 +64,7 @@ def step_phases(path: Path) -> dict[str, dict]:
     """Per run of a verl_7b_memory_step results.jsonl (``bf16-r2048f`` ...): step time median/min/max and the
     phases' medians over the steady-state steps (what the script itself recorded)."""
     out = {}
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise SpeedDataError(f"{path}: not found (the raw results are committed under docs/gpu-runs)") from None
-    for line in lines:
+    for line in _read(path).splitlines():
         rec = json.loads(line)
         if rec.get("phase", "").startswith(("bf16-", "nvfp4-")) and rec.get("rc") == 0:
             spread = rec["step_s_spread"]

@@ -139,9 +139,14 @@ def _routed(layer: torch.nn.Module) -> bool:
     )
 
 
+def _prefix(layer: torch.nn.Module) -> str:
+    """A LoRA layer's base layer's prefix (``model.layers.3.mlp.down_proj``), or ``""``."""
+    return getattr(getattr(layer, "base_layer", None), "prefix", "") or ""
+
+
 def _layer_name(layer: torch.nn.Module) -> str:
-    """The name the overlap op finds ``layer`` by: its base layer's prefix (``model.layers.3.mlp.down_proj``)."""
-    name = getattr(getattr(layer, "base_layer", None), "prefix", "") or ""
+    """The name the overlap op finds ``layer`` by: its base layer's prefix."""
+    name = _prefix(layer)
     if not name:
         raise RuntimeError(f"{OVERLAP_OP}: {type(layer).__name__} has no base_layer.prefix to be found by; run "
                            f"this engine with additional_config={{'qerl_lora': 'fused'}} instead")
@@ -182,11 +187,9 @@ def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
     tokens = x2.shape[0]
     base = layer._get_quant_method()
     if not x.is_cuda or lora_fused.supports(x2, a, b, slices) is not None:
-        # in order, on this stream, as the fused mode runs: the base GEMM, then the wrapper adds the update
-        # (the one-launch kernel where it takes the call, punica for more than 64 tokens)
-        out = base.apply(layer.base_layer, x, bias)
-        wrapper.add_lora_linear(out.view(-1, out.shape[-1]), x2, a, b, 1.0, slices)
-        return out
+        # in order, on this stream, as the fused mode runs: the base GEMM, then vLLM's own step that has the wrapper
+        # add the update (the one-launch kernel where it takes the call, punica for more than 64 tokens)
+        return layer._apply_lora_to_output(x, base.apply(layer.base_layer, x, bias))
     _log_path(OVERLAP_MODE, tokens, None)
     update = torch.empty((tokens, sum(slices)), dtype=x.dtype, device=x.device)  # every element gets written
     return lora_fused.launch_beside(lambda: base.apply(layer.base_layer, x, bias), update, x2, a, b, 1.0, slices,
@@ -205,10 +208,7 @@ def route_merged_layers() -> None:
     import vllm.lora.layers.base_linear as blin
     import vllm.lora.layers.column_parallel_linear as cpl
 
-    original = cpl._mcp_apply
-    if not getattr(original, "__qerl_patch__", False):
-
-        @functools.wraps(original)
+    def mcp_apply(original):
         def _mcp_apply(x: torch.Tensor, bias: torch.Tensor | None, layer: torch.nn.Module) -> torch.Tensor:
             if _routed(layer):
                 if layer.punica_wrapper.qerl_mode == OVERLAP_MODE:
@@ -217,36 +217,43 @@ def route_merged_layers() -> None:
                 return layer._apply_lora_to_output(x, output)
             return original(x, bias, layer)
 
-        _mcp_apply.__qerl_patch__ = True
-        cpl._mcp_apply = _mcp_apply
-        logger.warning("qerl: merged q/k/v and gate/up LoRA layers take the wrapper's add_lora_linear (one GPU, "
-                       "LoRA not fully sharded); others keep vLLM's add_shrink/add_expand route")
+        return _mcp_apply
 
-    linear_apply = blin.BaseLinearLayerWithLoRA.apply
-    if not getattr(linear_apply, "__qerl_patch__", False):
-
-        @functools.wraps(linear_apply)
+    def linear_apply(original):
         def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
             if _overlapped(self):
                 return _overlap_call(self, x, bias)
-            return linear_apply(self, x, bias)
+            return original(self, x, bias)
 
-        apply.__qerl_patch__ = True
-        blin.BaseLinearLayerWithLoRA.apply = apply
+        return apply
 
-    set_mapping = lbase.BaseLayerWithLoRA.set_mapping
-    if not getattr(set_mapping, "__qerl_patch__", False):
-
-        @functools.wraps(set_mapping)
+    def set_mapping(original):
         def _set_mapping(self, punica_wrapper):
-            set_mapping(self, punica_wrapper)
+            original(self, punica_wrapper)
             if isinstance(punica_wrapper, QerlPunicaWrapper) and punica_wrapper.qerl_mode == OVERLAP_MODE:
-                name = getattr(getattr(self, "base_layer", None), "prefix", "")
+                name = _prefix(self)
                 if name:
                     _LAYERS[name] = self
 
-        _set_mapping.__qerl_patch__ = True
-        lbase.BaseLayerWithLoRA.set_mapping = _set_mapping
+        return _set_mapping
+
+    if _wrap_once(cpl, "_mcp_apply", mcp_apply):
+        logger.warning("qerl: merged q/k/v and gate/up LoRA layers take the wrapper's add_lora_linear (one GPU, "
+                       "LoRA not fully sharded); others keep vLLM's add_shrink/add_expand route")
+    _wrap_once(blin.BaseLinearLayerWithLoRA, "apply", linear_apply)
+    _wrap_once(lbase.BaseLayerWithLoRA, "set_mapping", set_mapping)
+
+
+def _wrap_once(owner, name: str, make) -> bool:
+    """Replace ``owner.name`` by ``make(original)`` (flagged ``__qerl_patch__``, ``__wrapped__`` = the original)
+    unless it is already qerl's; whether it replaced it."""
+    original = getattr(owner, name)
+    if getattr(original, "__qerl_patch__", False):
+        return False
+    wrapper = functools.wraps(original)(make(original))
+    wrapper.__qerl_patch__ = True
+    setattr(owner, name, wrapper)
+    return True
 
 
 class QerlPunicaWrapper(PunicaWrapperGPU):
