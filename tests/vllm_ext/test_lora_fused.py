@@ -326,6 +326,7 @@ def test_gpu_wrapper_takes_fused_for_small_calls_and_punica_above_under_torch_co
     from vllm.lora.layers import LoRAMapping
     from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
+    import vllm_ext.lora_dense_wrapper
     from vllm_ext.lora_dense_wrapper import QerlPunicaWrapper
 
     config = types.SimpleNamespace(additional_config={"qerl_lora": "fused"})
@@ -335,6 +336,7 @@ def test_gpu_wrapper_takes_fused_for_small_calls_and_punica_above_under_torch_co
     g = torch.Generator().manual_seed(5)
     a = tuple((torch.randn(1, 1, r, k, generator=g) / k**0.5).bfloat16().cuda() for _ in slices)
     b = tuple((torch.randn(1, 1, n, r, generator=g) / r**0.5).bfloat16().cuda() for n in slices)
+    monkeypatch.setattr(vllm_ext.lora_dense_wrapper, "_LOGGED", set())  # logged once per process and size
     caplog.set_level(logging.INFO, logger="qerl.vllm.lora_dense")
     for tokens in (300, 8):
         ours = QerlPunicaWrapper(1024, 256, device="cuda", lora_config=cfg)

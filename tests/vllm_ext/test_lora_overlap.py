@@ -257,6 +257,8 @@ def test_gpu_overlap_matches_fused_and_the_exact_result(cpu_config, monkeypatch,
 
     from vllm.config import set_current_vllm_config
 
+    # the path lines are logged once per process and size: start from none logged, or an earlier test's line hides this one
+    monkeypatch.setattr(ldw, "_LOGGED", set())
     caplog.set_level(logging.WARNING, logger="qerl.vllm.lora_dense")
     with set_current_vllm_config(cpu_config):
         outs = {}

@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
                 update = torch.empty(m, n, device=dev, dtype=bf16)
                 return lora_fused.launch_beside(base_fn, update, x, lora_a, lora_b, 1.0, tuple(ns), slots, *beside)
 
-            def row():
+            def one_row():  # not `row`: that name is the result dict below, which a late-bound lambda would call
                 return nvfp4_gemv_row(x, packed_cat, scale_cat, parts[0].global_scale)
 
             cases = {
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
                 "marlin_bf16r": lambda: marlin(False),
                 "gemv": lambda: nvfp4_small_gemm(x, packed_cat, scale_cat, parts[0].global_scale),
                 "gemv_sk4": lambda: nvfp4_small_gemm(x, packed_cat, scale_cat, parts[0].global_scale, split_k=4),
-                "gemv_row": row if m == 1 else None,
+                "gemv_row": one_row if m == 1 else None,
                 "lora_punica": lambda: punica(y),
                 "lora_dense": lambda: dense(y),
                 "serial": serial,
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
                 "lora_fused": lambda: fused(y),
                 "serial_fused": lambda: fused(marlin()),
                 "overlap_fused": lambda: fused_beside(marlin),
-                "overlap_row": (lambda: fused_beside(row)) if m == 1 else None,
+                "overlap_row": (lambda: fused_beside(one_row)) if m == 1 else None,
             }
             row: dict[str, Any] = {"group": gname, "m": m, "n": n, "k": k_in}
             for cname, fn in cases.items():
