@@ -1,6 +1,6 @@
 """Speed at a glance: docs/speed.png from the raw GPU results committed under docs/gpu-runs (no GPU needed).
 
-Three panels, each from one H100 run (one machine per panel):
+Four panels, each from one H100 run (one machine per panel):
 
 1. 7B decode tokens/s at batch 1 / 8 / 64 (docs/benchmarks.md §4j lease 1, random NVFP4A16 checkpoint): BF16 + LoRA
    on vLLM's punica, vLLM's stock NVFP4A16 + LoRA on punica, ours as shipped (fused LoRA); each NVFP4 bar carries its
@@ -8,6 +8,8 @@ Three panels, each from one H100 run (one machine per panel):
 2. A 7B GRPO step in verl (§4i), seconds per phase (median of the steady-state steps; the bar's whisker is the step
    time's min-max), BF16 + LoRA and NVFP4 + LoRA back to back at 512- and 2048-token responses.
 3. Ratios against 16-bit LoRA: the paper's (read from its released figures, §7) next to ours, with the issue's targets.
+4. Against QLoRA (§4l lease 1): 7B decode of ours and of BF16 + LoRA, each over NF4 + LoRA as vLLM serves it (the
+   bitsandbytes loader, punica), with the paper's 7B rollout figures against QLoRA as reference lines.
 
     python scripts/plot_speed.py                 # writes docs/speed.png
     python scripts/plot_speed.py --out /tmp/s.png --json /tmp/s.json   # and the numbers drawn, as JSON
@@ -26,11 +28,14 @@ DECODE_7B = RUNS / "2026-11-25" / "tenth" / "lease1" / "bench-pair" / "a" / "ben
 DECODE_32B = RUNS / "2026-11-25" / "eleventh" / "lease3" / "bench-gemv32" / "a" / "bench_rollout.json"
 STEP_2048 = RUNS / "2026-11-24" / "ninth" / "lease1" / "verl_7b" / "results.jsonl"
 STEP_512 = RUNS / "2026-11-24" / "ninth" / "lease2" / "verl_7b" / "results.jsonl"
+DECODE_QLORA = RUNS / "2026-11-27" / "thirteenth" / "lease1" / "bench-qlora" / "a" / "bench_rollout.json"
 
 # The paper's own figures against vanilla (16-bit) LoRA, from NVlabs/QeRL's README plots (assets/performance.png,
 # assets/rank_speed.png): 7B rollout 2 092 vs 1 641 tokens/s, 7B end to end x1.2 vs x1, 32B rollout at rank 32
 # 56.0 vs 33.3 tokens/s (docs/benchmarks.md §7).
 PAPER_VS_LORA = {"7B rollout": 2092 / 1641, "7B end to end": 1.2, "32B rollout (r32)": 56.0 / 33.3}
+# The same plot's 7B rollout against QLoRA: QeRL 2 092 and LoRA 1 641 vs QLoRA 1 362 tokens/s.
+PAPER_VS_QLORA = {"QeRL": 2092 / 1362, "LoRA": 1641 / 1362}
 # The issue's targets (issue 12) for the same quantities; the 7B rollout has none as such (decode b1/b8/b64 do).
 TARGETS = {"7B end to end": 1.8, "32B rollout (r32)": 3.0}
 DECODE_TARGETS = {"1": 2.5, "8": 2.2, "64": 1.3}
@@ -93,9 +98,14 @@ def figure_data() -> dict:
     ours32 = round(d32["nvfp4-lora@default"]["1"] / d32["bf16-lora@punica-lora"]["1"], 3)
     ours_vs_lora = {"7B rollout": pairs["2048"]["rollout_ratio"], "7B end to end": pairs["2048"]["ratio"],
                     "32B rollout (r32)": ours32}
+    q = decode_rows(DECODE_QLORA)
+    nf4 = q["nf4-lora@punica-lora"]
+    vs_qlora = {k: {b: round(q[k][b] / nf4[b], 3) for b in nf4} for k in ("nvfp4-lora@default", "bf16-lora@punica-lora")}
     return {"decode_tok_s": decode, "decode_vs_bf16_lora": ratios, "grpo_step": pairs,
             "vs_lora": {"paper": {k: round(v, 3) for k, v in PAPER_VS_LORA.items()}, "ours": ours_vs_lora,
-                        "targets": TARGETS}}
+                        "targets": TARGETS},
+            "vs_qlora": {"decode_tok_s": q, "ours": vs_qlora,
+                         "paper_7b_rollout": {k: round(v, 3) for k, v in PAPER_VS_QLORA.items()}}}
 
 
 def plot(data: dict, out: Path) -> None:
@@ -104,7 +114,7 @@ def plot(data: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2), gridspec_kw={"width_ratios": [1.25, 1.0, 1.0]})
+    fig, axes = plt.subplots(1, 4, figsize=(22, 5.2), gridspec_kw={"width_ratios": [1.25, 1.0, 1.0, 1.0]})
     # 1. decode tokens/s, log scale (b1 ~ 100s, b64 ~ 1000s)
     ax = axes[0]
     batches = ["1", "8", "64"]
@@ -174,6 +184,28 @@ def plot(data: dict, out: Path) -> None:
                                       "32B rollout, r32\n(ours: decode b1)"], fontsize=8)
     ax.set_ylabel("× 16-bit LoRA")
     ax.set_title("Against 16-bit LoRA: the paper's figures and ours\n(not a same-machine comparison; §7)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    # 4. against QLoRA (NF4 + LoRA in vLLM), one run: ours and BF16 + LoRA over it, the paper's 7B lines for reference
+    ax = axes[3]
+    vq = data["vs_qlora"]
+    for i, (key, label, color) in enumerate((("bf16-lora@punica-lora", "BF16 + LoRA", "#9e9e9e"),
+                                            ("nvfp4-lora@default", "ours: NVFP4 + LoRA", "#c0392b"))):
+        vals = [vq["ours"][key][b] for b in batches]
+        xs = [j + (i - 0.5) * 0.36 for j in range(len(batches))]
+        ax.bar(xs, vals, 0.36, color=color, label=label)
+        for x, v in zip(xs, vals):
+            ax.annotate(f"{v:.2f}×", (x, v), ha="center", va="bottom", fontsize=8, xytext=(0, 2),
+                        textcoords="offset points")
+    for who, ls in (("QeRL", "--"), ("LoRA", ":")):
+        ax.axhline(vq["paper_7b_rollout"][who], color="black", ls=ls, lw=1.2,
+                   label=f"paper, 7B rollout: {who} / QLoRA {vq['paper_7b_rollout'][who]:.2f}×")
+    ax.axhline(1.0, color="black", lw=0.6)
+    top = max(v for row in vq["ours"].values() for v in row.values())
+    ax.set_ylim(0, top * 1.45)  # room for the legend above the bars
+    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_ylabel("decode tokens/s ÷ NF4 + LoRA (QLoRA's base)")
+    ax.set_title("Against QLoRA: NF4 + LoRA in vLLM (bitsandbytes), 7B decode\n(one H100 run, random weights; §4l)",
+                 fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

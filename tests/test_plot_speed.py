@@ -33,6 +33,10 @@ def test_numbers_are_the_documented_ones():
     # §7: the paper's vs-LoRA figures and ours; §4k lease 3: 32B b1 2.22x
     assert data["vs_lora"]["paper"] == {"7B rollout": 1.275, "7B end to end": 1.2, "32B rollout (r32)": 1.682}
     assert data["vs_lora"]["ours"]["32B rollout (r32)"] == 2.221
+    # §4l lease 1: against NF4 + LoRA (vLLM's bitsandbytes loader), the same run; the paper's 7B rollout: QeRL and LoRA over QLoRA 1.54x / 1.20x
+    assert data["vs_qlora"]["ours"]["nvfp4-lora@default"] == {"1": 1.565, "8": 2.963, "64": 2.391}
+    assert data["vs_qlora"]["ours"]["bf16-lora@punica-lora"] == {"1": 0.922, "8": 1.844, "64": 1.988}
+    assert data["vs_qlora"]["paper_7b_rollout"] == {"QeRL": 1.536, "LoRA": 1.205}
 
 
 def test_writes_the_png_and_the_numbers(tmp_path):
