@@ -10,14 +10,13 @@ engine built with AQN never reuses a graph compiled without it)::
     {"qerl_nvfp4": {"backend": "emulation", "fp32_reduce": false}}   how nvfp4 layers run
     {"qerl_nvfp4": {"decode_gemv": true}}                       one-row calls on vllm_ext.nvfp4_gemv's kernel
                                                                 (experimental; keeps a second copy of the weights)
-    {"qerl_lora": "fused"}                                      the default: one adapter slot (max_loras=1), one
-                                                                Triton launch per LoRA linear for calls of <= 64
-                                                                tokens, punica above (vllm_ext.lora_fused)
+    {"qerl_lora": "overlap"}                                    the default: one adapter slot (max_loras=1), one
+                                                                Triton launch per LoRA linear (vllm_ext.lora_fused)
+                                                                on a second CUDA stream, beside the base GEMM, for
+                                                                calls of <= 64 tokens; above, base GEMM then punica
+    {"qerl_lora": "fused"}                                      the same kernel after the base GEMM, on one stream
     {"qerl_lora": "punica"}                                     vLLM's own multi-adapter kernels for every call
     {"qerl_lora": "dense"}                                      one adapter as two dense GEMMs (vllm_ext.lora_dense)
-    {"qerl_lora": "overlap"}                                    fused's kernel on a second CUDA stream, beside the
-                                                                base GEMM instead of after it (calls of <= 64
-                                                                tokens; above, base GEMM then punica)
 
     vllm serve MODEL --quantization nvfp4 --additional-config '{"qerl_aqn": true}'
     LLM(MODEL, quantization="nvfp4", additional_config={"qerl_aqn": True})
@@ -60,8 +59,9 @@ LORA_KEY = "qerl_lora"
 # vllm_ext.lora_fused | vLLM's multi-adapter kernels | vllm_ext.lora_dense | lora_fused's kernel on a side stream
 LORA_MODES = ("fused", "punica", "dense", "overlap")
 # The mode of an engine that names none: fused was faster than punica at batch 1, 8 and 64 inside a 7B engine on
-# an H100 (docs/benchmarks.md §4g); engines with more than one adapter slot run punica whatever the mode.
-LORA_DEFAULT = "fused"
+# an H100 (docs/benchmarks.md §4g, §4h), and overlap faster than fused at all three (+2.9 / +1.8 / +3.6 %, 5 repeats,
+# spreads <= 1.3 %; §4l lease 3); engines with more than one adapter slot run punica whatever the mode.
+LORA_DEFAULT = "overlap"
 # vLLM worker extensions: qerl's RPCs alone, and verl's extension with qerl's RPCs (what verl_ext starts).
 WORKER_EXTENSION = "vllm_ext.worker_extension.QerlWorkerExtension"
 VERL_WORKER_EXTENSION = "verl_ext.worker_extension.QerlVerlWorkerExtension"

@@ -1,5 +1,5 @@
 """The punica wrapper that :func:`vllm_ext.lora_dense.register` names: vLLM's GPU one, with qerl's single-adapter
-paths (``additional_config={"qerl_lora": "dense" | "fused"}``).
+paths (``additional_config={"qerl_lora": "overlap" | "fused" | "dense"}``; ``overlap`` is the default).
 
 Imported by vLLM when it builds the LoRA manager of an engine (it subclasses vLLM's GPU punica wrapper, whose
 import loads vLLM's LoRA layers), never at plugin registration.
@@ -26,7 +26,9 @@ GEMM and punica one after the other, as ``fused`` does. vLLM's own ``VLLM_LORA_E
 same with punica's three launches (and a zero-filled buffer) for every call size; it is a process-wide switch.
 The op finds its layer by the layer's name (``base_layer.prefix``), registered when the LoRA manager hands the
 layer its wrapper (:func:`route_merged_layers` wraps ``BaseLayerWithLoRA.set_mapping``): a name, unlike an
-``id()``, means the same layer in the process that loads vLLM's AOT-compiled graph from its cache.
+``id()``, means the same layer in the process that loads vLLM's AOT-compiled graph from its cache. Two engines in
+one process register the same names, so the op also takes the layer's first LoRA-A tensor, which the compiled
+graph passes in from the calling engine's own module, and picks the registered layer that holds that tensor.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ LINEAR_APPLY_TARGET = "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.appl
 SET_MAPPING_TARGET = "vllm.lora.layers.base:BaseLayerWithLoRA.set_mapping"
 OVERLAP_OP = "qerl::linear_lora_overlap"
 OVERLAP_MODE = "overlap"
-_LAYERS: "weakref.WeakValueDictionary[str, torch.nn.Module]" = weakref.WeakValueDictionary()
+# name -> the live LoRA layers registered under it: one per engine that this process builds
+_LAYERS: "dict[str, weakref.WeakSet[torch.nn.Module]]" = {}
 _PUNICA_SIZES_LOGGED = 4  # eager engines see every prefill length: name the first few, then say so once
 
 
@@ -158,24 +161,53 @@ def _overlapped(layer: torch.nn.Module) -> bool:
 
 
 def _overlap_call(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """What a routed layer's ``apply`` returns in the overlap mode: the op, which finds the layer by name."""
-    return torch.ops.qerl.linear_lora_overlap(x, bias, _layer_name(layer), sum(layer.output_slices))
+    """What a routed layer's ``apply`` returns in the overlap mode: the op, which finds the layer by name and by
+    its first LoRA-A tensor."""
+    return torch.ops.qerl.linear_lora_overlap(x, bias, layer.lora_a_stacked[0], _layer_name(layer),
+                                              sum(layer.output_slices))
+
+
+def _register(layer: torch.nn.Module) -> None:
+    name = _prefix(layer)
+    if name:
+        _LAYERS.setdefault(name, weakref.WeakSet()).add(layer)
+
+
+def _registered(layer_name: str, lora_a0: torch.Tensor) -> torch.nn.Module:
+    """The live layer registered as ``layer_name`` that the call belongs to: the one whose first LoRA-A tensor is
+    ``lora_a0`` (same storage); else, if only one is registered, that one (a compiler may pass a copy); else the
+    only one whose tensor equals it."""
+    live = list(_LAYERS.get(layer_name, ()))
+    for layer in live:
+        a0 = layer.lora_a_stacked[0]
+        if a0 is lora_a0 or (a0.device == lora_a0.device and a0.data_ptr() == lora_a0.data_ptr()):
+            return layer
+    if len(live) == 1:
+        return live[0]
+    if not live:
+        raise RuntimeError(f"{OVERLAP_OP}: no LoRA layer named {layer_name!r} in this process (names known: "
+                           f"{len(_LAYERS)}); it is registered when vLLM's LoRA manager sets the layer's wrapper")
+    equal = [layer for layer in live if layer.lora_a_stacked[0].shape == lora_a0.shape
+             and torch.equal(layer.lora_a_stacked[0], lora_a0.to(layer.lora_a_stacked[0].device))]
+    if len(equal) == 1:
+        return equal[0]
+    raise RuntimeError(f"{OVERLAP_OP}: {len(live)} LoRA layers named {layer_name!r} in this process (one per engine), "
+                       f"and {len(equal)} hold the LoRA-A values this call passed, so the call's own cannot be told "
+                       f"apart; run these engines with additional_config={{'qerl_lora': 'fused'}}")
 
 
 @torch.library.custom_op(OVERLAP_OP, mutates_args=())
-def linear_lora_overlap(x: torch.Tensor, bias: torch.Tensor | None, layer_name: str, out_features: int) -> torch.Tensor:
-    """``base(x) + LoRA(x)`` of the LoRA layer named ``layer_name``: the base GEMM on the current stream and, for
-    calls the one-launch kernel takes, the kernel on the wrapper's side stream at the same time; larger calls run
-    the base GEMM and punica in order. The result is a new tensor ``[..., out_features]``."""
-    layer = _LAYERS.get(layer_name)
-    if layer is None:
-        raise RuntimeError(f"{OVERLAP_OP}: no LoRA layer named {layer_name!r} in this process (known: "
-                           f"{len(_LAYERS)}); it is registered when vLLM's LoRA manager sets the layer's wrapper")
-    return _apply_overlapped(layer, x, bias)
+def linear_lora_overlap(x: torch.Tensor, bias: torch.Tensor | None, lora_a0: torch.Tensor, layer_name: str,
+                        out_features: int) -> torch.Tensor:
+    """``base(x) + LoRA(x)`` of the LoRA layer named ``layer_name`` that holds ``lora_a0`` (its first LoRA-A
+    tensor): the base GEMM on the current stream and, for calls the one-launch kernel takes, the kernel on the
+    wrapper's side stream at the same time; larger calls run the base GEMM and punica in order. The result is a
+    new tensor ``[..., out_features]``."""
+    return _apply_overlapped(_registered(layer_name, lora_a0), x, bias)
 
 
 @linear_lora_overlap.register_fake
-def _linear_lora_overlap_fake(x, bias, layer_name, out_features):
+def _linear_lora_overlap_fake(x, bias, lora_a0, layer_name, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -231,9 +263,7 @@ def route_merged_layers() -> None:
         def _set_mapping(self, punica_wrapper):
             original(self, punica_wrapper)
             if isinstance(punica_wrapper, QerlPunicaWrapper) and punica_wrapper.qerl_mode == OVERLAP_MODE:
-                name = _prefix(self)
-                if name:
-                    _LAYERS[name] = self
+                _register(self)
 
         return _set_mapping
 

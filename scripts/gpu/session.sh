@@ -196,11 +196,11 @@ run_step() {
         # background into $work/bench-gemv; `TAG=-gemv session.sh bench_watch` follows it
         run_step ckpt7b
         TAG=-gemv BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,bf16-lora --variants default,decode-gemv,punica-lora --runs nvfp4-lora@default,nvfp4-lora@decode-gemv,bf16-lora@punica-lora --batches ${GEMV_BATCHES:-1,8} --new-tokens 256 --repeats ${GEMV_REPEATS:-3} --profile-tokens 64" run_step bench_bg ;;
-    bench_overlap)  # 7B decode (§4l): ours as shipped (fused LoRA), the overlap LoRA mode, NVFP4 without LoRA (the LoRA
+    bench_overlap)  # 7B decode (§4l): the fused LoRA mode (the default until §4l), the overlap mode (the default since), NVFP4 without LoRA (the LoRA
         # overhead), BF16 + punica LoRA (the ratio), on ckpt7b's checkpoint; b1/b8/b64 (OVERLAP_BATCHES), 3 repeats,
         # 64 profiled tokens. In the background into $work/bench-overlap; `TAG=-overlap session.sh bench_watch` follows it
         run_step ckpt7b
-        TAG=-overlap BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4,bf16-lora --variants default,overlap-lora,punica-lora --runs nvfp4-lora@default,nvfp4-lora@overlap-lora,nvfp4@default,bf16-lora@punica-lora --batches ${OVERLAP_BATCHES:-1,8,64} --new-tokens 256 --repeats ${OVERLAP_REPEATS:-3} --profile-tokens ${OVERLAP_PROFILE:-64}" run_step bench_bg ;;
+        TAG=-overlap BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4,bf16-lora --variants default,fused-lora,overlap-lora,punica-lora --runs nvfp4-lora@fused-lora,nvfp4-lora@overlap-lora,nvfp4@default,bf16-lora@punica-lora --batches ${OVERLAP_BATCHES:-1,8,64} --new-tokens 256 --repeats ${OVERLAP_REPEATS:-3} --profile-tokens ${OVERLAP_PROFILE:-64}" run_step bench_bg ;;
     bench_overlap_row)  # 7B decode at b1 (§4l lease 2): decode_gemv's one-row kernel with the LoRA kernel after it (fused)
         # and beside it (overlap), BF16 + punica LoRA for the ratio; 5 repeats, 64 profiled tokens. In the background
         # into $work/bench-orow; `TAG=-orow session.sh bench_watch` follows it

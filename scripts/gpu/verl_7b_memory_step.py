@@ -378,7 +378,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the BF16 run's vLLM LoRA path (additional_config qerl_lora); default: the plugin's default "
                         "(fused). 'punica' is vLLM's own, what a BF16 run without qerl gets")
     p.add_argument("--nvfp4-lora", choices=LORA_MODES, default=None,
-                   help="the NVFP4 run's vLLM LoRA path, the same way (default: the plugin's default, fused)")
+                   help="the NVFP4 run's vLLM LoRA path, the same way (default: the plugin's default, overlap)")
     p.add_argument("--tag", default="", help="suffix of the run folders and result phases, e.g. -r2048")
     p.add_argument("--timeout", type=int, default=570)
     return p

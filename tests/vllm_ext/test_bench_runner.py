@@ -66,7 +66,7 @@ def test_plan_runs_only_the_pairs_asked_for(tmp_path, rollout_args):
     assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4-lora@punica-lora", "stock-nvfp4-lora@punica-lora",
                                      "bf16-lora@punica-lora"]
     assert not skipped
-    assert "qerl_lora" not in runs[0].spec["engine"].get("additional_config", {})  # ours as shipped: fused
+    assert "qerl_lora" not in runs[0].spec["engine"].get("additional_config", {})  # ours as shipped: the default mode (overlap)
     assert runs[2].spec["engine"]["additional_config"] == {"qerl_lora": "punica"}
     with pytest.raises(ValueError, match=r"--runs bf16@default: not a config@variant .*'bf16-lora@default'"):
         runner.plan(rollout_args(*common, "--runs", "bf16@default"), tmp_path)

@@ -245,8 +245,8 @@ def test_fused_is_a_lora_mode(monkeypatch):
     from vllm_ext import lora_dense
 
     assert options.lora_mode({"qerl_lora": " Fused "}) == "fused"
-    # the default of an engine that names no mode (docs/benchmarks.md §4g: faster than punica at b1, b8, b64)
-    assert options.lora_mode(None) == options.lora_mode({}) == options.LORA_DEFAULT == "fused"
+    # the default of an engine that names no mode (docs/benchmarks.md §4l lease 3: faster than fused at b1, b8, b64)
+    assert options.lora_mode(None) == options.lora_mode({}) == options.LORA_DEFAULT == "overlap"
     assert options.lora_mode({"qerl_lora": "punica"}) == "punica"
     config = types.SimpleNamespace(additional_config={"qerl_lora": "fused"})
     monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: config)

@@ -121,7 +121,7 @@ def test_overlap_mode_routes_each_linear_through_the_op(cpu_config, monkeypatch,
 
     with set_current_vllm_config(cpu_config):
         layer, base, a, b = _layer(kind, "overlap")
-        assert ldw._LAYERS[base.prefix] is layer  # registered by name when the layer got its wrapper
+        assert layer in ldw._LAYERS[base.prefix]  # registered by name when the layer got its wrapper
         calls = _torch_update(layer.punica_wrapper)
         ops = []
         real = ldw._apply_overlapped
@@ -167,15 +167,49 @@ def test_overlap_op_schema_and_fake_kernel(cpu_config):
         layer, base, *_ = _layer("gate_up", "overlap", prefix="opcheck.gate_up")
         _torch_update(layer.punica_wrapper)
         x = torch.randn(5, 64)
-        torch.library.opcheck(ldw.linear_lora_overlap, (x, None, base.prefix, 128),
+        a0 = layer.lora_a_stacked[0]
+        torch.library.opcheck(ldw.linear_lora_overlap, (x, None, a0, base.prefix, 128),
                               test_utils=("test_schema", "test_faketensor"))
-        out = torch.ops.qerl.linear_lora_overlap(x, None, base.prefix, 128)
+        out = torch.ops.qerl.linear_lora_overlap(x, None, a0, base.prefix, 128)
     assert out.shape == (5, 128)
 
 
 def test_an_unknown_layer_name_is_an_error_naming_it():
     with pytest.raises(RuntimeError, match="no LoRA layer named 'model.layers.99.mlp.down_proj'"):
-        torch.ops.qerl.linear_lora_overlap(torch.zeros(1, 4), None, "model.layers.99.mlp.down_proj", 4)
+        torch.ops.qerl.linear_lora_overlap(torch.zeros(1, 4), None, torch.zeros(1, 1, 2, 4),
+                                           "model.layers.99.mlp.down_proj", 4)
+
+
+@pytest.mark.parametrize("kind", ["gate_up", "o"])
+def test_two_engines_with_the_same_layer_names_each_get_their_own_layer(cpu_config, kind):
+    """Two engines in one process register the same names (``model.layers.0...``): each call must run the layer
+    of the engine that made it (found by the LoRA-A tensor the call passes), compiled or not."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(cpu_config):
+        first, base1, a1, b1 = _layer(kind, "overlap", prefix=f"twice.{kind}")
+        second, base2, a2, b2 = _layer(kind, "overlap", prefix=f"twice.{kind}")
+        second.base_layer.weight.data.mul_(-1.0)  # another base and adapter, so a mix-up shows in the output
+        for stacked in second.lora_a_stacked:
+            stacked.mul_(2.0)
+        a2 = [ai * 2.0 for ai in a2]
+        assert len(ldw._LAYERS[f"twice.{kind}"]) == 2
+        for layer in (first, second):
+            _torch_update(layer.punica_wrapper)
+        x = torch.randn(5, 64)
+        eager = [_call(layer, x) for layer in (first, second)]
+        compiled = [torch.compile(lambda x, layer=layer: _call(layer, x), backend="eager", dynamic=True,
+                                  fullgraph=True)(x) for layer in (first, second)]
+    served = torch.tensor([True, True, False, True, True])
+    for got, (base, a, b) in zip(eager, ((base1, a1, b1), (base2, a2, b2))):
+        torch.testing.assert_close(got, _expected(base, a, b, x, served)[0], rtol=1e-5, atol=1e-4)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # a copy (as a compiler might pass) is found by its values; a tensor of neither engine is an error
+    copy = first.lora_a_stacked[0].clone()
+    assert ldw._registered(f"twice.{kind}", copy) is first
+    with pytest.raises(RuntimeError, match="2 LoRA layers named .* and 0 hold the LoRA-A values"):
+        ldw._registered(f"twice.{kind}", torch.zeros_like(copy))
 
 
 def test_other_modes_keep_their_paths_and_register_nothing(cpu_config, monkeypatch):

@@ -63,7 +63,7 @@ class Variant:
 
 
 VARIANTS: dict[str, Variant] = {
-    "default": Variant("vLLM defaults and qerl's (LoRA: fused); max_loras=1, max_lora_rank = adapter rank, capture "
+    "default": Variant("vLLM defaults and qerl's (LoRA: overlap); max_loras=1, max_lora_rank = adapter rank, capture "
                        "sizes = --batches"),
     "dual-stream": Variant("LoRA shrink/expand on a second CUDA stream, overlapping the base GEMM (and PDL)",
                            env={"VLLM_LORA_ENABLE_DUAL_STREAM": "1"}, only="lora"),
@@ -89,7 +89,7 @@ VARIANTS: dict[str, Variant] = {
     "no-async": Variant("async scheduling off", engine={"async_scheduling": False}),
     "dense-lora": Variant("the adapter as two dense cuBLAS GEMMs per slice instead of punica (vllm_ext.lora_dense)",
                           additional={"qerl_lora": "dense"}, only="lora"),
-    "punica-lora": Variant("vLLM's punica kernels for every LoRA call (qerl's default is fused)",
+    "punica-lora": Variant("vLLM's punica kernels for every LoRA call (qerl's default is overlap)",
                            additional={"qerl_lora": "punica"}, only="lora"),
     "overlap-lora": Variant("fused-lora's kernel on a second CUDA stream beside the base GEMM (one op per linear: "
                             "fork, base GEMM, kernel, join, add) for calls of at most 64 tokens",
