@@ -108,6 +108,16 @@ def figure_data() -> dict:
                          "paper_7b_rollout": {k: round(v, 3) for k, v in PAPER_VS_QLORA.items()}}}
 
 
+def _paired_bars(ax, series: list[tuple[list[float], str, str]]) -> None:  # noqa: ANN001
+    """Two bars per group side by side (``series``: values per group, color, legend label), each labelled "N.NN×"."""
+    for i, (vals, color, label) in enumerate(series):
+        xs = [j + (i - 0.5) * 0.36 for j in range(len(vals))]
+        ax.bar(xs, vals, 0.36, color=color, label=label)
+        for x, v in zip(xs, vals):
+            ax.annotate(f"{v:.2f}×", (x, v), ha="center", va="bottom", fontsize=8, xytext=(0, 2),
+                        textcoords="offset points")
+
+
 def plot(data: dict, out: Path) -> None:
     import matplotlib
 
@@ -168,13 +178,9 @@ def plot(data: dict, out: Path) -> None:
     # 3. against 16-bit LoRA: paper vs ours vs target
     ax = axes[2]
     names = list(PAPER_VS_LORA)
-    for i, (who, color) in enumerate((("paper", "#7f7f7f"), ("ours", "#c0392b"))):
-        vals = [data["vs_lora"][who][n] for n in names]
-        xs = [j + (i - 0.5) * 0.36 for j in range(len(names))]
-        ax.bar(xs, vals, 0.36, color=color, label="paper (its own setup)" if who == "paper" else "ours (one H100 run)")
-        for x, v in zip(xs, vals):
-            ax.annotate(f"{v:.2f}×", (x, v), ha="center", va="bottom", fontsize=8, xytext=(0, 2),
-                        textcoords="offset points")
+    _paired_bars(ax, [([data["vs_lora"][who][n] for n in names], color, label)
+                      for who, color, label in (("paper", "#7f7f7f", "paper (its own setup)"),
+                                                ("ours", "#c0392b", "ours (one H100 run)"))])
     for j, n in enumerate(names):
         if n in TARGETS:
             ax.plot([j - 0.4, j + 0.4], [TARGETS[n]] * 2, color="black", ls="--", lw=1.5)
@@ -188,14 +194,9 @@ def plot(data: dict, out: Path) -> None:
     # 4. against QLoRA (NF4 + LoRA in vLLM), one run: ours and BF16 + LoRA over it, the paper's 7B lines for reference
     ax = axes[3]
     vq = data["vs_qlora"]
-    for i, (key, label, color) in enumerate((("bf16-lora@punica-lora", "BF16 + LoRA", "#9e9e9e"),
-                                            ("nvfp4-lora@default", "ours: NVFP4 + LoRA", "#c0392b"))):
-        vals = [vq["ours"][key][b] for b in batches]
-        xs = [j + (i - 0.5) * 0.36 for j in range(len(batches))]
-        ax.bar(xs, vals, 0.36, color=color, label=label)
-        for x, v in zip(xs, vals):
-            ax.annotate(f"{v:.2f}×", (x, v), ha="center", va="bottom", fontsize=8, xytext=(0, 2),
-                        textcoords="offset points")
+    _paired_bars(ax, [([vq["ours"][key][b] for b in batches], color, label)
+                      for key, label, color in (("bf16-lora@punica-lora", "BF16 + LoRA", "#9e9e9e"),
+                                                ("nvfp4-lora@default", "ours: NVFP4 + LoRA", "#c0392b"))])
     for who, ls in (("QeRL", "--"), ("LoRA", ":")):
         ax.axhline(vq["paper_7b_rollout"][who], color="black", ls=ls, lw=1.2,
                    label=f"paper, 7B rollout: {who} / QLoRA {vq['paper_7b_rollout'][who]:.2f}×")

@@ -7,9 +7,9 @@ uses slot 0, or no adapter (slot -1: requests without LoRA, padding). Then
 as punica's (fp32 accumulation, bf16 intermediate), done by cuBLAS. It is CUDA-graph safe (no host reads).
 
 On with ``additional_config={"qerl_lora": "dense"}`` for an engine with ``max_loras=1`` (``"overlap"``, the
-default, and ``"fused"``: the one-launch kernel of :mod:`vllm_ext.lora_fused`, beside or after the base GEMM); otherwise the engine runs vLLM's punica wrapper
-unchanged (:class:`vllm_ext.lora_dense_wrapper.QerlPunicaWrapper` only
-inherits it). This module imports no vLLM LoRA code: :func:`register` runs in every vLLM process and names
+default, and ``"fused"``: the one-launch kernel of :mod:`vllm_ext.lora_fused`, beside or after the base GEMM);
+otherwise the engine runs vLLM's punica wrapper unchanged (:class:`vllm_ext.lora_dense_wrapper.QerlPunicaWrapper`
+only inherits it). This module imports no vLLM LoRA code: :func:`register` runs in every vLLM process and names
 the wrapper class, which vLLM imports when it builds a LoRA engine.
 """
 

@@ -25,8 +25,8 @@ in its dtype. Under ``TRITON_INTERPRET=1`` programs run one after another in lau
 programs finish before any expand program starts and the kernel runs (slowly) on the CPU.
 
 Used by :class:`vllm_ext.lora_dense_wrapper.QerlPunicaWrapper` for ``additional_config={"qerl_lora":
-"fused"}`` (and the default ``"overlap"``, below) through its torch op, which decides per call (at run time, not when torch.compile traces the model):
-at most :data:`MAX_TOKENS` tokens (decode, small prefills) take this kernel, larger calls punica. The
+"fused"}`` (and the default ``"overlap"``, below) through its torch op, which decides per call (at run time,
+not when torch.compile traces the model): at most :data:`MAX_TOKENS` tokens (decode, small prefills) take this kernel, larger calls punica. The
 ``"overlap"`` mode launches it on a side stream beside the base GEMM with ``add_inputs=False`` (it overwrites a
 scratch tensor with the update, which the caller adds after joining). Imports torch and Triton only.
 """
