@@ -3,8 +3,9 @@
 Four panels, each from one H100 run (one machine per panel):
 
 1. 7B decode tokens/s at batch 1 / 8 / 64 (docs/benchmarks.md §4j lease 1, random NVFP4A16 checkpoint): BF16 + LoRA
-   on vLLM's punica, vLLM's stock NVFP4A16 + LoRA on punica, ours as shipped then (fused LoRA; overlap is the default since §4l); each NVFP4 bar carries its
-   ratio against BF16 + LoRA, and the issue's target is drawn as a tick on ours.
+   on vLLM's punica, vLLM's stock NVFP4A16 + LoRA on punica, ours as shipped then (fused LoRA; overlap is the
+   default since §4l); each NVFP4 bar carries its ratio against BF16 + LoRA, and the issue's target is drawn as a
+   tick on ours.
 2. A 7B GRPO step in verl (§4i), seconds per phase (median of the steady-state steps; the bar's whisker is the step
    time's min-max), BF16 + LoRA and NVFP4 + LoRA back to back at 512- and 2048-token responses.
 3. Ratios against 16-bit LoRA: the paper's (read from its released figures, §7) next to ours, with the issue's targets.

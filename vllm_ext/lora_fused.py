@@ -26,9 +26,10 @@ programs finish before any expand program starts and the kernel runs (slowly) on
 
 Used by :class:`vllm_ext.lora_dense_wrapper.QerlPunicaWrapper` for ``additional_config={"qerl_lora":
 "fused"}`` (and the default ``"overlap"``, below) through its torch op, which decides per call (at run time,
-not when torch.compile traces the model): at most :data:`MAX_TOKENS` tokens (decode, small prefills) take this kernel, larger calls punica. The
-``"overlap"`` mode launches it on a side stream beside the base GEMM with ``add_inputs=False`` (it overwrites a
-scratch tensor with the update, which the caller adds after joining). Imports torch and Triton only.
+not when torch.compile traces the model): at most :data:`MAX_TOKENS` tokens (decode, small prefills) take this
+kernel, larger calls punica. The ``"overlap"`` mode launches it on a side stream beside the base GEMM with
+``add_inputs=False`` (it overwrites a scratch tensor with the update, which the caller adds after joining).
+Imports torch and Triton only.
 """
 
 from __future__ import annotations
