@@ -172,21 +172,13 @@ if triton is not None:
         return (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _nvfp4_row_kernel(
-        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, b_ptr, N, K,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
-        XVEC: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ):  # fmt: skip
-        """One row: ``y[n] = sum_k x[k] W[n, k]`` on the CUDA cores, the weight read as int32 words of 8 codes.
-        ``XVEC``: ``x`` loaded as one 16-byte run per word (8 values) and the 8 decoded codes joined in registers to
-        meet it, instead of 8 strided 2-byte loads per word, and one scale load per group (Nsight Compute, §4j
-        lease 6: the strided loads kept the L1 86 % busy)."""
+    def _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr):
+        """The one-row kernel's main loop: ``sum_k x[k] W[n, k]`` in float32 for the rows ``rn`` (``n_ok``: inside
+        N) over K tiles ``pid_k, pid_k + SPLIT_K, ...``, before the global scale. Shared with
+        :mod:`vllm_ext.nvfp4_gemv_lora`'s kernel."""
         WORDS: tl.constexpr = BLOCK_K // 8
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rw = tl.arange(0, WORDS)
-        n_ok = rn < N
         kw = K // 8
         kg = K // 16
         acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
@@ -227,8 +219,25 @@ if triton is not None:
                 for j in tl.static_range(8):
                     part += codes[j] * tl.load(x_ptr + 8 * cw + j).to(tl.float32)[None, :]
             acc += part * sc  # a word's 8 codes share one group (16 codes = 2 words)
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _nvfp4_row_kernel(
+        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, b_ptr, N, K,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
+        XVEC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ):  # fmt: skip
+        """One row: ``y[n] = sum_k x[k] W[n, k]`` on the CUDA cores, the weight read as int32 words of 8 codes.
+        ``XVEC``: ``x`` loaded as one 16-byte run per word (8 values) and the 8 decoded codes joined in registers to
+        meet it, instead of 8 strided 2-byte loads per word, and one scale load per group (Nsight Compute, §4j
+        lease 6: the strided loads kept the L1 86 % busy)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, XVEC)
         # workspace [SPLIT_K, N] float32 for split-K's partials
-        _finish(y_ptr + rn, ws_ptr + rn, N, tl.sum(acc, axis=1), n_ok, 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k,
+        _finish(y_ptr + rn, ws_ptr + rn, N, part, n_ok, 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k,
                 SPLIT_K, b_ptr + rn, HAS_BIAS)
 
 

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""GPU timing of one 7B (or 32B) decode step's linears at batch 1 with LoRA, four ways, each step captured in a CUDA
+graph with every layer's own weights (so the 4-bit weights stream from HBM, as in the engine):
+
+  row          decode_gemv's one-row kernel alone (torch.ops.qerl.nvfp4_gemv_row): the LoRA-free floor
+  row+fused    the row kernel, then the one-launch LoRA kernel (vllm_ext.lora_fused) on one stream: decode_gemv with
+               additional_config={"qerl_lora": "fused"}
+  row||fused   the LoRA kernel on a second stream beside the row kernel, joined and added: decode_gemv with the
+               overlap mode before vllm_ext.nvfp4_gemv_lora
+  row_lora     both in one launch (vllm_ext.nvfp4_gemv_lora): decode_gemv with the overlap mode now
+
+Needs only torch and Triton (no vLLM): run from the repository root on the GPU machine,
+
+    PYTHONPATH=. python3 scripts/gpu/check_row_lora.py [--shape 7B] [--reps 7] [--rank 32]
+
+First every group's one-launch result is compared with row+fused on the same inputs (bf16 rounding steps). Then the
+four step graphs are replayed ``--reps`` times, interleaved; per variant the median ms per step and the spread
+(max - min). Verdict for row_lora against row+fused (the rule fixed in docs/benchmarks.md §4m before the run):
+faster where the difference of the medians exceeds both spreads. Writes $OUT/check_row_lora.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SHAPES = {  # hidden, intermediate, q features, kv features, layers (Qwen2.5)
+    "7B": (3584, 18944, 3584, 512, 28),
+    "32B": (5120, 27648, 5120, 1024, 64),
+}
+VARIANTS = ("row", "row+fused", "row||fused", "row_lora")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="7B", choices=sorted(SHAPES))
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--reps", type=int, default=7, help="timed replays of each step graph (default 7)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from vllm_ext import lora_fused
+    from vllm_ext import nvfp4_gemv_lora as rl
+    from vllm_ext.bench.kernels import capture_graph
+    from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_gemv_row
+
+    out_dir = Path(args.out or os.environ.get("OUT") or ".out").expanduser().resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hidden, inter, qf, kvf, layers = SHAPES[args.shape]
+    layers = args.layers or layers
+    groups = {"qkv": (hidden, (qf, kvf, kvf), True), "o": (qf, (hidden,), False),
+              "gate_up": (hidden, (inter, inter), False), "down": (inter, (hidden,), False)}
+    dev, bf16, r = torch.device("cuda"), torch.bfloat16, args.rank
+    torch.manual_seed(0)
+
+    def nvfp4_triple(n: int, k: int):
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev)
+        scale = (torch.rand(n, k // 16, device=dev) * 2 + 0.25).to(torch.float8_e4m3fn)
+        return packed, scale, torch.tensor([448.0 * 6.0], device=dev)
+
+    linears = []  # (group, x, packed, scale, gscale, bias, a, b, slices) per layer and group, in step order
+    xs = {k: torch.randn(1, k, device=dev, dtype=bf16) for k in (hidden, qf, inter)}
+    for _ in range(layers):
+        for gname, (k, slices, has_bias) in groups.items():
+            n = sum(slices)
+            packed, scale, g = nvfp4_triple(n, k)
+            bias = torch.randn(n, device=dev, dtype=bf16) if has_bias else None
+            a = tuple((torch.randn(1, 1, r, k, device=dev) / k**0.5).to(bf16) for _ in slices)
+            b = tuple((torch.randn(1, 1, s, r, device=dev) * 0.05).to(bf16) for s in slices)
+            linears.append((gname, xs[k], packed, scale, g, bias, a, b, slices))
+    idx = torch.zeros(8, dtype=torch.int32, device=dev)
+    sync = lora_fused.new_sync(dev, max(16, r))
+    side = (torch.cuda.Stream(device=dev), torch.cuda.Event(), torch.cuda.Event())
+    updates = {L[0]: torch.empty(1, sum(L[8]), device=dev, dtype=bf16) for L in linears}
+    weight_bytes = sum(L[2].numel() + L[3].numel() for L in linears)
+    lora_bytes = sum(t.numel() * 2 for L in linears for t in (*L[6], *L[7]))
+
+    def row(L):
+        return nvfp4_gemv_row(L[1], L[2], L[3], L[4], L[5])
+
+    def row_fused(L):
+        y = row(L)
+        lora_fused.launch(y, L[1], L[6], L[7], 1.0, L[8], idx, sync)
+        return y
+
+    def row_beside(L):
+        return lora_fused.launch_beside(lambda: row(L), updates[L[0]], L[1], L[6], L[7], 1.0, L[8], idx, sync, *side)
+
+    def one(L):
+        return rl.launch(L[1], L[2], L[3], L[4], L[5], L[6], L[7], 1.0, L[8], idx, sync)
+
+    fns = {"row": row, "row+fused": row_fused, "row||fused": row_beside, "row_lora": one}
+    result: dict = {"shape": args.shape, "layers": layers, "rank": r, "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__, "weight_gb": weight_bytes / 1e9, "lora_mb": lora_bytes / 1e6,
+                    "tiles": {g: decode_tile(sum(s), k) for g, (k, s, _) in groups.items()}, "check": {}}
+    # 1. the one launch against the two it replaces, per group (the first layer's weights)
+    for L in linears[:4]:
+        want = row_fused(L)
+        got = one(L)
+        ulp = 2.0**-7 * want.double().abs().clamp_min(2.0**-126)
+        idx.fill_(-1)
+        plain_equal = torch.equal(one(L), row(L))
+        idx.fill_(0)
+        result["check"][L[0]] = {"max_ulps": ((got.double() - want.double()).abs() / ulp).max().item(),
+                                 "differing": (got != want).double().mean().item(),
+                                 "no_adapter_equals_row": plain_equal,
+                                 "state_zero_after": int(sync.count_nonzero()) == 0}
+    torch.cuda.synchronize()
+    ok = all(c["max_ulps"] <= 1.0 and c["no_adapter_equals_row"] and c["state_zero_after"]
+             for c in result["check"].values())
+    result["check_ok"] = ok
+    print(json.dumps(result["check"], indent=1), flush=True)
+
+    # 2. one step of every variant in its own graph; replays interleaved
+    graphs = {}
+    for name in VARIANTS:
+        step = [lambda L=L, f=fns[name]: f(L) for L in linears]
+        graphs[name] = capture_graph(step, len(step), warmups=2)
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(2):  # untimed replays
+        for g in graphs.values():
+            g.replay()
+    torch.cuda.synchronize()
+    for _ in range(args.reps):
+        for name, g in graphs.items():
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    rows = {}
+    for name in VARIANTS:
+        t = times[name]
+        rows[name] = {"median_ms": round(statistics.median(t), 4), "spread_ms": round(max(t) - min(t), 4),
+                      "runs_ms": [round(v, 4) for v in t]}
+    result["steps"] = rows
+    base, new = rows["row+fused"], rows["row_lora"]
+    diff = base["median_ms"] - new["median_ms"]
+    result["row_lora_vs_row_fused_ms"] = round(diff, 4)
+    result["verdict"] = ("equal" if abs(diff) <= max(base["spread_ms"], new["spread_ms"])
+                         else "faster" if diff > 0 else "slower")
+    result["lora_cost_ms"] = {name: round(rows[name]["median_ms"] - rows["row"]["median_ms"], 4)
+                              for name in VARIANTS[1:]}
+    result["row_tb_s"] = round(weight_bytes / (rows["row"]["median_ms"] * 1e-3) / 1e12, 3)
+    (out_dir / "check_row_lora.json").write_text(json.dumps(result, indent=1))
+    print(f"{args.shape}, {layers} layers, rank {r}, batch 1: 4-bit weights {weight_bytes / 1e9:.2f} GB, "
+          f"LoRA {lora_bytes / 1e6:.0f} MB; per step, median of {args.reps} (spread)")
+    for name in VARIANTS:
+        extra = "" if name == "row" else f"   LoRA +{result['lora_cost_ms'][name]:.3f} ms"
+        print(f"  {name:<11} {rows[name]['median_ms']:.4f} ms ({rows[name]['spread_ms']:.4f}){extra}")
+    print(f"row kernel alone: {result['row_tb_s']} TB/s; row_lora vs row+fused: {diff:+.4f} ms -> {result['verdict']}; "
+          f"check {'ok' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

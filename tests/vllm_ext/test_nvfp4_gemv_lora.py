@@ -1,0 +1,177 @@
+"""vllm_ext.nvfp4_gemv_lora: one launch for a one-row NVFP4 linear and its adapter's LoRA.
+
+On the CPU the kernel runs under the Triton interpreter (a subprocess: TRITON_INTERPRET must be set before Triton is
+imported) in float16, against an independent float64 statement of the arithmetic it promises: the base product with
+the codec's exact weight (``value * scale / global_scale``) plus the bias, rounded once; punica's LoRA for slot 0
+(``A @ x`` times ``scale``, rounded, ``B @ h``, rounded); their sum, rounded. The kernel sums in float32, so a result
+may sit one rounding step away where the float64 value lies near a rounding boundary: checked as at most 2 ulps. A
+token without the adapter (slot -1) must give the row kernel's own bits. bfloat16 and the real 7B shapes are checked
+on the GPU (``scripts/gpu/check_row_lora.py``, tests below).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed: the kernel cannot run or be interpreted")
+
+# (N slices, K, rank, bias, split-K expected): one slice, q/k/v-like three, gate/up-like two with a ragged last
+# block, and a long K that takes decode_tile's split-K (4 programs per block, K > 8192)
+CASES = [
+    ((48,), 512, 16, False),
+    ((64, 16, 16), 1024, 32, True),
+    ((24, 14), 768, 16, False),
+    ((16,), 8704, 16, True),
+]
+
+INTERPRETED = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from qerl_plugin import nvfp4
+    from vllm_ext import lora_fused, nvfp4_gemv_lora as rl
+    from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_gemv_row
+
+    def f64_reference(x, q, bias, a, b, scale, slices, served):
+        w = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double()
+        base = x.double() @ w.t() + (0.0 if bias is None else bias.double())
+        base = base.to(x.dtype).double()
+        ups = []
+        for A, B in zip(a, b):
+            h = (x.double() @ A[0, 0].double().t()) * scale
+            h = (h if served else torch.zeros_like(h)).to(x.dtype).double()
+            ups.append((h @ B[0, 0].double().t()).to(x.dtype).double())
+        return (base + torch.cat(ups, dim=-1)).to(x.dtype)
+
+    out = []
+    sync = lora_fused.new_sync("cpu")
+    for i, (slices, k, r, with_bias) in enumerate(json.loads(sys.argv[1])):
+        g = torch.Generator().manual_seed(100 + i)
+        n = sum(slices)
+        q = nvfp4.quantize((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
+        x = torch.randn(1, k, generator=g).to(torch.float16)
+        bias = (torch.randn(n, generator=g)).to(torch.float16) if with_bias else None
+        a = tuple((torch.randn(1, 1, r, k, generator=g) / k**0.5).to(torch.float16) for _ in slices)
+        b = tuple((torch.randn(1, 1, s, r, generator=g) * 0.5).to(torch.float16) for s in slices)
+        row = {"case": [list(slices), k, r, with_bias], "tile": decode_tile(n, k),
+               "supports": rl.supports(x, q.packed, a, b, tuple(slices))}
+        for slot, scale in ((0, 1.0), (0, 0.37), (-1, 1.0)):
+            idx = torch.tensor([slot, 7, 7])
+            got = rl.launch(x, q.packed, q.scale, q.global_scale, bias, a, b, scale, tuple(slices), idx, sync)
+            ref = f64_reference(x, q, bias, a, b, scale, slices, slot == 0)
+            ulp = torch.finfo(torch.float16).eps * ref.double().abs().clamp_min(2**-14)
+            diff = (got.double() - ref.double()).abs()
+            plain = nvfp4_gemv_row(x, q.packed, q.scale, q.global_scale, bias)
+            again = rl.launch(x, q.packed, q.scale, q.global_scale, bias, a, b, scale, tuple(slices), idx, sync)
+            row[f"slot{slot}_scale{scale}"] = {
+                "shape": list(got.shape), "dtype": str(got.dtype),
+                "max_ulps": (diff / ulp).max().item(), "differing": (diff > 0).double().mean().item(),
+                "equals_row_kernel": torch.equal(got, plain),
+                "repeat_identical": torch.equal(got, again),
+                "state_nonzero_after": int(sync.count_nonzero()),
+            }
+        out.append(row)
+    # refusals: a block across two slices, two rows, and a too-small state
+    g = torch.Generator().manual_seed(7)
+    q = nvfp4.quantize((torch.randn(14, 512, generator=g) * 0.05).to(torch.bfloat16))
+    x = torch.randn(1, 512, generator=g).to(torch.float16)
+    a = tuple((torch.randn(1, 1, 16, 512, generator=g) / 20).to(torch.float16) for _ in range(2))
+    b = tuple((torch.randn(1, 1, s, 16, generator=g)).to(torch.float16) for s in (6, 8))
+    refusals = {"ragged": rl.supports(x, q.packed, a, b, (6, 8)),
+                "two_rows": rl.supports(torch.cat([x, x]), q.packed, a, b, (8, 6))}
+    try:
+        rl.launch(x, q.packed, q.scale, q.global_scale, None, a, b, 1.0, (6, 8), torch.tensor([0]), sync)
+        refusals["launch_ragged"] = "no error"
+    except lora_fused.FusedLoRAUnsupported as exc:
+        refusals["launch_ragged"] = str(exc)
+    try:
+        rl.launch(x, q.packed, q.scale, q.global_scale, None, a, b[::-1], 1.0, (8, 6), torch.tensor([0]),
+                  torch.zeros(8, dtype=torch.int32))
+        refusals["small_state"] = "no error"
+    except lora_fused.FusedLoRAUnsupported as exc:
+        refusals["small_state"] = str(exc)
+    print("RESULT " + json.dumps({"cases": out, "refusals": refusals}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", INTERPRETED, json.dumps(CASES)], capture_output=True, text=True,
+                         env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(ln for ln in reversed(run.stdout.splitlines()) if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_interpreted_kernel_matches_the_float64_statement(interpreted):
+    assert len(interpreted["cases"]) == len(CASES)
+    for case in interpreted["cases"]:
+        assert case["supports"] is None, case
+        for key in ("slot0_scale1.0", "slot0_scale0.37", "slot-1_scale1.0"):
+            r = case[key]
+            assert r["shape"] == [1, sum(case["case"][0])] and r["dtype"] == "torch.float16", (key, case)
+            assert r["max_ulps"] <= 2.0, (key, case)  # float32 sums against float64: a boundary case at most
+            assert r["differing"] <= 0.1, (key, case)
+            assert r["state_nonzero_after"] == 0, (key, case)  # counters and workspace reset for the next launch
+            assert r["repeat_identical"], (key, case)  # the interpreter runs programs in one order
+        # the adapter changes the result; without it (slot -1) the update is exactly zero: the row kernel's bits
+        assert not case["slot0_scale1.0"]["equals_row_kernel"], case
+        assert case["slot-1_scale1.0"]["equals_row_kernel"], case
+
+
+def test_the_cases_cover_split_k_and_several_slices(interpreted):
+    tiles = [case["tile"] for case in interpreted["cases"]]
+    assert any(t["split_k"] > 1 for t in tiles) and any(t["split_k"] == 1 for t in tiles)
+    assert any(len(case["case"][0]) == 3 for case in interpreted["cases"])
+
+
+def test_refusals_name_the_bad_input(interpreted):
+    r = interpreted["refusals"]
+    assert "slice sizes [6]" in r["ragged"] and "4 rows per block" in r["ragged"]
+    assert r["two_rows"] == "2 rows (one supported)"
+    assert "slice sizes [6]" in r["launch_ragged"]
+    assert "too small for rank 16" in r["small_state"] and "new_sync" in r["small_state"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bfloat16 and the 7B shapes)")
+@pytest.mark.parametrize("group", ["qkv", "o", "gate_up", "down"])
+def test_gpu_7b_linears_match_row_kernel_then_fused_lora(group):
+    """bfloat16 on the 7B shapes: the one launch against the two it replaces (decode_gemv's row op, then the
+    fused LoRA kernel): at most one bf16 rounding step apart (the update's float32 sum runs in another order), and
+    within two of the float64 statement."""
+    from qerl_plugin import nvfp4
+    from vllm_ext import lora_fused
+    from vllm_ext import nvfp4_gemv_lora as rl
+    from vllm_ext.nvfp4_gemv import nvfp4_gemv_row
+
+    k, slices = {"qkv": (3584, (3584, 512, 512)), "o": (3584, (3584,)), "gate_up": (3584, (18944, 18944)),
+                 "down": (18944, (3584,))}[group]
+    torch.manual_seed(0)
+    n, r, dev = sum(slices), 32, "cuda"
+    q = nvfp4.quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16) if group == "qkv" else None
+    a = tuple((torch.randn(1, 1, r, k, device=dev) / k**0.5).to(torch.bfloat16) for _ in slices)
+    b = tuple((torch.randn(1, 1, s, r, device=dev) * 0.1).to(torch.bfloat16) for s in slices)
+    idx = torch.zeros(4, dtype=torch.int32, device=dev)
+    sync = lora_fused.new_sync(dev)
+    got = rl.launch(x, q.packed, q.scale, q.global_scale, bias, a, b, 1.0, slices, idx, sync)
+    two = nvfp4_gemv_row(x, q.packed, q.scale, q.global_scale, bias)
+    lora_fused.launch(two, x, a, b, 1.0, slices, idx, sync)
+    ulp = 2.0**-7 * two.double().abs().clamp_min(2.0**-126)
+    assert ((got.double() - two.double()).abs() / ulp).max().item() <= 1.0
+    assert (got != two).double().mean().item() <= 0.02
+    assert int(sync.count_nonzero()) == 0
+    idx.fill_(-1)  # no adapter: the row kernel's bits
+    assert torch.equal(rl.launch(x, q.packed, q.scale, q.global_scale, bias, a, b, 1.0, slices, idx, sync),
+                       nvfp4_gemv_row(x, q.packed, q.scale, q.global_scale, bias))
