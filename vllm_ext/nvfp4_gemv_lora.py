@@ -1,33 +1,31 @@
-"""One launch for a one-row NVFP4 linear and its single adapter's LoRA: decode_gemv's row kernel with the LoRA
-shrink in the same grid and the expand in its epilogue.
+"""A one-row NVFP4 linear and its single adapter's LoRA in two launches with no synchronisation between programs: a
+small shrink kernel, then decode_gemv's row kernel with the LoRA expand in its epilogue.
 
-Why: at batch 1 with ``decode_gemv`` a 7B decode step spends 1.93 ms in the one-row kernel and 0.89 ms in the
-one-launch LoRA kernel (:mod:`vllm_ext.lora_fused`, 112 launches, ~8 us each, far above the ~0.05 ms its 161 MB of
-adapter weights need; docs/benchmarks.md §4k lease 2), and running that kernel beside the row kernel on a second
-stream is slower than after it (§4l lease 2: 2.939 vs 2.671 ms per step). Here the LoRA costs no launch of its own:
+Why: at batch 1 with ``decode_gemv`` a 7B decode step spends 1.93 ms in the one-row kernel and 0.89 ms in the 112
+launches of the one-launch LoRA kernel (:mod:`vllm_ext.lora_fused`, ~8 us each, far above the ~0.05 ms its 161 MB of
+adapter weights need; docs/benchmarks.md §4k lease 2); running that kernel beside the row kernel on a second stream
+is slower than after it (§4l lease 2). A first version put the shrink into the row kernel's grid and had each block's
+finishing program wait for it: 0.87 ms per step *slower* than row + fused LoRA (§4m lease 1), the cost of a counter
+that thousands of programs per launch (4 736 for gate/up) each hit with an acquire and an acq_rel atomic. This
+version has no counter, no wait and nothing to reset:
 
-* programs ``0 .. KS-1`` claim 256-feature chunks of ``A_s @ x`` (every slice, from a claim counter) and add their
-  float32 partials into a workspace ``h`` ``[S, R]`` with atomics, counting each chunk done;
-* the other programs run the row kernel's loop (:func:`vllm_ext.nvfp4_gemv._row_dot`, the same tiles as
-  :func:`~vllm_ext.nvfp4_gemv.decode_tile`; with split-K the last of a block's programs to arrive sums the partials
-  in a fixed order). The program that finishes a block rounds the base result (bias included) to the output dtype,
-  loads its ``BLOCK_N x R`` rows of ``B``, then waits for the shrink: if chunks are still unclaimed it claims and
-  computes them itself, so it never waits on a program that may not be running (no deadlock whatever the order the
-  GPU starts programs in), then reads ``h``, applies ``scale`` and the token's slot, rounds to the dtype, takes the
-  dot with its rows of B in float32, rounds, adds and stores once;
-* the last of the programs that touch ``h`` to leave zeroes it and the counters for the next launch (or CUDA-graph
-  replay).
+* :func:`_shrink_kernel`, grid ``(KS, slices)``: program ``(c, s)`` writes the float32 partial ``A_s[:, chunk c] @
+  x[chunk c]`` to ``hp[s, c, :]`` (at most :data:`MAX_CHUNKS` chunks of a multiple of 256 input features);
+* :func:`_row_lora_kernel`: the row kernel's loop (:func:`vllm_ext.nvfp4_gemv._row_dot`, :func:`decode_tile`'s
+  tiles, split-K's fixed-order sum of partials); the program that finishes an output block rounds the base result
+  (bias included) to the output dtype, sums its slice's partials of ``h`` in a fixed order, applies ``scale`` and
+  the token's slot, rounds ``h`` to the dtype, takes the float32 dot with its rows of ``B``, rounds, adds in float32
+  and stores once. The partials and the rows of ``B`` are loaded before the main loop (without split-K), so their
+  latency hides behind it.
 
 The arithmetic is that of the row kernel followed by :mod:`vllm_ext.lora_fused`'s kernel (punica's): the base output
-rounded once, ``h`` in float32 from atomics (so its summation order varies between launches), ``scale`` in float32,
-``h`` rounded to the dtype, the update's float32 sum rounded, then added to the rounded base in float32 and rounded.
-Only the order of the update's float32 sum over the rank differs (a sum here, a dot there). Under
-``TRITON_INTERPRET=1`` programs run one after another in launch order (program 0 claims every chunk) and the decode
-runs in plain Triton, not PTX.
+rounded once, ``h = A @ x`` summed in float32, ``scale`` in float32, ``h`` rounded to the dtype, the update's float32
+sum rounded, then added to the rounded base in float32 and rounded. The float32 sums run in other orders than there
+(partials per chunk instead of atomics, a sum over the rank instead of a dot), and unlike there the result is the
+same bits on every launch.
 
 Used by the overlap LoRA mode (the default) for one-row calls of engines with ``decode_gemv`` on
-(:mod:`vllm_ext.lora_dense_wrapper`); the kernel state is :func:`vllm_ext.lora_fused.new_sync`'s, shared with that
-kernel (launches on one stream run one after another). Imports torch and Triton only.
+(:mod:`vllm_ext.lora_dense_wrapper`). Imports torch and Triton only.
 """
 
 from __future__ import annotations
@@ -40,54 +38,51 @@ from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
-__all__ = ["launch", "supports"]
+__all__ = ["MAX_CHUNKS", "chunking", "launch", "supports"]
 
-CHUNK_K = lora_fused.CHUNK_K  # input features per shrink chunk
-_HEAD = lora_fused._HEAD  # new_sync's int32 counters in front of its float32 workspace: claim, chunks done, leavers
+SUB_K = 256  # input features per step of a shrink program
+MAX_CHUNKS = 16  # shrink programs per slice: the partials a finishing program sums
+
+
+def chunking(k: int) -> tuple[int, int]:
+    """``(features per shrink program, programs)`` for input size ``k``: multiples of :data:`SUB_K`, at most
+    :data:`MAX_CHUNKS` programs (3 584 -> 14 x 256; 18 944 -> 15 x 1 280)."""
+    steps = -(-k // SUB_K)
+    per = -(-steps // MAX_CHUNKS) * SUB_K
+    return per, -(-k // per)
+
 
 if triton is not None:
-    from vllm_ext.lora_fused import _shrink_slice
     from vllm_ext.nvfp4_gemv import _row_dot
 
     @triton.jit
-    def _shrink_claimed(x_ptr, a0, a1, a2, h_ptr, sync_ptr, K, KS, S: tl.constexpr, R: tl.constexpr,
-                        CHUNK: tl.constexpr, HROWS: tl.constexpr, UPCAST: tl.constexpr):
-        """Claim chunks of ``A_s @ x`` from the claim counter until none is left; add each into ``h`` and count it."""
-        c = tl.atomic_add(sync_ptr, 1)
-        while c < KS:
-            _shrink_slice(x_ptr, 0, a0, h_ptr, c, 0, 1, K, R, 16, CHUNK, HROWS, UPCAST)
-            if S > 1:
-                _shrink_slice(x_ptr, 0, a1, h_ptr, c, 1, 1, K, R, 16, CHUNK, HROWS, UPCAST)
-            if S > 2:
-                _shrink_slice(x_ptr, 0, a2, h_ptr, c, 2, 1, K, R, 16, CHUNK, HROWS, UPCAST)
-            tl.atomic_add(sync_ptr + 1, 1, sem="release")
-            c = tl.atomic_add(sync_ptr, 1)
-
-    @triton.jit
-    def _leave(sync_ptr, h_ptr, total, S: tl.constexpr, R: tl.constexpr, HROWS: tl.constexpr):
-        """Count this program out; the last of ``total`` zeroes ``h``'s first row of each slice and the counters."""
-        left = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel")
-        if left == total - 1:  # every other program is past its claims and its reads of h
-            offs_r = tl.arange(0, R)
-            for s in tl.static_range(S):
-                tl.store(h_ptr + s * HROWS * R + offs_r, tl.zeros((R,), tl.float32))
-            tl.atomic_xchg(sync_ptr + 1, 0)
-            tl.atomic_xchg(sync_ptr + 2, 0)
-            tl.atomic_xchg(sync_ptr, 0)
-
-    @triton.jit
-    def _epilogue(tot, rn, n_ok, row0, g_ptr, bias_ptr, y_ptr, idx_ptr, x_ptr, a0, a1, a2, b0, b1, b2, n0, n1,
-                  sync_ptr, h_ptr, K, KS, total, lscale,
-                  HAS_BIAS: tl.constexpr, S: tl.constexpr, R: tl.constexpr, CHUNK: tl.constexpr,
-                  HROWS: tl.constexpr, UPCAST: tl.constexpr):
-        out_ty = y_ptr.dtype.element_ty
-        base = tot * (16384.0 / tl.load(g_ptr))
-        if HAS_BIAS:
-            base += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        base = base.to(out_ty)  # the row kernel's output, rounded once
+    def _shrink_kernel(x_ptr, a0, a1, a2, hp_ptr, K, CH, R: tl.constexpr, SUB: tl.constexpr, KS_PAD: tl.constexpr):
+        """``hp[s, c, :] = A_s[:, c*CH : (c+1)*CH] @ x[c*CH : (c+1)*CH]`` in float32 (products of 16-bit values,
+        exact in float32)."""
+        c = tl.program_id(0)
+        s = tl.program_id(1)
+        a_ptr = a0
+        if s == 1:
+            a_ptr = a1
+        elif s == 2:
+            a_ptr = a2
         offs_r = tl.arange(0, R)
-        # what does not depend on the shrink is loaded before waiting for it: this block's rows of B (a block never
-        # straddles two slices: launch() checks that the slice sizes are multiples of BLOCK_N) and the token's slot
+        acc = tl.zeros((R, SUB), dtype=tl.float32)
+        for k0 in range(c * CH, tl.minimum(c * CH + CH, K), SUB):
+            offs_k = k0 + tl.arange(0, SUB)
+            kmask = offs_k < K
+            xv = tl.load(x_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+            at = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=kmask[None, :], other=0.0)
+            acc += at.to(tl.float32) * xv[None, :]
+        tl.store(hp_ptr + (s * KS_PAD + c) * R + offs_r, tl.sum(acc, axis=1))
+
+    @triton.jit
+    def _lora_inputs(hp_ptr, idx_ptr, b0, b1, b2, n0, n1, rn, n_ok, row0, KS, lscale, out_ty: tl.constexpr,
+                     R: tl.constexpr, KS_PAD: tl.constexpr):
+        """This block's rows of B ``[BLOCK_N, R]`` (a block never straddles two slices: launch() checks that the
+        slice sizes are multiples of BLOCK_N) and its slice's ``h``, summed in a fixed order, scaled, zero for a token
+        without the adapter, rounded to the output dtype."""
+        offs_r = tl.arange(0, R)
         if row0 >= n0 + n1:
             bt = tl.load(b2 + (rn - n0 - n1)[:, None] * R + offs_r[None, :], mask=n_ok[:, None], other=0.0)
             hs = 2
@@ -97,54 +92,52 @@ if triton is not None:
         else:
             bt = tl.load(b0 + rn[:, None] * R + offs_r[None, :], mask=n_ok[:, None], other=0.0)
             hs = 0
+        offs_c = tl.arange(0, KS_PAD)
+        parts = tl.load(hp_ptr + (hs * KS_PAD + offs_c)[:, None] * R + offs_r[None, :], mask=(offs_c < KS)[:, None],
+                        other=0.0)
         slot = tl.load(idx_ptr)
-        done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-        if done < KS:  # help with the chunks nobody has claimed yet, then wait for the claimed ones
-            _shrink_claimed(x_ptr, a0, a1, a2, h_ptr, sync_ptr, K, KS, S, R, CHUNK, HROWS, UPCAST)
-            done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-            while done < KS:
-                done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-        h = tl.load(h_ptr + hs * HROWS * R + offs_r, cache_modifier=".cg")
-        h = tl.where(slot == 0, h * lscale, 0.0).to(out_ty)  # punica's intermediate, rounded to the dtype
+        h = tl.where(slot == 0, tl.sum(parts, axis=0) * lscale, 0.0).to(out_ty)  # punica's intermediate, rounded
+        return bt, h
+
+    @triton.jit
+    def _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS: tl.constexpr):
+        out_ty = y_ptr.dtype.element_ty
+        base = tot * (16384.0 / tl.load(g_ptr))
+        if HAS_BIAS:
+            base += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        base = base.to(out_ty)  # the row kernel's output, rounded once
         up = tl.sum(bt.to(tl.float32) * h.to(tl.float32)[None, :], axis=1).to(out_ty)
         tl.store(y_ptr + rn, (base.to(tl.float32) + up.to(tl.float32)).to(out_ty), mask=n_ok)
-        _leave(sync_ptr, h_ptr, total, S, R, HROWS)
 
     @triton.jit
     def _row_lora_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, bias_ptr, N, K,
-        idx_ptr, a0, a1, a2, b0, b1, b2, n0, n1, sync_ptr, h_ptr, KS, lscale,
+        hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
-        HAS_BIAS: tl.constexpr, S: tl.constexpr, R: tl.constexpr, CHUNK: tl.constexpr, HROWS: tl.constexpr,
-        UPCAST: tl.constexpr,
+        HAS_BIAS: tl.constexpr, R: tl.constexpr, KS_PAD: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0)
-        blocks = tl.cdiv(N, BLOCK_N)
-        total = KS + blocks  # the programs that count themselves out: the shrink ones and one finisher per block
-        if pid < KS:
-            _shrink_claimed(x_ptr, a0, a1, a2, h_ptr, sync_ptr, K, KS, S, R, CHUNK, HROWS, UPCAST)
-            _leave(sync_ptr, h_ptr, total, S, R, HROWS)
-        else:
-            job = pid - KS
-            pid_n = job // SPLIT_K
-            pid_k = job % SPLIT_K
-            row0 = pid_n * BLOCK_N
-            rn = row0 + tl.arange(0, BLOCK_N)
-            n_ok = rn < N
+        out_ty: tl.constexpr = y_ptr.dtype.element_ty
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        row0 = pid_n * BLOCK_N
+        rn = row0 + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        if SPLIT_K == 1:  # every program finishes its block: the LoRA inputs load before the main loop
+            bt, h = _lora_inputs(hp_ptr, idx_ptr, b0, b1, b2, n0, n1, rn, n_ok, row0, KS, lscale, out_ty, R, KS_PAD)
             part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, True)
-            if SPLIT_K == 1:
-                _epilogue(part, rn, n_ok, row0, g_ptr, bias_ptr, y_ptr, idx_ptr, x_ptr, a0, a1, a2, b0, b1, b2, n0,
-                          n1, sync_ptr, h_ptr, K, KS, total, lscale, HAS_BIAS, S, R, CHUNK, HROWS, UPCAST)
-            else:  # float32 partials [SPLIT_K, N]; the block's last program to arrive finishes it
-                tl.store(ws_ptr + pid_k * N + rn, part, mask=n_ok)
-                arrived = tl.atomic_add(cnt_ptr + pid_n, 1)  # acq_rel at GPU scope: the partials above are visible
-                if arrived == SPLIT_K - 1:
-                    tot = tl.zeros_like(part)
-                    for s in tl.static_range(SPLIT_K):  # a fixed order: the sum does not depend on arrival
-                        tot += tl.load(ws_ptr + s * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
-                    tl.atomic_xchg(cnt_ptr + pid_n, 0)
-                    _epilogue(tot, rn, n_ok, row0, g_ptr, bias_ptr, y_ptr, idx_ptr, x_ptr, a0, a1, a2, b0, b1, b2,
-                              n0, n1, sync_ptr, h_ptr, K, KS, total, lscale, HAS_BIAS, S, R, CHUNK, HROWS, UPCAST)
+            _store_with_update(part, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS)
+        else:  # float32 partials [SPLIT_K, N]; the block's last program to arrive finishes it
+            part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, True)
+            tl.store(ws_ptr + pid_k * N + rn, part, mask=n_ok)
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1)  # acq_rel at GPU scope: the partials above are visible
+            if arrived == SPLIT_K - 1:
+                bt, h = _lora_inputs(hp_ptr, idx_ptr, b0, b1, b2, n0, n1, rn, n_ok, row0, KS, lscale, out_ty, R,
+                                     KS_PAD)
+                tot = tl.zeros_like(part)
+                for s in tl.static_range(SPLIT_K):  # a fixed order: the sum does not depend on arrival
+                    tot += tl.load(ws_ptr + s * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call (and the next CUDA-graph replay)
+                _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS)
 
 
 def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, ...],
@@ -174,14 +167,13 @@ def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, 
 
 def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, lora_a: tuple[torch.Tensor, ...], lora_b: tuple[torch.Tensor, ...],
-           lora_scale: float, output_slices: tuple[int, ...], token_lora_indices: torch.Tensor,
-           sync: torch.Tensor) -> torch.Tensor:
+           lora_scale: float, output_slices: tuple[int, ...], token_lora_indices: torch.Tensor) -> torch.Tensor:
     """``x @ W.T (+ bias) + B_s @ (lora_scale * A_s @ x)`` per slice for one row ``x`` ``[..., K]``, where the token's
-    slot (``token_lora_indices[0]``) is 0, in one launch; returns ``[..., N]`` in ``x``'s dtype. ``W`` is the NVFP4
-    triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32
-    divisor); ``bias`` ``[N]`` in natural order; ``lora_a[s]`` ``[1, 1, R, K]``, ``lora_b[s]`` ``[1, 1, n_s, R]``;
-    ``sync`` from :func:`vllm_ext.lora_fused.new_sync` (left at zero). Raises
-    :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported` where :func:`supports` says no."""
+    slot (``token_lora_indices[0]``) is 0; returns ``[..., N]`` in ``x``'s dtype. ``W`` is the NVFP4 triple
+    (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor);
+    ``bias`` ``[N]`` in natural order; ``lora_a[s]`` ``[1, 1, R, K]``, ``lora_b[s]`` ``[1, 1, n_s, R]``. Two
+    launches (shrink, then the row kernel with the expand). Raises :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported`
+    where :func:`supports` says no."""
     slices = tuple(output_slices)
     why = supports(x, packed, lora_a, lora_b, slices)
     if why is not None:
@@ -189,9 +181,6 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     k = x.shape[-1]
     n = packed.shape[0]
     rank = lora_a[0].shape[-2]
-    if sync.dtype != torch.int32 or sync.numel() < _HEAD + lora_fused.MAX_SLICES * lora_fused.MAX_TOKENS * rank:
-        raise lora_fused.FusedLoRAUnsupported(f"state of {sync.numel()} {sync.dtype} words is too small for rank "
-                                              f"{rank}; make it with lora_fused.new_sync(device, max_rank>={rank})")
     if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, k // 16):
         raise ValueError(f"scale {scale.dtype} {tuple(scale.shape)}, expected float8_e4m3fn ({n}, {k // 16})")
     if bias is not None and tuple(bias.shape) != (n,):
@@ -212,16 +201,15 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     a = [t.view(rank, k) for t in lora_a] + [lora_a[0].view(rank, k)] * (lora_fused.MAX_SLICES - s_count)
     b = [t.view(t.shape[-2], rank) for t in lora_b] + [lora_b[0].view(-1, rank)] * (lora_fused.MAX_SLICES - s_count)
     n_first = list(slices[:2]) + [n] * (2 - min(2, s_count))  # slices past the last start beyond N: never taken
-    ks = triton.cdiv(k, CHUNK_K)
-    h = sync[_HEAD:].view(torch.float32)
+    per, ks = chunking(k)
+    hp = torch.empty(s_count, MAX_CHUNKS, rank, device=x.device, dtype=torch.float32)  # every read row is written
+    _shrink_kernel[(ks, s_count)](x2, *a, hp, k, per, R=rank, SUB=SUB_K, KS_PAD=MAX_CHUNKS, num_warps=4)
     g = global_scale.reshape(-1)[:1].to(torch.float32)
-    _row_lora_kernel[(ks + blocks * split_k,)](
+    _row_lora_kernel[(blocks, split_k)](
         x2, packed.contiguous().view(torch.int32), scale.contiguous(), g, out, ws, cnt,
-        out if bias is None else bias.contiguous(), n, k, token_lora_indices, *a, *b, n_first[0], n_first[1], sync,
-        h, ks, float(lora_scale),
+        out if bias is None else bias.contiguous(), n, k, hp, token_lora_indices, *b, n_first[0], n_first[1], ks,
+        float(lora_scale),
         BLOCK_N=block_n, BLOCK_K=tile["block_k"], SPLIT_K=split_k, ASM=not _interpreting(), HAS_BIAS=bias is not None,
-        S=s_count, R=rank, CHUNK=CHUNK_K, HROWS=lora_fused.MAX_TOKENS, UPCAST=_interpreting(),
-        num_warps=tile["num_warps"],
+        R=rank, KS_PAD=MAX_CHUNKS, num_warps=tile["num_warps"],
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
-

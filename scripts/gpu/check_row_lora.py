@@ -7,7 +7,8 @@ graph with every layer's own weights (so the 4-bit weights stream from HBM, as i
                additional_config={"qerl_lora": "fused"}
   row||fused   the LoRA kernel on a second stream beside the row kernel, joined and added: decode_gemv with the
                overlap mode before vllm_ext.nvfp4_gemv_lora
-  row_lora     both in one launch (vllm_ext.nvfp4_gemv_lora): decode_gemv with the overlap mode now
+  row_lora     vllm_ext.nvfp4_gemv_lora: a small shrink kernel, then the row kernel with the LoRA expand in its
+               epilogue (two launches, no synchronisation between programs)
 
 Needs only torch and Triton (no vLLM): run from the repository root on the GPU machine,
 
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return lora_fused.launch_beside(lambda: row(L), updates[L[0]], L[1], L[6], L[7], 1.0, L[8], idx, sync, *side)
 
     def one(L):
-        return rl.launch(L[1], L[2], L[3], L[4], L[5], L[6], L[7], 1.0, L[8], idx, sync)
+        return rl.launch(L[1], L[2], L[3], L[4], L[5], L[6], L[7], 1.0, L[8], idx)
 
     fns = {"row": row, "row+fused": row_fused, "row||fused": row_beside, "row_lora": one}
     result: dict = {"shape": args.shape, "layers": layers, "rank": r, "device": torch.cuda.get_device_name(),
@@ -109,15 +110,19 @@ def main(argv: list[str] | None = None) -> int:
         want = row_fused(L)
         got = one(L)
         ulp = 2.0**-7 * want.double().abs().clamp_min(2.0**-126)
+        again = torch.equal(got, one(L))
         idx.fill_(-1)
-        plain_equal = torch.equal(one(L), row(L))
+        plain, alone = one(L), row(L)
         idx.fill_(0)
+        ulp_alone = 2.0**-7 * alone.double().abs().clamp_min(2.0**-126)
         result["check"][L[0]] = {"max_ulps": ((got.double() - want.double()).abs() / ulp).max().item(),
                                  "differing": (got != want).double().mean().item(),
-                                 "no_adapter_equals_row": plain_equal,
-                                 "state_zero_after": int(sync.count_nonzero()) == 0}
+                                 "repeat_identical": again,
+                                 "no_adapter_max_ulps_vs_row": ((plain.double() - alone.double()).abs()
+                                                                / ulp_alone).max().item(),
+                                 "no_adapter_differing": (plain != alone).double().mean().item()}
     torch.cuda.synchronize()
-    ok = all(c["max_ulps"] <= 1.0 and c["no_adapter_equals_row"] and c["state_zero_after"]
+    ok = all(c["max_ulps"] <= 1.0 and c["repeat_identical"] and c["no_adapter_max_ulps_vs_row"] <= 1.0
              for c in result["check"].values())
     result["check_ok"] = ok
     print(json.dumps(result["check"], indent=1), flush=True)
