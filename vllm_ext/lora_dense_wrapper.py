@@ -24,6 +24,9 @@ adds (``y + round(update)``: the bits ``fused`` gives). At decode the kernel is 
 §4h) and the 4-bit GEMM bandwidth-bound, so the two can share the GPU. Calls of more than 64 tokens run the base
 GEMM and punica one after the other, as ``fused`` does. vLLM's own ``VLLM_LORA_ENABLE_DUAL_STREAM`` does the
 same with punica's three launches (and a zero-filled buffer) for every call size; it is a process-wide switch.
+In an engine with ``decode_gemv`` on, one-row calls take neither: :mod:`vllm_ext.nvfp4_gemv_lora` runs a small
+shrink kernel, then the one-row NVFP4 kernel with the LoRA expand in its epilogue (the ``row+lora`` path; §4m:
+0.30 ms per 7B step faster than the LoRA kernel after the row kernel, which is itself faster than beside it).
 The op finds its layer by the layer's name (``base_layer.prefix``), registered when the LoRA manager hands the
 layer its wrapper (:func:`route_merged_layers` wraps ``BaseLayerWithLoRA.set_mapping``): a name, unlike an
 ``id()``, means the same layer in the process that loads vLLM's AOT-compiled graph from its cache. Two engines in
@@ -40,8 +43,9 @@ import weakref
 import torch
 from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
-from vllm_ext import lora_fused
+from vllm_ext import lora_fused, nvfp4_gemv_lora
 from vllm_ext.lora_dense import dense_lora_linear, requested_mode
+from vllm_ext.triton_support import interpreting as _interpreting
 
 __all__ = ["FUSED_OP", "LINEAR_APPLY_TARGET", "MERGED_APPLY_TARGET", "OVERLAP_OP", "SET_MAPPING_TARGET",
            "QerlPunicaWrapper", "route_merged_layers"]
@@ -57,6 +61,7 @@ LINEAR_APPLY_TARGET = "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.appl
 SET_MAPPING_TARGET = "vllm.lora.layers.base:BaseLayerWithLoRA.set_mapping"
 OVERLAP_OP = "qerl::linear_lora_overlap"
 OVERLAP_MODE = "overlap"
+ROW_PATH = "row+lora"  # the overlap op's path for one-row calls of decode_gemv engines (vllm_ext.nvfp4_gemv_lora)
 # name -> the live LoRA layers registered under it: one per engine that this process builds
 _LAYERS: "dict[str, weakref.WeakSet[torch.nn.Module]]" = {}
 _PUNICA_SIZES_LOGGED = 4  # eager engines see every prefill length: name the first few, then say so once
@@ -218,6 +223,14 @@ def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
     x2 = x.reshape(-1, x.shape[-1])
     tokens = x2.shape[0]
     base = layer._get_quant_method()
+    if tokens == 1 and (x.is_cuda or _interpreting()):
+        # decode_gemv's one-row kernel with the LoRA expand in its epilogue, after a small shrink kernel
+        # (vllm_ext.nvfp4_gemv_lora): faster than the LoRA kernel after or beside the row kernel (§4m)
+        backend = getattr(base, "backend", None)
+        row = backend.row_weights(layer.base_layer, bias) if backend is not None else None
+        if row is not None and nvfp4_gemv_lora.supports(x2, row[0], a, b, slices) is None:
+            _log_path(ROW_PATH, tokens, None)
+            return nvfp4_gemv_lora.launch(x, *row, a, b, 1.0, slices, wrapper._token_lora_indices)
     if not x.is_cuda or lora_fused.supports(x2, a, b, slices) is not None:
         # in order, on this stream, as the fused mode runs: the base GEMM, then vLLM's own step that has the wrapper
         # add the update (the one-launch kernel where it takes the call, punica for more than 64 tokens)

@@ -139,6 +139,12 @@ class Backend:
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def row_weights(self, layer: torch.nn.Module, bias: torch.Tensor | None) -> tuple | None:
+        """The weight in the one-row kernel's layout, ``(packed, scale, global_scale, natural-order bias or None)``,
+        for callers that run that kernel themselves (the overlap LoRA mode's one-row path,
+        :mod:`vllm_ext.nvfp4_gemv_lora`); None where the layer has no such copy."""
+        return None
+
 
 class EmulationBackend(Backend):
     """Kernel tensors = the compressed-tensors triple (``weight`` = packed uint8); dequantize per call."""
@@ -249,6 +255,13 @@ class MarlinBackend(Backend):
         n = layer.output_size_per_partition
         padded_n, _ = marlin_padded_nk(n, layer.input_size_per_partition, GROUP_SIZE)
         _set_kernel(layer, "bias", marlin_permute_bias(marlin_pad_dim(raw_bias, n, padded_n)))
+
+    def row_weights(self, layer: torch.nn.Module, bias: torch.Tensor | None) -> tuple | None:
+        if not (self.decode_gemv and "qerl_gemv_packed" in layer._parameters):
+            return None
+        # the caller's bias is Marlin's permuted one exactly when it is fused; the row kernel takes the natural order
+        row_bias = None if bias is None else layer._parameters.get("qerl_gemv_bias", bias)
+        return layer.qerl_gemv_packed, layer.qerl_gemv_scale, layer.qerl_gemv_gscale, row_bias
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.decode_gemv and "qerl_gemv_packed" in layer._parameters:

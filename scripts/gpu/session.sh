@@ -70,6 +70,7 @@ run_step() {
     vllm_load) step vllm_load 300 python3 scripts/gpu/check_vllm_load.py ;;
     lora) step lora 420 python3 scripts/gpu/check_lora_correctness.py ;;
     lora_r32) step lora_r32 420 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 ;;  # r32: the fused default's sizes
+    lora_r32_row) step lora_r32_row 540 env QERL_NVFP4_DECODE_GEMV=1 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 --prompts 1 ;;  # decode_gemv on, batch-1 decode: the overlap default's row+lora path (§4m)
     actor) step actor 240 python3 scripts/gpu/check_actor_kernels.py --quick ;;
     actor_full) step actor_full 420 python3 scripts/gpu/check_actor_kernels.py ;;
     actor_dq) step actor_dq 300 python3 scripts/gpu/check_actor_kernels.py --steps exact,dequant,tune ;;  # dequant: bits, GB/s, tiles and decode variants
@@ -201,11 +202,12 @@ run_step() {
         # 64 profiled tokens. In the background into $work/bench-overlap; `TAG=-overlap session.sh bench_watch` follows it
         run_step ckpt7b
         TAG=-overlap BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4,bf16-lora --variants default,fused-lora,overlap-lora,punica-lora --runs nvfp4-lora@fused-lora,nvfp4-lora@overlap-lora,nvfp4@default,bf16-lora@punica-lora --batches ${OVERLAP_BATCHES:-1,8,64} --new-tokens 256 --repeats ${OVERLAP_REPEATS:-3} --profile-tokens ${OVERLAP_PROFILE:-64}" run_step bench_bg ;;
-    bench_overlap_row)  # 7B decode at b1 (§4l lease 2): decode_gemv's one-row kernel with the LoRA kernel after it (fused)
-        # and beside it (overlap), BF16 + punica LoRA for the ratio; 5 repeats, 64 profiled tokens. In the background
-        # into $work/bench-orow; `TAG=-orow session.sh bench_watch` follows it
+    bench_overlap_row)  # 7B decode at b1 (§4m lease 3): decode_gemv with the LoRA kernel after the row kernel (fused) and with
+        # the overlap default (its one-row calls on vllm_ext.nvfp4_gemv_lora), the overlap default on Marlin, BF16 + punica
+        # LoRA for the ratio; 5 repeats, 64 profiled tokens. In the background into $work/bench-orow; `TAG=-orow
+        # session.sh bench_watch` follows it
         run_step ckpt7b
-        TAG=-orow BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,bf16-lora --variants decode-gemv,decode-gemv+overlap-lora,punica-lora --runs nvfp4-lora@decode-gemv,nvfp4-lora@decode-gemv+overlap-lora,bf16-lora@punica-lora --batches 1 --new-tokens 256 --repeats 5 --profile-tokens 64" run_step bench_bg ;;
+        TAG=-orow BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,bf16-lora --variants default,decode-gemv,decode-gemv+fused-lora,punica-lora --runs nvfp4-lora@decode-gemv+fused-lora,nvfp4-lora@decode-gemv,nvfp4-lora@default,bf16-lora@punica-lora --batches 1 --new-tokens 256 --repeats 5 --profile-tokens 64" run_step bench_bg ;;
     overlap_test)  # the overlap mode's GPU tests (side stream vs fused and the exact result, CUDA-graph replay) and the fused kernel's
         step overlap_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_lora_overlap.py tests/vllm_ext/test_lora_fused.py ;;
     bnb)  # the bitsandbytes wheel for the nf4 (QLoRA) configs, carried in .whl/ (ignored by git); fetch it here with

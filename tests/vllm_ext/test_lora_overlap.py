@@ -11,6 +11,8 @@ shapes, eager and replayed from a CUDA graph, against the exact fp32 result and 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -227,6 +229,65 @@ def test_other_modes_keep_their_paths_and_register_nothing(cpu_config, monkeypat
     assert len(calls) == 1
     want, _ = _expected(base, a, b, x, torch.tensor([True, True, False, True, True]))
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+
+
+ROW_SIZES = (256, [48, 80], (16, 4, 2), 96)  # in features a multiple of 128: the one-row kernel's tiles take them
+ROW_ENV = "QERL_TEST_ROW_PATH"  # set by test_row_path_under_the_interpreter for its subprocess
+
+
+@pytest.mark.skipif(os.environ.get(ROW_ENV) != "1", reason="runs in the subprocess of "
+                    "test_row_path_under_the_interpreter (TRITON_INTERPRET must be set before Triton is imported)")
+@pytest.mark.parametrize("kind", ["qkv", "gate_up", "o"])
+def test_decode_gemv_one_row_calls_take_the_row_lora_path(cpu_config, monkeypatch, caplog, kind):
+    """A layer whose backend has decode_gemv's copy of the weight (a real MarlinBackend's ``row_weights``): a
+    one-row call in the overlap mode runs vllm_ext.nvfp4_gemv_lora (interpreted) and gives the in-order result
+    (the dequantized weight's GEMM, then the adapter in torch) within float16 rounding; five rows run in order."""
+    import logging
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+
+    from qerl_plugin import nvfp4
+    from vllm_ext.nvfp4_backends import MarlinBackend
+
+    monkeypatch.setattr(ldw, "_LOGGED", set())
+    caplog.set_level(logging.WARNING, logger="qerl.vllm.lora_dense")
+    k = ROW_SIZES[0]
+    with set_current_vllm_config(cpu_config):
+        layer, base, a, b = _layer(kind, "overlap", prefix=f"row.{kind}", sizes=ROW_SIZES, dtype=torch.float16)
+        _torch_update(layer.punica_wrapper)
+        q = nvfp4.quantize(base.weight.data.to(torch.bfloat16))
+        base.weight.data.copy_(nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).half())
+        for name, t in (("qerl_gemv_packed", q.packed), ("qerl_gemv_scale", q.scale),
+                        ("qerl_gemv_gscale", q.global_scale.reshape(1).float())):
+            base.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+        backend = MarlinBackend.__new__(MarlinBackend)  # its __init__ refuses a machine without CUDA
+        backend.decode_gemv = True
+        base.quant_method = SimpleNamespace(backend=backend, apply=base.quant_method.apply)
+        x = torch.randn(1, k).half()
+        one = _call(layer, x)
+        assert "LoRA call with 1 tokens on the row+lora path" in caplog.text
+        backend.decode_gemv = False  # no row copy offered: the same call in order
+        in_order = _call(layer, x)
+        caplog.clear()
+        backend.decode_gemv = True
+        five = _call(layer, torch.randn(5, k).half())
+        assert "row+lora path" not in caplog.text and five.shape == (5, sum(layer.output_slices))
+    assert one.shape == in_order.shape == (1, sum(layer.output_slices))
+    diff = (one.float() - in_order.float()).abs()
+    assert (diff <= 2 * 2.0**-10 * in_order.float().abs() + 1e-3).all(), diff.max()
+
+
+def test_row_path_under_the_interpreter():
+    """test_decode_gemv_one_row_calls_take_the_row_lora_path, in a subprocess with the Triton interpreter on."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1", **{ROW_ENV: "1"})
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          f"{__file__}::test_decode_gemv_one_row_calls_take_the_row_lora_path"],
+                         capture_output=True, text=True, env=env, timeout=900, cwd=os.path.dirname(__file__))
+    assert run.returncode == 0 and "3 passed" in run.stdout, (run.stdout + run.stderr)[-4000:]
 
 
 def test_patches_are_idempotent_and_listed_upstream():

@@ -141,7 +141,8 @@ def test_refusals_name_the_bad_input(interpreted):
 def test_gpu_7b_linears_match_row_kernel_then_fused_lora(group):
     """bfloat16 on the 7B shapes: the two launches against the two they replace (decode_gemv's row op, then the
     fused LoRA kernel): at most one bf16 rounding step apart (the float32 sums run in other orders), the same bits on
-    a second call, and, for a token without the adapter, within one step of the row kernel alone."""
+    a second call, and, for a token without the adapter, within one step of the row kernel alone (steps of at least
+    1/256 of the largest value: lease 2 on an H200 saw 7.6 steps on a gate/up result near zero)."""
     from qerl_plugin import nvfp4
     from vllm_ext import lora_fused
     from vllm_ext import nvfp4_gemv_lora as rl
@@ -161,8 +162,10 @@ def test_gpu_7b_linears_match_row_kernel_then_fused_lora(group):
     two = nvfp4_gemv_row(x, q.packed, q.scale, q.global_scale, bias)
     lora_fused.launch(two, x, a, b, 1.0, slices, idx, lora_fused.new_sync(dev))
 
-    def ulps(u, v):
-        return ((u.double() - v.double()).abs() / (2.0**-7 * v.double().abs().clamp_min(2.0**-126))).max().item()
+    def ulps(u, v):  # bf16 rounding steps of v, at least those of 1/256 of v's largest value: a float32 sum in
+        # another order moves a result near zero (cancellation) by many of its own tiny steps, nothing by this measure
+        v = v.double()
+        return ((u.double() - v).abs() / (2.0**-7 * v.abs().clamp_min(v.abs().max().item() / 256))).max().item()
 
     assert ulps(got, two) <= 1.0
     assert (got != two).double().mean().item() <= 0.02
