@@ -16,7 +16,8 @@ version has no counter, no wait and nothing to reset:
   (bias included) to the output dtype, sums its slice's partials of ``h`` in a fixed order, applies ``scale`` and
   the token's slot, rounds ``h`` to the dtype, takes the float32 dot with its rows of ``B``, rounds, adds in float32
   and stores once. The partials and the rows of ``B`` are loaded before the main loop (without split-K), so their
-  latency hides behind it.
+  latency hides behind it. On Hopper it is a programmatic dependent launch: it starts while the shrink runs and
+  waits for that grid (``griddepcontrol.wait``) only before it reads the partials, after its main loop.
 
 The arithmetic is that of the row kernel followed by :mod:`vllm_ext.lora_fused`'s kernel (punica's): the base output
 rounded once, ``h = A @ x`` summed in float32, ``scale`` in float32, ``h`` rounded to the dtype, the update's float32
@@ -30,6 +31,8 @@ Used by the overlap LoRA mode (the default) for one-row calls of engines with ``
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from vllm_ext import lora_fused
@@ -38,7 +41,7 @@ from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
-__all__ = ["MAX_CHUNKS", "chunking", "launch", "supports"]
+__all__ = ["MAX_CHUNKS", "chunking", "launch", "pdl_supported", "supports"]
 
 SUB_K = 256  # input features per step of a shrink program
 MAX_CHUNKS = 16  # shrink programs per slice: the partials a finishing program sums
@@ -53,12 +56,17 @@ def chunking(k: int) -> tuple[int, int]:
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
     from vllm_ext.nvfp4_gemv import _row_dot
 
     @triton.jit
-    def _shrink_kernel(x_ptr, a0, a1, a2, hp_ptr, K, CH, R: tl.constexpr, SUB: tl.constexpr, KS_PAD: tl.constexpr):
+    def _shrink_kernel(x_ptr, a0, a1, a2, hp_ptr, K, CH, R: tl.constexpr, SUB: tl.constexpr, KS_PAD: tl.constexpr,
+                       PDL: tl.constexpr):
         """``hp[s, c, :] = A_s[:, c*CH : (c+1)*CH] @ x[c*CH : (c+1)*CH]`` in float32 (products of 16-bit values,
-        exact in float32)."""
+        exact in float32). ``PDL``: let the row kernel start now (it waits for this grid before reading ``hp``)."""
+        if PDL:
+            gdc_launch_dependents()
         c = tl.program_id(0)
         s = tl.program_id(1)
         a_ptr = a0
@@ -77,11 +85,9 @@ if triton is not None:
         tl.store(hp_ptr + (s * KS_PAD + c) * R + offs_r, tl.sum(acc, axis=1))
 
     @triton.jit
-    def _lora_inputs(hp_ptr, idx_ptr, b0, b1, b2, n0, n1, rn, n_ok, row0, KS, lscale, out_ty: tl.constexpr,
-                     R: tl.constexpr, KS_PAD: tl.constexpr):
-        """This block's rows of B ``[BLOCK_N, R]`` (a block never straddles two slices: launch() checks that the
-        slice sizes are multiples of BLOCK_N) and its slice's ``h``, summed in a fixed order, scaled, zero for a token
-        without the adapter, rounded to the output dtype."""
+    def _lora_rows(b0, b1, b2, n0, n1, rn, n_ok, row0, R: tl.constexpr):
+        """This block's rows of B ``[BLOCK_N, R]`` and its slice (a block never straddles two slices: launch() checks
+        that the slice sizes are multiples of BLOCK_N)."""
         offs_r = tl.arange(0, R)
         if row0 >= n0 + n1:
             bt = tl.load(b2 + (rn - n0 - n1)[:, None] * R + offs_r[None, :], mask=n_ok[:, None], other=0.0)
@@ -92,12 +98,21 @@ if triton is not None:
         else:
             bt = tl.load(b0 + rn[:, None] * R + offs_r[None, :], mask=n_ok[:, None], other=0.0)
             hs = 0
+        return bt, hs
+
+    @triton.jit
+    def _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty: tl.constexpr, R: tl.constexpr, KS_PAD: tl.constexpr,
+                PDL: tl.constexpr):
+        """Slice ``hs``'s ``h``: the shrink's partials summed in a fixed order, scaled, zero for a token without the
+        adapter, rounded to the output dtype. ``PDL``: first wait until the shrink grid has finished."""
+        if PDL:
+            gdc_wait()
+        offs_r = tl.arange(0, R)
         offs_c = tl.arange(0, KS_PAD)
         parts = tl.load(hp_ptr + (hs * KS_PAD + offs_c)[:, None] * R + offs_r[None, :], mask=(offs_c < KS)[:, None],
                         other=0.0)
         slot = tl.load(idx_ptr)
-        h = tl.where(slot == 0, tl.sum(parts, axis=0) * lscale, 0.0).to(out_ty)  # punica's intermediate, rounded
-        return bt, h
+        return tl.where(slot == 0, tl.sum(parts, axis=0) * lscale, 0.0).to(out_ty)  # punica's intermediate, rounded
 
     @triton.jit
     def _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS: tl.constexpr):
@@ -114,7 +129,7 @@ if triton is not None:
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, bias_ptr, N, K,
         hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
-        HAS_BIAS: tl.constexpr, R: tl.constexpr, KS_PAD: tl.constexpr,
+        HAS_BIAS: tl.constexpr, R: tl.constexpr, KS_PAD: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         out_ty: tl.constexpr = y_ptr.dtype.element_ty
         pid_n = tl.program_id(0)
@@ -122,22 +137,40 @@ if triton is not None:
         row0 = pid_n * BLOCK_N
         rn = row0 + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-        if SPLIT_K == 1:  # every program finishes its block: the LoRA inputs load before the main loop
-            bt, h = _lora_inputs(hp_ptr, idx_ptr, b0, b1, b2, n0, n1, rn, n_ok, row0, KS, lscale, out_ty, R, KS_PAD)
+        if SPLIT_K == 1:  # every program finishes its block: B's rows (and, without PDL, h) load before the main loop
+            bt, hs = _lora_rows(b0, b1, b2, n0, n1, rn, n_ok, row0, R)
+            if not PDL:
+                h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
             part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, True)
+            if PDL:  # the shrink grid may still be running: h after the main loop
+                h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
             _store_with_update(part, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS)
         else:  # float32 partials [SPLIT_K, N]; the block's last program to arrive finishes it
             part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, True)
             tl.store(ws_ptr + pid_k * N + rn, part, mask=n_ok)
             arrived = tl.atomic_add(cnt_ptr + pid_n, 1)  # acq_rel at GPU scope: the partials above are visible
             if arrived == SPLIT_K - 1:
-                bt, h = _lora_inputs(hp_ptr, idx_ptr, b0, b1, b2, n0, n1, rn, n_ok, row0, KS, lscale, out_ty, R,
-                                     KS_PAD)
+                bt, hs = _lora_rows(b0, b1, b2, n0, n1, rn, n_ok, row0, R)
+                h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
                 tot = tl.zeros_like(part)
                 for s in tl.static_range(SPLIT_K):  # a fixed order: the sum does not depend on arrival
                     tot += tl.load(ws_ptr + s * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call (and the next CUDA-graph replay)
                 _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS)
+
+
+_PDL: dict[str, bool] = {}
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may use programmatic dependent launch: CUDA compute capability >= 9.0 (Hopper),
+    not under the Triton interpreter, and ``QERL_NO_PDL`` unset."""
+    if device.type != "cuda" or _interpreting() or os.environ.get("QERL_NO_PDL", "0") not in ("", "0"):
+        return False
+    key = str(device)
+    if key not in _PDL:
+        _PDL[key] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _PDL[key]
 
 
 def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, ...],
@@ -167,13 +200,15 @@ def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, 
 
 def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, lora_a: tuple[torch.Tensor, ...], lora_b: tuple[torch.Tensor, ...],
-           lora_scale: float, output_slices: tuple[int, ...], token_lora_indices: torch.Tensor) -> torch.Tensor:
+           lora_scale: float, output_slices: tuple[int, ...], token_lora_indices: torch.Tensor,
+           pdl: bool | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias) + B_s @ (lora_scale * A_s @ x)`` per slice for one row ``x`` ``[..., K]``, where the token's
     slot (``token_lora_indices[0]``) is 0; returns ``[..., N]`` in ``x``'s dtype. ``W`` is the NVFP4 triple
     (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor);
     ``bias`` ``[N]`` in natural order; ``lora_a[s]`` ``[1, 1, R, K]``, ``lora_b[s]`` ``[1, 1, n_s, R]``. Two
-    launches (shrink, then the row kernel with the expand). Raises :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported`
-    where :func:`supports` says no."""
+    launches (shrink, then the row kernel with the expand); ``pdl`` (default: where :func:`pdl_supported`): the row
+    kernel as a programmatic dependent launch, so it starts while the shrink runs and waits for it only before
+    reading ``h``. Raises :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported` where :func:`supports` says no."""
     slices = tuple(output_slices)
     why = supports(x, packed, lora_a, lora_b, slices)
     if why is not None:
@@ -203,13 +238,15 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     n_first = list(slices[:2]) + [n] * (2 - min(2, s_count))  # slices past the last start beyond N: never taken
     per, ks = chunking(k)
     hp = torch.empty(s_count, MAX_CHUNKS, rank, device=x.device, dtype=torch.float32)  # every read row is written
-    _shrink_kernel[(ks, s_count)](x2, *a, hp, k, per, R=rank, SUB=SUB_K, KS_PAD=MAX_CHUNKS, num_warps=4)
+    if pdl is None:
+        pdl = pdl_supported(x.device)
+    _shrink_kernel[(ks, s_count)](x2, *a, hp, k, per, R=rank, SUB=SUB_K, KS_PAD=MAX_CHUNKS, PDL=pdl, num_warps=4)
     g = global_scale.reshape(-1)[:1].to(torch.float32)
     _row_lora_kernel[(blocks, split_k)](
         x2, packed.contiguous().view(torch.int32), scale.contiguous(), g, out, ws, cnt,
         out if bias is None else bias.contiguous(), n, k, hp, token_lora_indices, *b, n_first[0], n_first[1], ks,
         float(lora_scale),
         BLOCK_N=block_n, BLOCK_K=tile["block_k"], SPLIT_K=split_k, ASM=not _interpreting(), HAS_BIAS=bias is not None,
-        R=rank, KS_PAD=MAX_CHUNKS, num_warps=tile["num_warps"],
+        R=rank, KS_PAD=MAX_CHUNKS, PDL=pdl, num_warps=tile["num_warps"], launch_pdl=pdl,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

@@ -9,6 +9,8 @@ graph with every layer's own weights (so the 4-bit weights stream from HBM, as i
                overlap mode before vllm_ext.nvfp4_gemv_lora
   row_lora     vllm_ext.nvfp4_gemv_lora: a small shrink kernel, then the row kernel with the LoRA expand in its
                epilogue (two launches, no synchronisation between programs)
+  row_lora_pdl the same with the row kernel as a programmatic dependent launch (Hopper): it starts while the shrink
+               runs and waits for it only before reading its result
 
 Needs only torch and Triton (no vLLM): run from the repository root on the GPU machine,
 
@@ -37,7 +39,7 @@ SHAPES = {  # hidden, intermediate, q features, kv features, layers (Qwen2.5)
     "7B": (3584, 18944, 3584, 512, 28),
     "32B": (5120, 27648, 5120, 1024, 64),
 }
-VARIANTS = ("row", "row+fused", "row||fused", "row_lora")
+VARIANTS = ("row", "row+fused", "row||fused", "row_lora", "row_lora_pdl")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,10 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     def row_beside(L):
         return lora_fused.launch_beside(lambda: row(L), updates[L[0]], L[1], L[6], L[7], 1.0, L[8], idx, sync, *side)
 
-    def one(L):
-        return rl.launch(L[1], L[2], L[3], L[4], L[5], L[6], L[7], 1.0, L[8], idx)
+    def one(L, pdl=False):
+        return rl.launch(L[1], L[2], L[3], L[4], L[5], L[6], L[7], 1.0, L[8], idx, pdl=pdl)
 
-    fns = {"row": row, "row+fused": row_fused, "row||fused": row_beside, "row_lora": one}
+    def one_pdl(L):
+        return one(L, pdl=True)
+
+    fns = {"row": row, "row+fused": row_fused, "row||fused": row_beside, "row_lora": one, "row_lora_pdl": one_pdl}
     result: dict = {"shape": args.shape, "layers": layers, "rank": r, "device": torch.cuda.get_device_name(),
                     "torch": torch.__version__, "weight_gb": weight_bytes / 1e9, "lora_mb": lora_bytes / 1e6,
                     "tiles": {g: decode_tile(sum(s), k) for g, (k, s, _) in groups.items()}, "check": {}}
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     for L in linears[:4]:
         want = row_fused(L)
         got = one(L)
+        got_pdl = one_pdl(L)
         ulp = 2.0**-7 * want.double().abs().clamp_min(2.0**-126)
         again = torch.equal(got, one(L))
         idx.fill_(-1)
@@ -120,11 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         result["check"][L[0]] = {"max_ulps": ((got.double() - want.double()).abs() / ulp).max().item(),
                                  "differing": (got != want).double().mean().item(),
                                  "repeat_identical": again,
+                                 "pdl_identical": torch.equal(got, got_pdl),
+                                 "pdl_max_ulps": ((got_pdl.double() - want.double()).abs() / ulp).max().item(),
                                  "no_adapter_max_ulps_vs_row": ((plain.double() - alone.double()).abs()
                                                                 / ulp_alone).max().item(),
                                  "no_adapter_differing": (plain != alone).double().mean().item()}
     torch.cuda.synchronize()
-    ok = all(c["max_ulps"] <= 1.0 and c["repeat_identical"] and c["no_adapter_max_ulps_vs_row"] <= 1.0
+    ok = all(c["max_ulps"] <= 1.0 and c["repeat_identical"] and c["pdl_max_ulps"] <= 1.0
+             and c["no_adapter_max_ulps_vs_row"] <= 1.0
              for c in result["check"].values())
     result["check_ok"] = ok
     print(json.dumps(result["check"], indent=1), flush=True)
@@ -158,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     result["row_lora_vs_row_fused_ms"] = round(diff, 4)
     result["verdict"] = ("equal" if abs(diff) <= max(base["spread_ms"], new["spread_ms"])
                          else "faster" if diff > 0 else "slower")
+    pb = rows["row_lora_pdl"]
+    pdiff = new["median_ms"] - pb["median_ms"]
+    result["pdl_vs_row_lora_ms"] = round(pdiff, 4)
+    result["pdl_verdict"] = ("equal" if abs(pdiff) <= max(new["spread_ms"], pb["spread_ms"])
+                             else "faster" if pdiff > 0 else "slower")
     result["lora_cost_ms"] = {name: round(rows[name]["median_ms"] - rows["row"]["median_ms"], 4)
                               for name in VARIANTS[1:]}
     result["row_tb_s"] = round(weight_bytes / (rows["row"]["median_ms"] * 1e-3) / 1e12, 3)
@@ -168,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = "" if name == "row" else f"   LoRA +{result['lora_cost_ms'][name]:.3f} ms"
         print(f"  {name:<11} {rows[name]['median_ms']:.4f} ms ({rows[name]['spread_ms']:.4f}){extra}")
     print(f"row kernel alone: {result['row_tb_s']} TB/s; row_lora vs row+fused: {diff:+.4f} ms -> {result['verdict']}; "
-          f"check {'ok' if ok else 'FAILED'}")
+          f"row_lora_pdl vs row_lora: {pdiff:+.4f} ms -> {result['pdl_verdict']}; check {'ok' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 

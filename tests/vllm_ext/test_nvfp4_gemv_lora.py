@@ -137,17 +137,21 @@ def test_refusals_name_the_bad_input(interpreted):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bfloat16 and the 7B shapes)")
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("group", ["qkv", "o", "gate_up", "down"])
-def test_gpu_7b_linears_match_row_kernel_then_fused_lora(group):
+def test_gpu_7b_linears_match_row_kernel_then_fused_lora(group, pdl):
     """bfloat16 on the 7B shapes: the two launches against the two they replace (decode_gemv's row op, then the
     fused LoRA kernel): at most one bf16 rounding step apart (the float32 sums run in other orders), the same bits on
     a second call, and, for a token without the adapter, within one step of the row kernel alone (steps of at least
-    1/256 of the largest value: lease 2 on an H200 saw 7.6 steps on a gate/up result near zero)."""
+    1/256 of the largest value: lease 2 on an H200 saw 7.6 steps on a gate/up result near zero). With and without
+    the row kernel as a programmatic dependent launch (Hopper), eagerly and replayed from a CUDA graph."""
     from qerl_plugin import nvfp4
     from vllm_ext import lora_fused
     from vllm_ext import nvfp4_gemv_lora as rl
     from vllm_ext.nvfp4_gemv import nvfp4_gemv_row
 
+    if pdl and not rl.pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
     k, slices = {"qkv": (3584, (3584, 512, 512)), "o": (3584, (3584,)), "gate_up": (3584, (18944, 18944)),
                  "down": (18944, (3584,))}[group]
     torch.manual_seed(0)
@@ -158,7 +162,7 @@ def test_gpu_7b_linears_match_row_kernel_then_fused_lora(group):
     a = tuple((torch.randn(1, 1, r, k, device=dev) / k**0.5).to(torch.bfloat16) for _ in slices)
     b = tuple((torch.randn(1, 1, s, r, device=dev) * 0.1).to(torch.bfloat16) for s in slices)
     idx = torch.zeros(4, dtype=torch.int32, device=dev)
-    got = rl.launch(x, q.packed, q.scale, q.global_scale, bias, a, b, 1.0, slices, idx)
+    got = rl.launch(x, q.packed, q.scale, q.global_scale, bias, a, b, 1.0, slices, idx, pdl=pdl)
     two = nvfp4_gemv_row(x, q.packed, q.scale, q.global_scale, bias)
     lora_fused.launch(two, x, a, b, 1.0, slices, idx, lora_fused.new_sync(dev))
 
@@ -169,7 +173,16 @@ def test_gpu_7b_linears_match_row_kernel_then_fused_lora(group):
 
     assert ulps(got, two) <= 1.0
     assert (got != two).double().mean().item() <= 0.02
-    assert torch.equal(got, rl.launch(x, q.packed, q.scale, q.global_scale, bias, a, b, 1.0, slices, idx))
+    assert torch.equal(got, rl.launch(x, q.packed, q.scale, q.global_scale, bias, a, b, 1.0, slices, idx, pdl=pdl))
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = rl.launch(static, q.packed, q.scale, q.global_scale, bias, a, b, 1.0, slices, idx, pdl=pdl)
+    for _ in range(3):
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, got)
     idx.fill_(-1)  # no adapter: the row kernel's result, its float32 sum possibly in another order
-    plain = rl.launch(x, q.packed, q.scale, q.global_scale, bias, a, b, 1.0, slices, idx)
+    plain = rl.launch(x, q.packed, q.scale, q.global_scale, bias, a, b, 1.0, slices, idx, pdl=pdl)
     assert ulps(plain, nvfp4_gemv_row(x, q.packed, q.scale, q.global_scale, bias)) <= 1.0
