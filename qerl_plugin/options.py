@@ -9,7 +9,9 @@ engine built with AQN never reuses a graph compiled without it)::
     {"qerl_aqn": true}                                          AQN: every RMSNorm gets a noise buffer
     {"qerl_nvfp4": {"backend": "emulation", "fp32_reduce": false}}   how nvfp4 layers run
     {"qerl_nvfp4": {"decode_gemv": true}}                       one-row calls on vllm_ext.nvfp4_gemv's kernel
-                                                                (experimental; keeps a second copy of the weights)
+                                                                (experimental; keeps a second copy of the weights);
+                                                                in the overlap mode with the LoRA inside it
+                                                                (vllm_ext.nvfp4_gemv_lora; QERL_NO_PDL=1: no PDL)
     {"qerl_lora": "overlap"}                                    the default: one adapter slot (max_loras=1), one
                                                                 Triton launch per LoRA linear (vllm_ext.lora_fused)
                                                                 on a second CUDA stream, beside the base GEMM, for

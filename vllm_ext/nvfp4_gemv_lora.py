@@ -15,9 +15,13 @@ version has no counter, no wait and nothing to reset:
   tiles, split-K's fixed-order sum of partials); the program that finishes an output block rounds the base result
   (bias included) to the output dtype, sums its slice's partials of ``h`` in a fixed order, applies ``scale`` and
   the token's slot, rounds ``h`` to the dtype, takes the float32 dot with its rows of ``B``, rounds, adds in float32
-  and stores once. The partials and the rows of ``B`` are loaded before the main loop (without split-K), so their
-  latency hides behind it. On Hopper it is a programmatic dependent launch: it starts while the shrink runs and
-  waits for that grid (``griddepcontrol.wait``) only before it reads the partials, after its main loop.
+  and stores once. The rows of ``B`` are loaded before the main loop (without split-K), so their latency hides
+  behind it. On Hopper it is a programmatic dependent launch: it starts while the shrink runs and waits for that grid
+  (``griddepcontrol.wait``) only before it reads the partials, after its main loop (without PDL the partials load
+  before the loop too).
+
+Per 7B decode step at batch 1 on an H200 (§4m lease 4): 2.229 ms, against 2.774 ms for the row kernel followed by
+the LoRA kernel and 1.877 ms for the row kernel alone; in the engine, batch-1 decode 16.2 % faster.
 
 The arithmetic is that of the row kernel followed by :mod:`vllm_ext.lora_fused`'s kernel (punica's): the base output
 rounded once, ``h = A @ x`` summed in float32, ``scale`` in float32, ``h`` rounded to the dtype, the update's float32
@@ -26,7 +30,7 @@ sum rounded, then added to the rounded base in float32 and rounded. The float32 
 same bits on every launch.
 
 Used by the overlap LoRA mode (the default) for one-row calls of engines with ``decode_gemv`` on
-(:mod:`vllm_ext.lora_dense_wrapper`). Imports torch and Triton only.
+(:mod:`vllm_ext.lora_dense_wrapper`). Imports torch, Triton and :mod:`qerl_plugin.options` only.
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ import os
 
 import torch
 
+from qerl_plugin.options import parse_bool
 from vllm_ext import lora_fused
 from vllm_ext.nvfp4_gemv import _counters, decode_tile
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
-__all__ = ["MAX_CHUNKS", "chunking", "launch", "pdl_supported", "supports"]
+__all__ = ["MAX_CHUNKS", "NO_PDL_ENV", "chunking", "launch", "pdl_supported", "supports"]
 
 SUB_K = 256  # input features per step of a shrink program
 MAX_CHUNKS = 16  # shrink programs per slice: the partials a finishing program sums
@@ -159,13 +164,16 @@ if triton is not None:
                 _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS)
 
 
+NO_PDL_ENV = "QERL_NO_PDL"
 _PDL: dict[str, bool] = {}
 
 
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` may use programmatic dependent launch: CUDA compute capability >= 9.0 (Hopper),
-    not under the Triton interpreter, and ``QERL_NO_PDL`` unset."""
-    if device.type != "cuda" or _interpreting() or os.environ.get("QERL_NO_PDL", "0") not in ("", "0"):
+    not under the Triton interpreter, and not turned off by ``QERL_NO_PDL`` (a bool: 1/true/yes/on)."""
+    if parse_bool(os.environ.get(NO_PDL_ENV, "0") or "0", NO_PDL_ENV):
+        return False
+    if device.type != "cuda" or _interpreting():
         return False
     key = str(device)
     if key not in _PDL:

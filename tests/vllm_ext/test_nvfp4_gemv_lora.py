@@ -135,6 +135,17 @@ def test_refusals_name_the_bad_input(interpreted):
     assert r["chunking"] == [[256, 1], [256, 14], [256, 16], [512, 10], [1280, 15], [1792, 16]]
 
 
+def test_pdl_is_off_on_the_cpu_and_by_the_environment(monkeypatch):
+    from vllm_ext import nvfp4_gemv_lora as rl
+
+    assert rl.pdl_supported(torch.device("cpu")) is False
+    monkeypatch.setenv(rl.NO_PDL_ENV, "yes")
+    assert rl.pdl_supported(torch.device("cuda")) is False  # decided before the device is looked at
+    monkeypatch.setenv(rl.NO_PDL_ENV, "sometimes")
+    with pytest.raises(ValueError, match="QERL_NO_PDL: expected true or false, got 'sometimes'"):
+        rl.pdl_supported(torch.device("cuda"))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bfloat16 and the 7B shapes)")
 @pytest.mark.parametrize("pdl", [False, True])
