@@ -208,6 +208,10 @@ run_step() {
         # session.sh bench_watch` follows it
         run_step ckpt7b
         TAG=-orow BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,bf16-lora --variants default,decode-gemv,decode-gemv+fused-lora,punica-lora --runs nvfp4-lora@decode-gemv+fused-lora,nvfp4-lora@decode-gemv,nvfp4-lora@default,bf16-lora@punica-lora --batches 1 --new-tokens 256 --repeats 5 --profile-tokens 64" run_step bench_bg ;;
+    bench_row_overhead)  # 7B decode at b1 (§4m lease 5): the LoRA overhead of the row+lora path, NVFP4 with decode_gemv with and
+        # without the adapter, 5 repeats. In the background into $work/bench-rowovh; `TAG=-rowovh session.sh bench_watch` follows it
+        run_step ckpt7b
+        TAG=-rowovh BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4 --variants decode-gemv --runs nvfp4-lora@decode-gemv,nvfp4@decode-gemv --batches 1 --new-tokens 256 --repeats 5" run_step bench_bg ;;
     overlap_test)  # the overlap mode's GPU tests (side stream vs fused and the exact result, CUDA-graph replay) and the fused kernel's
         step overlap_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_lora_overlap.py tests/vllm_ext/test_lora_fused.py ;;
     bnb)  # the bitsandbytes wheel for the nf4 (QLoRA) configs, carried in .whl/ (ignored by git); fetch it here with
