@@ -55,6 +55,7 @@ logger = logging.getLogger("qerl.vllm.lora_dense")
 FUSED_OP = "qerl::lora_linear_fused"
 _WRAPPERS: "weakref.WeakValueDictionary[int, QerlPunicaWrapper]" = weakref.WeakValueDictionary()
 _LOGGED: set[tuple[str, int]] = set()
+_ROW_REFUSALS: set[str] = set()  # why decode_gemv layers' one-row calls could not take the row+lora path (logged once)
 MERGED_APPLY_TARGET = "vllm.lora.layers.column_parallel_linear:_mcp_apply"  # what route_merged_layers wraps
 # ... and, for the overlap path, o_proj/down_proj's apply and the method that hands a layer its wrapper
 LINEAR_APPLY_TARGET = "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.apply"
@@ -228,9 +229,15 @@ def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
         # (vllm_ext.nvfp4_gemv_lora): faster than the LoRA kernel after or beside the row kernel (§4m)
         backend = getattr(base, "backend", None)
         row = backend.row_weights(layer.base_layer, bias) if backend is not None else None
-        if row is not None and nvfp4_gemv_lora.supports(x2, row[0], a, b, slices) is None:
-            _log_path(ROW_PATH, tokens, None)
-            return nvfp4_gemv_lora.launch(x, *row, a, b, 1.0, slices, wrapper._token_lora_indices)
+        if row is not None:
+            why = nvfp4_gemv_lora.supports(x2, row[0], a, b, slices)
+            if why is None:
+                _log_path(ROW_PATH, tokens, None)
+                return nvfp4_gemv_lora.launch(x, *row, a, b, 1.0, slices, wrapper._token_lora_indices)
+            if why not in _ROW_REFUSALS:  # once per reason: the call runs as below
+                _ROW_REFUSALS.add(why)
+                logger.warning("qerl: a one-row LoRA call of %s stays off the row+lora path (%s); it runs the "
+                               "base GEMM and the LoRA kernel", _prefix(layer) or type(layer).__name__, why)
     if not x.is_cuda or lora_fused.supports(x2, a, b, slices) is not None:
         # in order, on this stream, as the fused mode runs: the base GEMM, then vLLM's own step that has the wrapper
         # add the update (the one-launch kernel where it takes the call, punica for more than 64 tokens)
