@@ -25,8 +25,9 @@ adds (``y + round(update)``: the bits ``fused`` gives). At decode the kernel is 
 GEMM and punica one after the other, as ``fused`` does. vLLM's own ``VLLM_LORA_ENABLE_DUAL_STREAM`` does the
 same with punica's three launches (and a zero-filled buffer) for every call size; it is a process-wide switch.
 In an engine with ``decode_gemv`` on, one-row calls take neither: :mod:`vllm_ext.nvfp4_gemv_lora` runs a small
-shrink kernel, then the one-row NVFP4 kernel with the LoRA expand in its epilogue (the ``row+lora`` path; §4m:
-0.30 ms per 7B step faster than the LoRA kernel after the row kernel, which is itself faster than beside it).
+shrink kernel, then the one-row NVFP4 kernel with the LoRA expand in its epilogue, as a programmatic dependent
+launch on Hopper (the ``row+lora`` path; §4m on an H200: 2.229 against 2.774 ms per 7B step for the LoRA kernel
+after the row kernel, which is itself faster than beside it; +16.2 % batch-1 decode in the engine).
 The op finds its layer by the layer's name (``base_layer.prefix``), registered when the LoRA manager hands the
 layer its wrapper (:func:`route_merged_layers` wraps ``BaseLayerWithLoRA.set_mapping``): a name, unlike an
 ``id()``, means the same layer in the process that loads vLLM's AOT-compiled graph from its cache. Two engines in

@@ -264,17 +264,15 @@ class MarlinBackend(Backend):
         return layer.qerl_gemv_packed, layer.qerl_gemv_scale, layer.qerl_gemv_gscale, row_bias
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.decode_gemv and "qerl_gemv_packed" in layer._parameters:
+        row = self.row_weights(layer, bias)
+        if row is not None:
             # one op, opaque to torch.compile, so that the row count is read at run time: vLLM compiles the model
             # once at a large token count and drops the guards, so a Python test on the rows here would be decided
-            # for every batch size when the model is traced (the Marlin branch; §4k)
+            # for every batch size when the model is traced (the Marlin branch; §4k). Marlin takes the caller's
+            # bias, the row kernel row_weights' natural-order one (added in its epilogue)
             return torch.ops.qerl.nvfp4_marlin_or_row(
                 x, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.workspace,
-                layer.output_size_per_partition, layer.input_size_per_partition, bias, self.fp32_reduce,
-                layer.qerl_gemv_packed, layer.qerl_gemv_scale, layer.qerl_gemv_gscale,
-                # the caller's bias is Marlin's permuted one exactly when it is fused; the row kernel adds the
-                # natural-order one in its epilogue
-                None if bias is None else layer._parameters.get("qerl_gemv_bias", bias),
+                layer.output_size_per_partition, layer.input_size_per_partition, bias, self.fp32_reduce, *row,
             )  # fmt: skip
         return marlin_gemm(x, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.workspace,
                             layer.output_size_per_partition, layer.input_size_per_partition, bias, self.fp32_reduce)
