@@ -219,6 +219,16 @@ def fused_lora_linear(
     launch(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, token_lora_indices, sync, add_inputs)
 
 
+def slice_operands(lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...], rank: int,
+                   k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each slice's ``A`` ``[rank, k]`` and ``B`` ``[n_s, rank]`` as the kernels take them: :data:`MAX_SLICES` of each,
+    the missing ones aliasing the first (never read)."""
+    pad = MAX_SLICES - len(lora_a_stacked)
+    a = [t.view(rank, k) for t in lora_a_stacked] + [lora_a_stacked[0].view(rank, k)] * pad
+    b = [t.view(t.shape[-2], rank) for t in lora_b_stacked] + [lora_b_stacked[0].view(-1, rank)] * pad
+    return a, b
+
+
 def launch(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -248,8 +258,7 @@ def launch(
     block_m = max(16, triton.next_power_of_2(m))
     ks = triton.cdiv(k, CHUNK_K)
     h = sync[_HEAD:].view(torch.float32)
-    a = [t.view(rank, k) for t in lora_a_stacked] + [lora_a_stacked[0].view(rank, k)] * (MAX_SLICES - slices)
-    b = [t.view(t.shape[-2], rank) for t in lora_b_stacked] + [lora_b_stacked[0].view(-1, rank)] * (MAX_SLICES - slices)
+    a, b = slice_operands(lora_a_stacked, lora_b_stacked, rank, k)
     n = list(output_slices) + [0] * (MAX_SLICES - slices)
     grid = (ks + sum(triton.cdiv(size, BLOCK_N) for size in output_slices),)
     _fused_lora_kernel[grid](

@@ -69,11 +69,19 @@ if triton is not None:
             tl.store(ws_ptrs + pid_k * ws_step, part, mask=ok)
             arrived = tl.atomic_add(cnt_ptr, 1)  # acq_rel at GPU scope: the partials above are visible
             if arrived == SPLIT_K - 1:
-                tot = tl.zeros_like(part)
-                for s in tl.static_range(SPLIT_K):  # a fixed order: the result does not depend on arrival
-                    tot += tl.load(ws_ptrs + s * ws_step, mask=ok, other=0.0, cache_modifier=".cg")
+                tot = _sum_partials(ws_ptrs, ws_step, ok, part, SPLIT_K)
                 tl.store(y_ptrs, _scaled(tot, gmul, b_ptrs, ok, HAS_BIAS).to(y_ptrs.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(cnt_ptr, 0)  # ready for the next call (and the next CUDA-graph replay)
+
+    @triton.jit
+    def _sum_partials(ws_ptrs, ws_step, ok, part, SPLIT_K: tl.constexpr):
+        """The ``SPLIT_K`` float32 partials at ``ws_ptrs + s * ws_step`` (shaped like ``part``), summed in a fixed
+        order: the result does not depend on the order the programs arrived in. Shared with
+        :mod:`vllm_ext.nvfp4_gemv_lora`'s kernel."""
+        tot = tl.zeros_like(part)
+        for s in tl.static_range(SPLIT_K):
+            tot += tl.load(ws_ptrs + s * ws_step, mask=ok, other=0.0, cache_modifier=".cg")
+        return tot
 
     @triton.jit
     def _scaled(part, gmul, b_ptrs, ok, HAS_BIAS: tl.constexpr):

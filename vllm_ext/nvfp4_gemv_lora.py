@@ -63,7 +63,7 @@ def chunking(k: int) -> tuple[int, int]:
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    from vllm_ext.nvfp4_gemv import _row_dot
+    from vllm_ext.nvfp4_gemv import _row_dot, _scaled, _sum_partials
 
     @triton.jit
     def _shrink_kernel(x_ptr, a0, a1, a2, hp_ptr, K, CH, R: tl.constexpr, SUB: tl.constexpr, KS_PAD: tl.constexpr,
@@ -122,10 +122,8 @@ if triton is not None:
     @triton.jit
     def _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS: tl.constexpr):
         out_ty = y_ptr.dtype.element_ty
-        base = tot * (16384.0 / tl.load(g_ptr))
-        if HAS_BIAS:
-            base += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        base = base.to(out_ty)  # the row kernel's output, rounded once
+        # the row kernel's output (global scale, bias in float32), rounded once
+        base = _scaled(tot, 16384.0 / tl.load(g_ptr), bias_ptr + rn, n_ok, HAS_BIAS).to(out_ty)
         up = tl.sum(bt.to(tl.float32) * h.to(tl.float32)[None, :], axis=1).to(out_ty)
         tl.store(y_ptr + rn, (base.to(tl.float32) + up.to(tl.float32)).to(out_ty), mask=n_ok)
 
@@ -157,9 +155,7 @@ if triton is not None:
             if arrived == SPLIT_K - 1:
                 bt, hs = _lora_rows(b0, b1, b2, n0, n1, rn, n_ok, row0, R)
                 h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
-                tot = tl.zeros_like(part)
-                for s in tl.static_range(SPLIT_K):  # a fixed order: the sum does not depend on arrival
-                    tot += tl.load(ws_ptr + s * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
+                tot = _sum_partials(ws_ptr + rn, N, n_ok, part, SPLIT_K)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call (and the next CUDA-graph replay)
                 _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS)
 
@@ -241,8 +237,7 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     else:
         ws, cnt = out, out  # unused
     s_count = len(slices)
-    a = [t.view(rank, k) for t in lora_a] + [lora_a[0].view(rank, k)] * (lora_fused.MAX_SLICES - s_count)
-    b = [t.view(t.shape[-2], rank) for t in lora_b] + [lora_b[0].view(-1, rank)] * (lora_fused.MAX_SLICES - s_count)
+    a, b = lora_fused.slice_operands(lora_a, lora_b, rank, k)
     n_first = list(slices[:2]) + [n] * (2 - min(2, s_count))  # slices past the last start beyond N: never taken
     per, ks = chunking(k)
     hp = torch.empty(s_count, MAX_CHUNKS, rank, device=x.device, dtype=torch.float32)  # every read row is written

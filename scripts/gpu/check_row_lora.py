@@ -42,6 +42,15 @@ SHAPES = {  # hidden, intermediate, q features, kv features, layers (Qwen2.5)
 VARIANTS = ("row", "row+fused", "row||fused", "row_lora", "row_lora_pdl")
 
 
+def compare(a: dict, b: dict) -> tuple[float, str]:
+    """How much faster ``a`` is than ``b`` (ms per step, medians) and the verdict: 'faster' / 'slower' where the
+    medians differ by more than both spreads, else 'equal'."""
+    diff = b["median_ms"] - a["median_ms"]
+    if abs(diff) <= max(a["spread_ms"], b["spread_ms"]):
+        return diff, "equal"
+    return diff, "faster" if diff > 0 else "slower"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="7B", choices=sorted(SHAPES))
@@ -162,16 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = {"median_ms": round(statistics.median(t), 4), "spread_ms": round(max(t) - min(t), 4),
                       "runs_ms": [round(v, 4) for v in t]}
     result["steps"] = rows
-    base, new = rows["row+fused"], rows["row_lora"]
-    diff = base["median_ms"] - new["median_ms"]
+    diff, result["verdict"] = compare(rows["row_lora"], rows["row+fused"])
     result["row_lora_vs_row_fused_ms"] = round(diff, 4)
-    result["verdict"] = ("equal" if abs(diff) <= max(base["spread_ms"], new["spread_ms"])
-                         else "faster" if diff > 0 else "slower")
-    pb = rows["row_lora_pdl"]
-    pdiff = new["median_ms"] - pb["median_ms"]
+    pdiff, result["pdl_verdict"] = compare(rows["row_lora_pdl"], rows["row_lora"])
     result["pdl_vs_row_lora_ms"] = round(pdiff, 4)
-    result["pdl_verdict"] = ("equal" if abs(pdiff) <= max(new["spread_ms"], pb["spread_ms"])
-                             else "faster" if pdiff > 0 else "slower")
     result["lora_cost_ms"] = {name: round(rows[name]["median_ms"] - rows["row"]["median_ms"], 4)
                               for name in VARIANTS[1:]}
     result["row_tb_s"] = round(weight_bytes / (rows["row"]["median_ms"] * 1e-3) / 1e12, 3)
