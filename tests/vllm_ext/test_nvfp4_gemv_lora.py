@@ -135,6 +135,22 @@ def test_refusals_name_the_bad_input(interpreted):
     assert r["chunking"] == [[256, 1], [256, 14], [256, 16], [512, 10], [1280, 15], [1792, 16]]
 
 
+def test_launch_names_a_scale_or_bias_of_the_wrong_shape():
+    """Checked before anything is launched (no interpreter needed): the error names the tensor and the shape wanted."""
+    from qerl_plugin import nvfp4
+    from vllm_ext import nvfp4_gemv_lora as rl
+
+    q = nvfp4.quantize((torch.randn(16, 256) * 0.05).to(torch.bfloat16))
+    x = torch.randn(1, 256).half()
+    a = ((torch.randn(1, 1, 16, 256) / 16).half(),)
+    b = (torch.randn(1, 1, 16, 16).half(),)
+    idx = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"scale torch.float8_e4m3fn \(16, 8\), expected float8_e4m3fn \(16, 16\)"):
+        rl.launch(x, q.packed, q.scale[:, :8], q.global_scale, None, a, b, 1.0, (16,), idx)
+    with pytest.raises(ValueError, match=r"bias \(15,\), expected \(16,\)"):
+        rl.launch(x, q.packed, q.scale, q.global_scale, torch.zeros(15).half(), a, b, 1.0, (16,), idx)
+
+
 def test_pdl_is_off_on_the_cpu_and_by_the_environment(monkeypatch):
     from vllm_ext import nvfp4_gemv_lora as rl
 
