@@ -234,7 +234,7 @@ def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
             why = nvfp4_gemv_lora.supports(x2, row[0], a, b, slices)
             if why is None:
                 _log_path(ROW_PATH, tokens, None)
-                return nvfp4_gemv_lora.launch(x, *row, a, b, 1.0, slices, wrapper._token_lora_indices)
+                return nvfp4_gemv_lora.launch_supported(x, *row, a, b, 1.0, slices, wrapper._token_lora_indices)
             if why not in _ROW_REFUSALS:  # once per reason: the call runs as below
                 _ROW_REFUSALS.add(why)
                 logger.warning("qerl: a one-row LoRA call of %s stays off the row+lora path (%s); it runs the "

@@ -46,7 +46,7 @@ from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
-__all__ = ["MAX_CHUNKS", "NO_PDL_ENV", "chunking", "launch", "pdl_supported", "supports"]
+__all__ = ["MAX_CHUNKS", "NO_PDL_ENV", "chunking", "launch", "launch_supported", "pdl_supported", "supports"]
 
 SUB_K = 256  # input features per step of a shrink program
 MAX_CHUNKS = 16  # shrink programs per slice: the partials a finishing program sums
@@ -213,10 +213,20 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     launches (shrink, then the row kernel with the expand); ``pdl`` (default: where :func:`pdl_supported`): the row
     kernel as a programmatic dependent launch, so it starts while the shrink runs and waits for it only before
     reading ``h``. Raises :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported` where :func:`supports` says no."""
-    slices = tuple(output_slices)
-    why = supports(x, packed, lora_a, lora_b, slices)
+    why = supports(x, packed, lora_a, lora_b, tuple(output_slices))
     if why is not None:
         raise lora_fused.FusedLoRAUnsupported(why)
+    return launch_supported(x, packed, scale, global_scale, bias, lora_a, lora_b, lora_scale, output_slices,
+                            token_lora_indices, pdl)
+
+
+def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                     bias: torch.Tensor | None, lora_a: tuple[torch.Tensor, ...], lora_b: tuple[torch.Tensor, ...],
+                     lora_scale: float, output_slices: tuple[int, ...], token_lora_indices: torch.Tensor,
+                     pdl: bool | None = None) -> torch.Tensor:
+    """:func:`launch` for a caller that has already had ``None`` from :func:`supports` for this call (the overlap op
+    asks it to choose its path); still refuses a scale or bias of the wrong shape."""
+    slices = tuple(output_slices)
     k = x.shape[-1]
     n = packed.shape[0]
     rank = lora_a[0].shape[-2]
