@@ -180,60 +180,77 @@ if triton is not None:
         return (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+                  ASM: tl.constexpr, XVEC: tl.constexpr):
+        """K tile ``t`` of :func:`_row_dot`: ``[BLOCK_N, WORDS]`` float32 sums of each word's 8 products, times its
+        group's scale."""
+        cw = t * WORDS + tl.arange(0, WORDS)  # this tile's words: codes 8*cw .. 8*cw + 7, code j in bits 4j .. 4j + 3
+        wv = tl.load(w_ptr + rn[:, None] * kw + cw[None, :], mask=n_ok[:, None], other=0)
+        if XVEC:  # one load per group, its two words take it from registers
+            cg = t * (WORDS // 2) + tl.arange(0, WORDS // 2)
+            sg = tl.load(s_ptr + rn[:, None] * kg + cg[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            sc = tl.reshape(tl.join(sg, sg), (BLOCK_N, WORDS))
+        else:
+            sc = tl.load(s_ptr + rn[:, None] * kg + (cw // 2)[None, :], mask=n_ok[:, None], other=0.0)
+            sc = sc.to(tl.float32)
+        part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        if ASM:  # the same decode in PTX (the interpreter cannot run it; the GPU tests check it)
+            codes = tl.inline_asm_elementwise(
+                asm=_DECODE8_PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wv],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
+                       tl.float32),
+                is_pure=True, pack=1,
+            )  # fmt: skip
+        else:  # codes j and j + 4 as two float16 in one int32 (halves: code j, code j + 4): the magnitude bits to
+            # bits 11-9 of each half, the sign to bit 15; each float16 is the E2M1 value times 2^-14
+            h0 = ((wv << 9) & 0x0E000E00) | ((wv << 12) & -2147450880)  # -2147450880 = 0x80008000 as int32
+            h1 = ((wv << 5) & 0x0E000E00) | ((wv << 8) & -2147450880)
+            h2 = ((wv << 1) & 0x0E000E00) | ((wv << 4) & -2147450880)
+            h3 = ((wv >> 3) & 0x0E000E00) | (wv & -2147450880)
+            codes = (_half_lo(h0), _half_lo(h1), _half_lo(h2), _half_lo(h3),
+                     _half_hi(h0), _half_hi(h1), _half_hi(h2), _half_hi(h3))
+        if XVEC:
+            # codes[L] in natural order along a new last axis: nested joins put code 4k + 2j + i at [k, j, i]
+            c8 = tl.join(tl.join(tl.join(codes[0], codes[4]), tl.join(codes[2], codes[6])),
+                         tl.join(tl.join(codes[1], codes[5]), tl.join(codes[3], codes[7])))
+            c8 = tl.reshape(c8, (BLOCK_N, WORDS, 8))
+            xv = tl.load(x_ptr + 8 * cw[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)  # [WORDS, 8]
+            part = tl.sum(c8 * xv[None, :, :], axis=2)
+        else:
+            for j in tl.static_range(8):
+                part += codes[j] * tl.load(x_ptr + 8 * cw + j).to(tl.float32)[None, :]
+        return part * sc  # a word's 8 codes share one group (16 codes = 2 words)
+
+    @triton.jit
     def _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr):
+                 SPLIT_K: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, STAGES: tl.constexpr):
         """The one-row kernel's main loop: ``sum_k x[k] W[n, k]`` in float32 for the rows ``rn`` (``n_ok``: inside
         N) over K tiles ``pid_k, pid_k + SPLIT_K, ...``, before the global scale. Shared with
-        :mod:`vllm_ext.nvfp4_gemv_lora`'s kernel."""
+        :mod:`vllm_ext.nvfp4_gemv_lora`'s kernel.
+
+        ``STAGES`` > 0 (for K a multiple of 128 only): the loop is software-pipelined that many stages deep (Triton
+        copies the next tiles' words and ``x`` to shared memory with ``cp.async`` while this one is summed), and the
+        rows' strides are declared multiples of 16 words and 8 scale bytes, so those copies can be wide. With 0 (the
+        kernel measured in §4j-§4m) each tile's loads wait a full memory round trip before its sums: a 7B q/k/v or o
+        call is seven such round trips one after the other. The same products are summed in the same order along K
+        either way; only how a tile's words are split between threads for the final sum may differ."""
         WORDS: tl.constexpr = BLOCK_K // 8
-        rw = tl.arange(0, WORDS)
-        kw = K // 8
-        kg = K // 16
         acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-        for t in range(pid_k, K // BLOCK_K, SPLIT_K):
-            cw = t * WORDS + rw  # this tile's words: codes 8*cw .. 8*cw + 7, code j in bits 4j .. 4j + 3
-            wv = tl.load(w_ptr + rn[:, None] * kw + cw[None, :], mask=n_ok[:, None], other=0)
-            if XVEC:  # one load per group, its two words take it from registers
-                cg = t * (WORDS // 2) + tl.arange(0, WORDS // 2)
-                sg = tl.load(s_ptr + rn[:, None] * kg + cg[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-                sc = tl.reshape(tl.join(sg, sg), (BLOCK_N, WORDS))
-            else:
-                sc = tl.load(s_ptr + rn[:, None] * kg + (cw // 2)[None, :], mask=n_ok[:, None], other=0.0)
-                sc = sc.to(tl.float32)
-            part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-            if ASM:  # the same decode in PTX (the interpreter cannot run it; the GPU tests check it)
-                codes = tl.inline_asm_elementwise(
-                    asm=_DECODE8_PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wv],
-                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
-                           tl.float32),
-                    is_pure=True, pack=1,
-                )  # fmt: skip
-            else:  # codes j and j + 4 as two float16 in one int32 (halves: code j, code j + 4): the magnitude bits to
-                # bits 11-9 of each half, the sign to bit 15; each float16 is the E2M1 value times 2^-14
-                h0 = ((wv << 9) & 0x0E000E00) | ((wv << 12) & -2147450880)  # -2147450880 = 0x80008000 as int32
-                h1 = ((wv << 5) & 0x0E000E00) | ((wv << 8) & -2147450880)
-                h2 = ((wv << 1) & 0x0E000E00) | ((wv << 4) & -2147450880)
-                h3 = ((wv >> 3) & 0x0E000E00) | (wv & -2147450880)
-                codes = (_half_lo(h0), _half_lo(h1), _half_lo(h2), _half_lo(h3),
-                         _half_hi(h0), _half_hi(h1), _half_hi(h2), _half_hi(h3))
-            if XVEC:
-                # codes[L] in natural order along a new last axis: nested joins put code 4k + 2j + i at [k, j, i]
-                c8 = tl.join(tl.join(tl.join(codes[0], codes[4]), tl.join(codes[2], codes[6])),
-                             tl.join(tl.join(codes[1], codes[5]), tl.join(codes[3], codes[7])))
-                c8 = tl.reshape(c8, (BLOCK_N, WORDS, 8))
-                xv = tl.load(x_ptr + 8 * cw[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)  # [WORDS, 8]
-                part = tl.sum(c8 * xv[None, :, :], axis=2)
-            else:
-                for j in tl.static_range(8):
-                    part += codes[j] * tl.load(x_ptr + 8 * cw + j).to(tl.float32)[None, :]
-            acc += part * sc  # a word's 8 codes share one group (16 codes = 2 words)
+        if STAGES > 0:
+            kw = tl.multiple_of(K // 8, 16)
+            kg = tl.multiple_of(K // 16, 8)
+            for t in tl.range(pid_k, K // BLOCK_K, SPLIT_K, num_stages=STAGES):
+                acc += _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N, WORDS, ASM, XVEC)
+        else:
+            for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+                acc += _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, K // 8, K // 16, BLOCK_N, WORDS, ASM, XVEC)
         return tl.sum(acc, axis=1)
 
     @triton.jit
     def _nvfp4_row_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, b_ptr, N, K,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
-        XVEC: tl.constexpr, HAS_BIAS: tl.constexpr,
+        XVEC: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         """One row: ``y[n] = sum_k x[k] W[n, k]`` on the CUDA cores, the weight read as int32 words of 8 codes.
         ``XVEC``: ``x`` loaded as one 16-byte run per word (8 values) and the 8 decoded codes joined in registers to
@@ -243,7 +260,7 @@ if triton is not None:
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-        part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, XVEC)
+        part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, XVEC, STAGES)
         # workspace [SPLIT_K, N] float32 for split-K's partials
         _finish(y_ptr + rn, ws_ptr + rn, N, part, n_ok, 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k,
                 SPLIT_K, b_ptr + rn, HAS_BIAS)
@@ -262,7 +279,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                      block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4,
                      num_stages: int | None = None, fma: bool = False, group_scales: bool = False,
                      words: bool = False, asm: bool | None = None, xvec: bool = False,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, stages: int = 0) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[..., K]`` (bfloat16/float16, at most :data:`MAX_TOKENS` rows) and ``W`` given as
     the NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the
     float32 divisor ``[1]``); returns ``[..., N]`` in ``x``'s dtype. ``block_n`` output features per program (16,
@@ -272,7 +289,9 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     one row on the CUDA cores with the weight read as int32 words and two codes decoded per integer operation
     (:func:`_nvfp4_row_kernel`); ``asm``: that decode in PTX (default: on CUDA, not under the interpreter);
     ``xvec``: that kernel with ``x`` and the scales loaded once per word and group; ``bias`` ``[N]``: added to the
-    float32 result in the epilogue, before the one rounding to ``x``'s dtype."""
+    float32 result in the epilogue, before the one rounding to ``x``'s dtype; ``stages``: with ``words``, the main
+    loop software-pipelined that many stages deep (0: not pipelined; needs K a multiple of 128, see
+    :func:`_row_dot`)."""
     if triton is None:
         raise RuntimeError(f"nvfp4_small_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -293,6 +312,10 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
             problems.append(f"{flag}=True takes one row, got {m}")
     if split_k < 1:
         problems.append(f"split_k={split_k} (>= 1)")
+    if stages < 0 or (stages and not words):
+        problems.append(f"stages={stages} (>= 0, and only with words=True)")
+    elif stages and k % 128:
+        problems.append(f"stages={stages} needs K a multiple of 128, got K={k}")
     if tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8:
         problems.append(f"packed {packed.dtype} {tuple(packed.shape)}, expected uint8 ({n}, {k // 2})")
     if tuple(scale.shape) != (n, k // GROUP) or scale.dtype != torch.float8_e4m3fn:
@@ -323,7 +346,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](
             x2, packed.view(torch.int32), scale, g, out, ws, cnt, b, n, k,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm,
-            XVEC=xvec, HAS_BIAS=bias is not None,
+            XVEC=xvec, HAS_BIAS=bias is not None, STAGES=stages,
             num_warps=num_warps, **extra,
         )  # fmt: skip
         return out.reshape(*x.shape[:-1], n)

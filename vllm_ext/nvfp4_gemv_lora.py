@@ -132,7 +132,7 @@ if triton is not None:
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, bias_ptr, N, K,
         hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
-        HAS_BIAS: tl.constexpr, R: tl.constexpr, KS_PAD: tl.constexpr, PDL: tl.constexpr,
+        HAS_BIAS: tl.constexpr, R: tl.constexpr, KS_PAD: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         out_ty: tl.constexpr = y_ptr.dtype.element_ty
         pid_n = tl.program_id(0)
@@ -144,12 +144,12 @@ if triton is not None:
             bt, hs = _lora_rows(b0, b1, b2, n0, n1, rn, n_ok, row0, R)
             if not PDL:
                 h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
-            part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, True)
+            part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, True, STAGES)
             if PDL:  # the shrink grid may still be running: h after the main loop
                 h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
             _store_with_update(part, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS)
         else:  # float32 partials [SPLIT_K, N]; the block's last program to arrive finishes it
-            part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, True)
+            part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, True, STAGES)
             tl.store(ws_ptr + pid_k * N + rn, part, mask=n_ok)
             arrived = tl.atomic_add(cnt_ptr + pid_n, 1)  # acq_rel at GPU scope: the partials above are visible
             if arrived == SPLIT_K - 1:
@@ -223,9 +223,11 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
 def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      bias: torch.Tensor | None, lora_a: tuple[torch.Tensor, ...], lora_b: tuple[torch.Tensor, ...],
                      lora_scale: float, output_slices: tuple[int, ...], token_lora_indices: torch.Tensor,
-                     pdl: bool | None = None) -> torch.Tensor:
+                     pdl: bool | None = None, tile: dict[str, int] | None = None) -> torch.Tensor:
     """:func:`launch` for a caller that has already had ``None`` from :func:`supports` for this call (the overlap op
-    asks it to choose its path); still refuses a scale or bias of the wrong shape."""
+    asks it to choose its path); still refuses a scale or bias of the wrong shape. ``tile``: the row kernel's tile
+    in place of :func:`decode_tile`'s (for timing the kernel's variants side by side: scripts/gpu/check_row_lora.py);
+    the slices must be multiples of its ``block_n``."""
     slices = tuple(output_slices)
     k = x.shape[-1]
     n = packed.shape[0]
@@ -234,7 +236,10 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"scale {scale.dtype} {tuple(scale.shape)}, expected float8_e4m3fn ({n}, {k // 16})")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias {tuple(bias.shape)}, expected ({n},)")
-    tile = decode_tile(n, k)
+    if tile is None:
+        tile = decode_tile(n, k)
+    elif any(size % tile["block_n"] for size in slices[:-1]):
+        raise ValueError(f"slices {slices} are not multiples of the given tile's {tile['block_n']} rows per block")
     x2 = x.reshape(1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -260,6 +265,6 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         out if bias is None else bias.contiguous(), n, k, hp, token_lora_indices, *b, n_first[0], n_first[1], ks,
         float(lora_scale),
         BLOCK_N=block_n, BLOCK_K=tile["block_k"], SPLIT_K=split_k, ASM=not _interpreting(), HAS_BIAS=bias is not None,
-        R=rank, KS_PAD=MAX_CHUNKS, PDL=pdl, num_warps=tile["num_warps"], launch_pdl=pdl,
+        R=rank, KS_PAD=MAX_CHUNKS, PDL=pdl, STAGES=tile.get("stages", 0), num_warps=tile["num_warps"], launch_pdl=pdl,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

@@ -94,7 +94,8 @@ def tile_name(t: dict[str, Any]) -> str:
         name += f"p{t['num_stages']}"
     name += ("F" if t.get("fma") else "") + ("G" if t.get("group_scales") else "") + ("W" if t.get("words") else "")
     name += {True: "A", False: "I"}.get(t.get("asm"), "")  # PTX decode / Triton integer decode
-    return name + ("X" if t.get("xvec") else "")
+    name += "X" if t.get("xvec") else ""
+    return name + (f"S{t['stages']}" if t.get("stages") else "")  # the one-row kernel's pipelined loop
 
 
 def copies_for(nbytes: int, cold_mib: float, cap: int = 64) -> int:

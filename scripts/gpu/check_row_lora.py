@@ -11,6 +11,9 @@ graph with every layer's own weights (so the 4-bit weights stream from HBM, as i
                epilogue (two launches, no synchronisation between programs)
   row_lora_pdl the same with the row kernel as a programmatic dependent launch (Hopper): it starts while the shrink
                runs and waits for it only before reading its result
+  row_s0, row_lora_pdl_s0
+               row and row_lora_pdl with §4m's tiles and an unpipelined loop (stages 0), when decode_tile's tiles
+               differ from them: the kernels before §4n, in the same run
 
 Needs only torch and Triton (no vLLM): run from the repository root on the GPU machine,
 
@@ -40,6 +43,16 @@ SHAPES = {  # hidden, intermediate, q features, kv features, layers (Qwen2.5)
     "32B": (5120, 27648, 5120, 1024, 64),
 }
 VARIANTS = ("row", "row+fused", "row||fused", "row_lora", "row_lora_pdl")
+OLD_VARIANTS = ("row_s0", "row_lora_pdl_s0")
+
+
+def tile_4m(n: int, k: int) -> dict[str, int]:
+    """decode_tile as §4m shipped it (before the pipelined loop of §4n)."""
+    if k > 8192:
+        return dict(block_n=8, block_k=512, split_k=8 if k > 20480 else 4, num_warps=2)
+    if n > 16384:
+        return dict(block_n=8, block_k=512, split_k=1, num_warps=2)
+    return dict(block_n=4, block_k=512, split_k=1, num_warps=4 if k <= 4096 else 2)
 
 
 def compare(a: dict, b: dict) -> tuple[float, str]:
@@ -65,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_ext import lora_fused
     from vllm_ext import nvfp4_gemv_lora as rl
     from vllm_ext.bench.kernels import capture_graph
-    from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_gemv_row
+    from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_gemv_row, nvfp4_small_gemm
 
     out_dir = Path(args.out or os.environ.get("OUT") or ".out").expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -115,7 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     def one_pdl(L):
         return one(L, pdl=True)
 
-    fns = {"row": row, "row+fused": row_fused, "row||fused": row_beside, "row_lora": one, "row_lora_pdl": one_pdl}
+    def row_s0(L):
+        return nvfp4_small_gemm(L[1], L[2], L[3], L[4], bias=L[5], words=True, xvec=True,
+                                **tile_4m(L[2].shape[0], L[1].shape[-1]))
+
+    def one_pdl_s0(L):
+        return rl.launch(L[1], L[2], L[3], L[4], L[5], L[6], L[7], 1.0, L[8], idx, pdl=True,
+                         tile=tile_4m(L[2].shape[0], L[1].shape[-1]))
+
+    fns = {"row": row, "row+fused": row_fused, "row||fused": row_beside, "row_lora": one, "row_lora_pdl": one_pdl,
+           "row_s0": row_s0, "row_lora_pdl_s0": one_pdl_s0}
+    variants = VARIANTS
+    if any({**tile_4m(sum(sl), k), "stages": 0} != {"stages": 0, **decode_tile(sum(sl), k)}
+           for k, sl, _ in groups.values()):
+        variants = VARIANTS + OLD_VARIANTS
     result: dict = {"shape": args.shape, "layers": layers, "rank": r, "device": torch.cuda.get_device_name(),
                     "torch": torch.__version__, "weight_gb": weight_bytes / 1e9, "lora_mb": lora_bytes / 1e6,
                     "tiles": {g: decode_tile(sum(s), k) for g, (k, s, _) in groups.items()}, "check": {}}
@@ -149,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. one step of every variant in its own graph; replays interleaved
     graphs = {}
-    for name in VARIANTS:
+    for name in variants:
         step = [lambda L=L, f=fns[name]: f(L) for L in linears]
         graphs[name] = capture_graph(step, len(step), warmups=2)
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(2):  # untimed replays
         for g in graphs.values():
@@ -166,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             end.synchronize()
             times[name].append(start.elapsed_time(end))
     rows = {}
-    for name in VARIANTS:
+    for name in variants:
         t = times[name]
         rows[name] = {"median_ms": round(statistics.median(t), 4), "spread_ms": round(max(t) - min(t), 4),
                       "runs_ms": [round(v, 4) for v in t]}
@@ -177,15 +203,22 @@ def main(argv: list[str] | None = None) -> int:
     result["pdl_vs_row_lora_ms"] = round(pdiff, 4)
     result["lora_cost_ms"] = {name: round(rows[name]["median_ms"] - rows["row"]["median_ms"], 4)
                               for name in VARIANTS[1:]}
+    if "row_s0" in rows:  # §4n's verdicts: the shipped tiles against §4m's, same run
+        for new, old in (("row", "row_s0"), ("row_lora_pdl", "row_lora_pdl_s0")):
+            d, v = compare(rows[new], rows[old])
+            result[f"{new}_vs_{old}"] = {"ms": round(d, 4), "verdict": v}
     result["row_tb_s"] = round(weight_bytes / (rows["row"]["median_ms"] * 1e-3) / 1e12, 3)
     (out_dir / "check_row_lora.json").write_text(json.dumps(result, indent=1))
     print(f"{args.shape}, {layers} layers, rank {r}, batch 1: 4-bit weights {weight_bytes / 1e9:.2f} GB, "
           f"LoRA {lora_bytes / 1e6:.0f} MB; per step, median of {args.reps} (spread)")
-    for name in VARIANTS:
-        extra = "" if name == "row" else f"   LoRA +{result['lora_cost_ms'][name]:.3f} ms"
+    for name in variants:
+        extra = "" if name not in result["lora_cost_ms"] else f"   LoRA +{result['lora_cost_ms'][name]:.3f} ms"
         print(f"  {name:<11} {rows[name]['median_ms']:.4f} ms ({rows[name]['spread_ms']:.4f}){extra}")
     print(f"row kernel alone: {result['row_tb_s']} TB/s; row_lora vs row+fused: {diff:+.4f} ms -> {result['verdict']}; "
           f"row_lora_pdl vs row_lora: {pdiff:+.4f} ms -> {result['pdl_verdict']}; check {'ok' if ok else 'FAILED'}")
+    for key in ("row_vs_row_s0", "row_lora_pdl_vs_row_lora_pdl_s0"):
+        if key in result:
+            print(f"{key}: {result[key]['ms']:+.4f} ms -> {result[key]['verdict']}")
     return 0 if ok else 1
 
 

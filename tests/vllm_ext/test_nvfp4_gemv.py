@@ -40,6 +40,9 @@ CASES = [  # (rows, N, K, block_k, split_k, variant): one and several rows, a ra
     (2, 96, 768, 128, 4, {"bias": True}),  # the bias added in the split-K epilogue, both kernels
     (1, 20, 768, 256, 3, {"words": True, "xvec": True, "block_n": 4, "bias": True}),
     (1, 40, 512, 128, 1, {"words": True, "xvec": True, "bias": True}),
+    # the software-pipelined loop (stages > 0; the interpreter runs it as a plain loop, with its stride hints)
+    (1, 40, 512, 128, 1, {"words": True, "xvec": True, "stages": 3}),
+    (1, 20, 768, 256, 3, {"words": True, "xvec": True, "block_n": 4, "stages": 2, "bias": True}),
 ]
 
 INTERPRETED = textwrap.dedent(
@@ -186,6 +189,45 @@ def test_gpu_marlin_or_row_with_bias(n, k):
         ref = x.float() @ w.t() + bias.float()
         tol = 2.0**-7 * ref.abs().max().item() + 1e-2  # bf16 output rounding and float32 sums in a different order
         assert got.shape == (rows, n) and (got.float() - ref).abs().max().item() <= tol, rows
+
+
+def test_stages_need_the_word_kernel_and_k_a_multiple_of_128():
+    """The pipelined loop declares the rows' strides multiples of 16 words: a K it would be wrong for is refused, as
+    is ``stages`` on a kernel without that loop; both errors name the value."""
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+
+    q = nvfp4.quantize(torch.randn(32, 192).to(torch.bfloat16))
+    x = torch.randn(1, 192).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"stages=2 needs K a multiple of 128, got K=192"):
+        nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, words=True, block_k=64, stages=2)
+    q = nvfp4.quantize(torch.randn(32, 256).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"stages=2 \(>= 0, and only with words=True\)"):
+        nvfp4_small_gemm(torch.randn(1, 256).to(torch.bfloat16), q.packed, q.scale, q.global_scale, stages=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bfloat16 and the PTX decode)")
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("n,k,block_n,split_k,warps", [(4608, 3584, 4, 1, 4), (3584, 18944, 8, 4, 2),
+                                                        (37888, 3584, 8, 1, 2)])
+def test_gpu_pipelined_row_kernel_matches_the_exact_product(stages, n, k, block_n, split_k, warps):
+    """The pipelined one-row loop on the 7B q/k/v, down and gate/up shapes with their tiles: within the bf16 output's
+    rounding of the float64 product with the exact weight, the same bits on a second call, and at most one bf16
+    step from the unpipelined kernel (the same products, the final per-tile sum split between threads differently)."""
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+
+    torch.manual_seed(stages * 7 + split_k)
+    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    tile = dict(words=True, xvec=True, asm=True, block_n=block_n, block_k=512, split_k=split_k, num_warps=warps)
+    got = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, stages=stages, **tile)
+    exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
+    excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
+    assert excess <= 1e-4 * exact.abs().max().item()
+    assert torch.equal(got, nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, stages=stages, **tile))
+    plain = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **tile).double()
+    step = 2.0**-7 * plain.abs().clamp_min(plain.abs().max().item() / 256)
+    assert ((got.double() - plain).abs() / step).max().item() <= 1.0
 
 
 def test_decode_tiles_of_the_7b_and_32b_linears():

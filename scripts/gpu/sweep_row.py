@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""GPU sweep of decode_gemv's one-row NVFP4 kernel (``vllm_ext.nvfp4_gemv``, ``words=True, xvec=True``, PTX
+decode) over its tiles and the depth of its software-pipelined loop (``stages``; 0 is the kernel of §4j-§4m), on
+the linears of the 7B and 32B decode steps, with the weights streamed from HBM. Needs only torch and Triton (no
+vLLM): run from the repository root on the GPU machine,
+
+    PYTHONPATH=. python3 scripts/gpu/sweep_row.py [--shapes 7B,32B] [--reps 5]
+
+For each linear:
+  1. every tile of the sweep (block_n x split_k x warps x stages, block_k 512) runs once and is checked against the
+     float64 product with the exact (dequantized) weight: within the bf16 output's rounding (2^-8 relative, plus
+     1e-4 of the largest value), and the same bits on a second call. Only correct tiles are timed.
+  2. each correct tile is timed once: ``--iters`` calls in one CUDA graph, cycling through enough weight copies that
+     one pass reads >= ``--cold-mib`` MiB (so the weights come from HBM, not the 50 MB L2).
+  3. the fastest tile, the shipped tile (``decode_tile``) and the shipped tile unpipelined (stages 0, the kernel
+     measured in §4m) are timed ``--reps`` times each, interleaved: median and spread (max - min). Per decode step:
+     the medians summed over the four linears times the layer count.
+
+"Faster" where the difference of the medians exceeds both spreads (the rule of docs/benchmarks.md). Writes
+$OUT/sweep_row.jsonl (one JSON object per measurement) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT, ROOT / "scripts" / "gpu"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from check_gemv import LAYERS, LINEARS, copies_for, summarize, tile_name, verdict  # noqa: E402
+
+
+def sweep_tiles(block_ns: list[int], splits: list[int], warps: list[int], stages: list[int]) -> list[dict[str, Any]]:
+    """The one-row kernel's tiles tried (block_k 512, as every earlier sweep chose)."""
+    return [dict(block_n=bn, block_k=512, split_k=sk, num_warps=w, stages=st, words=True, asm=True, xvec=True)
+            for st, bn, sk, w in itertools.product(stages, block_ns, splits, warps)]
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="7B,32B", help="Qwen2.5 shapes, from 7B and 32B (default both)")
+    p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
+    p.add_argument("--block-n", default="4,8,16", help="rows per program (default 4,8,16)")
+    p.add_argument("--split-k", default="1,2,4,8", help="programs per output block (default 1,2,4,8)")
+    p.add_argument("--warps", default="1,2,4", help="warps per program (default 1,2,4)")
+    p.add_argument("--stages", default="0,2,3,4", help="pipeline depths; 0 = not pipelined (default 0,2,3,4)")
+    p.add_argument("--iters", type=int, default=64, help="calls per CUDA graph (at least the copy count)")
+    p.add_argument("--reps", type=int, default=5, help="timed replays per kernel in the final comparison")
+    p.add_argument("--cold-mib", type=float, default=256.0, help="MiB one pass of a graph reads (default 256)")
+    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+    args = p.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("sweep_row: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    from qerl_plugin import nvfp4
+    from vllm_ext.bench.kernels import capture_graph, replay_us
+    from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_small_gemm
+
+    out = Path(args.out or os.environ.get("OUT") or ".out").expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "sweep_row.jsonl").open("a")
+
+    def record(obj: dict[str, Any], echo: bool = True) -> None:
+        log.write(json.dumps(obj) + "\n")
+        log.flush()
+        if echo:
+            print(json.dumps(obj), flush=True)
+
+    tiles = sweep_tiles(ints(args.block_n), ints(args.split_k), ints(args.warps), ints(args.stages))
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "tiles": len(tiles), "cold_mib": args.cold_mib,
+            "shapes": args.shapes, "linears": args.linears})
+    finals: list[dict[str, Any]] = []
+    bad = 0
+    for shape in args.shapes.split(","):
+        for lname in args.linears.split(","):
+            k, n = LINEARS[shape][lname]
+            torch.manual_seed(0)
+            q = nvfp4.quantize((torch.randn(n, k, device=dev) * 0.02).to(bf16))
+            x = torch.randn(1, k, device=dev, dtype=bf16)
+            exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
+            floor = 1e-4 * exact.abs().max().item()
+            raw_bytes = q.packed.numel() + q.scale.numel()
+            copies = copies_for(raw_bytes, args.cold_mib)
+            raws = [(q.packed.clone(), q.scale.clone()) for _ in range(copies)]
+            iters = max(args.iters, copies)
+            record({"what": "linear", "shape": shape, "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes,
+                    "copies": copies})
+
+            def graph_of(t: dict[str, Any]):  # noqa: ANN202
+                return capture_graph([(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **t))
+                                      for p_, s_ in raws], iters)
+
+            swept = []
+            for t in tiles:
+                row: dict[str, Any] = {"what": "tile", "shape": shape, "linear": lname, "tile": tile_name(t)}
+                try:
+                    y1 = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t)
+                    y2 = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t)
+                    excess = ((y1.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
+                    row.update(excess=excess, repeat_identical=torch.equal(y1, y2))
+                    row["ok"] = excess <= floor and row["repeat_identical"]
+                    if row["ok"]:
+                        g = graph_of(t)
+                        row["us"] = round(replay_us(g, iters), 2)
+                        del g
+                        swept.append((row["us"], t))
+                    else:
+                        bad += 1
+                except Exception as exc:  # one tile that does not compile or fit must not hide the others
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                record(row, echo=False)
+            if not swept:
+                record({"what": "final", "shape": shape, "linear": lname, "error": "no tile correct"})
+                continue
+            swept.sort(key=lambda s: s[0])
+            record({"what": "top", "shape": shape, "linear": lname,
+                    "tiles": [[tile_name(t), us] for us, t in swept[:8]]})
+            best = swept[0][1]
+            shipped = dict(decode_tile(n, k), words=True, asm=True, xvec=True)
+            shipped.setdefault("stages", 0)
+            before = dict(shipped, stages=0)
+            variants = {"best": best, "shipped": shipped, "stages0": before}
+            graphs = {key: graph_of(t) for key, t in variants.items()}
+            times: dict[str, list[float]] = {key: [] for key in graphs}
+            for _ in range(args.reps):
+                for key, g in graphs.items():
+                    times[key].append(replay_us(g, iters))
+            del graphs
+            res = {key: summarize(v) for key, v in times.items()}
+            fin = {"what": "final", "shape": shape, "linear": lname, **{f"{key}_tile": tile_name(t)
+                                                                        for key, t in variants.items()},
+                   **res, "best_vs_stages0": verdict(res["best"], res["stages0"]),
+                   "shipped_vs_stages0": verdict(res["shipped"], res["stages0"]),
+                   "best_gb_s": round(raw_bytes / res["best"]["median_us"] / 1e3, 1),
+                   "stages0_gb_s": round(raw_bytes / res["stages0"]["median_us"] / 1e3, 1)}
+            record(fin)
+            finals.append(fin)
+            del raws, exact
+            torch.cuda.empty_cache()
+
+    lines = ["", "one-row NVFP4 kernel, weights streamed from HBM: us per call, median of "
+             f"{args.reps} (spread); GB/s = NVFP4 bytes (codes + FP8 scales) / time",
+             f"{'shape':<5} {'linear':<8} {'best tile':<18}{'best':>15}{'stages 0 (shipped tile)':>26}"
+             f"{'shipped':>15}{'best GB/s':>10}{'was GB/s':>10}  verdict"]
+    for f in finals:
+        cell = lambda r: f"{r['median_us']:>8.2f} ±{r['spread_us']:<5.2f}"  # noqa: E731
+        lines.append(f"{f['shape']:<5} {f['linear']:<8} {f['best_tile']:<18}{cell(f['best'])}{cell(f['stages0']):>26}"
+                     f"{cell(f['shipped'])}{f['best_gb_s']:>10.0f}{f['stages0_gb_s']:>10.0f}  {f['best_vs_stages0']}")
+    for shape in args.shapes.split(","):
+        sel = [f for f in finals if f["shape"] == shape]
+        if len(sel) == len(args.linears.split(",")):
+            step = {key: round(LAYERS[shape] * sum(f[key]["median_us"] for f in sel) / 1000.0, 3)
+                    for key in ("best", "shipped", "stages0")}
+            spread = {key: round(LAYERS[shape] * sum(f[key]["spread_us"] for f in sel) / 1000.0, 3)
+                      for key in ("best", "shipped", "stages0")}
+            record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
+            lines.append(f"per {shape} decode step (x{LAYERS[shape]}): best tiles {step['best']:.3f} ms "
+                         f"(±{spread['best']:.3f}), shipped {step['shipped']:.3f} (±{spread['shipped']:.3f}), "
+                         f"stages 0 {step['stages0']:.3f} (±{spread['stages0']:.3f})")
+    lines.append(f"tiles refused (error beyond the bf16 rounding, or not the same bits twice): {bad}")
+    print("\n".join(lines), flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
