@@ -48,6 +48,39 @@ def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
+def _compile(tiles: list[dict[str, Any]]) -> int:
+    """Run each tile once on a small 7B-like call, in a worker process: Triton compiles it into its on-disk cache,
+    which the sweep then finds (every linear swept has N and K divisible by 16, so one compiled kernel per tile).
+    Returns how many failed (the sweep records why)."""
+    import torch
+
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+
+    dev = torch.device("cuda")
+    packed = torch.randint(0, 256, (4608, 1792), dtype=torch.uint8, device=dev)
+    scale = torch.ones(4608, 224, device=dev).to(torch.float8_e4m3fn)
+    x = torch.randn(1, 3584, device=dev, dtype=torch.bfloat16)
+    failed = 0
+    for t in tiles:
+        try:
+            nvfp4_small_gemm(x, packed, scale, torch.ones(1, device=dev), **t)
+        except Exception:  # noqa: BLE001 (the sweep itself records the error)
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def precompile(tiles: list[dict[str, Any]], jobs: int) -> None:
+    """Compile the sweep's kernels in ``jobs`` processes at once (one Triton compile takes ~1 s of one core)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    chunks = [tiles[i::jobs] for i in range(jobs)]
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failed = sum(pool.map(_compile, chunks))
+    print(json.dumps({"what": "precompiled", "tiles": len(tiles), "jobs": jobs, "failed": failed}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="7B,32B", help="Qwen2.5 shapes, from 7B and 32B (default both)")
@@ -59,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=64, help="calls per CUDA graph (at least the copy count)")
     p.add_argument("--reps", type=int, default=5, help="timed replays per kernel in the final comparison")
     p.add_argument("--cold-mib", type=float, default=256.0, help="MiB one pass of a graph reads (default 256)")
+    p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
+                   help="processes compiling the kernels before the sweep (default: up to 16; 1: none)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
     args = p.parse_args(argv)
 
@@ -82,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(obj), flush=True)
 
     tiles = sweep_tiles(ints(args.block_n), ints(args.split_k), ints(args.warps), ints(args.stages))
+    if args.jobs > 1:
+        precompile(tiles, args.jobs)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "tiles": len(tiles), "cold_mib": args.cold_mib,
