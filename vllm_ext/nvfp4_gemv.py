@@ -360,18 +360,31 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 
 def decode_tile(n: int, k: int) -> dict[str, int] | None:
-    """The one-row kernel's tile for an ``[n, k]`` weight, from the sweeps on the H100 (weights streamed from HBM):
-    §4j lease 7 on the 7B linears and §4k lease 5 on the 32B ones. block_k 512; for long K (down_proj) 8 rows, 2
-    warps and split-K 4, or 8 beyond K = 20 480; for large N (gate/up) 8 rows and 2 warps; else 4 rows, with 4 warps
-    up to K = 4 096 and 2 above. None where K is not a multiple of 128."""
+    """The one-row kernel's tile for an ``[n, k]`` weight, from the sweeps on the H100 with the weights streamed from
+    HBM: §4j lease 7 and §4k lease 5 (tiles), §4n lease 1 (tiles and the pipelined loop's ``stages``; a linear took
+    the sweep's best tile only where it beat the §4m kernel by more than both spreads). block_k 512 throughout.
+
+    - long K (down_proj): 8 rows, 2 warps, split-K 4, unpipelined (7B: the sweep's best was no faster); beyond K =
+      20 480 (32B) 16 rows, split-K 4, 3 stages;
+    - large N (gate/up, 7B and 32B): 8 rows, 1 warp, 3 stages;
+    - else (q/k/v, o): up to K = 4 096 (7B) 4 rows and 4 warps unpipelined for q/k/v (no faster tile) and 1 warp with
+      4 stages for a square weight (o); above it (32B) 8 rows with 3 stages, 1 warp for q/k/v (N > K) and 2 for o.
+
+    None where K is not a multiple of 128."""
     block_k = next((b for b in (512, 256, 128) if k % b == 0), None)
     if block_k is None:
         return None
+    if k > 20480:
+        return dict(block_n=16, block_k=block_k, split_k=4, num_warps=2, stages=3)
     if k > 8192:
-        return dict(block_n=8, block_k=block_k, split_k=8 if k > 20480 else 4, num_warps=2)
+        return dict(block_n=8, block_k=block_k, split_k=4, num_warps=2)
     if n > 16384:
-        return dict(block_n=8, block_k=block_k, split_k=1, num_warps=2)
-    return dict(block_n=4, block_k=block_k, split_k=1, num_warps=4 if k <= 4096 else 2)
+        return dict(block_n=8, block_k=block_k, split_k=1, num_warps=1, stages=3)
+    if k > 4096:
+        return dict(block_n=8, block_k=block_k, split_k=1, num_warps=1 if n > k else 2, stages=3)
+    if n == k:
+        return dict(block_n=4, block_k=block_k, split_k=1, num_warps=1, stages=4)
+    return dict(block_n=4, block_k=block_k, split_k=1, num_warps=4)
 
 
 ROW_OP = "qerl::nvfp4_gemv_row"

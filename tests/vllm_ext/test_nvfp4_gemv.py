@@ -231,15 +231,19 @@ def test_gpu_pipelined_row_kernel_matches_the_exact_product(stages, n, k, block_
 
 
 def test_decode_tiles_of_the_7b_and_32b_linears():
+    """The tiles the H100 sweeps chose (§4j lease 7, §4k lease 5, §4n lease 1): each linear of the 7B and 32B steps."""
     from vllm_ext.nvfp4_gemv import decode_tile
 
-    assert decode_tile(4608, 3584) == dict(block_n=4, block_k=512, split_k=1, num_warps=4)  # q/k/v, o
-    assert decode_tile(37888, 3584) == dict(block_n=8, block_k=512, split_k=1, num_warps=2)  # gate/up
-    assert decode_tile(3584, 18944) == dict(block_n=8, block_k=512, split_k=4, num_warps=2)  # down
-    # the 32B linears (§4k lease 5): 2 warps on q/k/v and o, split-K 8 on down; gate/up as at 7B
-    assert decode_tile(7168, 5120) == decode_tile(5120, 5120) == dict(block_n=4, block_k=512, split_k=1, num_warps=2)
-    assert decode_tile(55296, 5120) == dict(block_n=8, block_k=512, split_k=1, num_warps=2)
-    assert decode_tile(5120, 27648) == dict(block_n=8, block_k=512, split_k=8, num_warps=2)
+    # 7B: q/k/v and down unpipelined as before (§4n: no faster tile); o and gate/up pipelined
+    assert decode_tile(4608, 3584) == dict(block_n=4, block_k=512, split_k=1, num_warps=4)
+    assert decode_tile(3584, 3584) == dict(block_n=4, block_k=512, split_k=1, num_warps=1, stages=4)
+    assert decode_tile(37888, 3584) == dict(block_n=8, block_k=512, split_k=1, num_warps=1, stages=3)
+    assert decode_tile(3584, 18944) == dict(block_n=8, block_k=512, split_k=4, num_warps=2)
+    # 32B: every linear pipelined, 3 stages
+    assert decode_tile(7168, 5120) == dict(block_n=8, block_k=512, split_k=1, num_warps=1, stages=3)
+    assert decode_tile(5120, 5120) == dict(block_n=8, block_k=512, split_k=1, num_warps=2, stages=3)
+    assert decode_tile(55296, 5120) == dict(block_n=8, block_k=512, split_k=1, num_warps=1, stages=3)
+    assert decode_tile(5120, 27648) == dict(block_n=16, block_k=512, split_k=4, num_warps=2, stages=3)
     assert decode_tile(64, 384)["block_k"] == 128 and decode_tile(64, 200) is None
 
 
