@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                                 **tile_4m(L[2].shape[0], L[1].shape[-1]))
 
     def one_pdl_s0(L):
-        return rl.launch(L[1], L[2], L[3], L[4], L[5], L[6], L[7], 1.0, L[8], idx, pdl=True,
+        return rl.launch_supported(L[1], L[2], L[3], L[4], L[5], L[6], L[7], 1.0, L[8], idx, pdl=True,
                          tile=tile_4m(L[2].shape[0], L[1].shape[-1]))
 
     fns = {"row": row, "row+fused": row_fused, "row||fused": row_beside, "row_lora": one, "row_lora_pdl": one_pdl,
