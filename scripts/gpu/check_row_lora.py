@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--reps", type=int, default=7, help="timed replays of each step graph (default 7)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    p.add_argument("--groups", default="qkv,o,gate_up,down",
+                   help="the linears of each layer to time (default all four: a whole step)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
     args = p.parse_args(argv)
 
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     layers = args.layers or layers
     groups = {"qkv": (hidden, (qf, kvf, kvf), True), "o": (qf, (hidden,), False),
               "gate_up": (hidden, (inter, inter), False), "down": (inter, (hidden,), False)}
+    groups = {name: groups[name] for name in args.groups.split(",")}
     dev, bf16, r = torch.device("cuda"), torch.bfloat16, args.rank
     torch.manual_seed(0)
 
@@ -142,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     if any({**tile_4m(sum(sl), k), "stages": 0} != {"stages": 0, **decode_tile(sum(sl), k)}
            for k, sl, _ in groups.values()):
         variants = VARIANTS + OLD_VARIANTS
-    result: dict = {"shape": args.shape, "layers": layers, "rank": r, "device": torch.cuda.get_device_name(),
+    result: dict = {"shape": args.shape, "groups": list(groups), "layers": layers, "rank": r,
+                    "device": torch.cuda.get_device_name(),
                     "torch": torch.__version__, "weight_gb": weight_bytes / 1e9, "lora_mb": lora_bytes / 1e6,
                     "tiles": {g: decode_tile(sum(s), k) for g, (k, s, _) in groups.items()}, "check": {}}
     # 1. the one launch against the two it replaces, per group (the first layer's weights)
-    for L in linears[:4]:
+    for L in linears[:len(groups)]:
         want = row_fused(L)
         got = one(L)
         got_pdl = one_pdl(L)
