@@ -193,7 +193,7 @@ def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, 
     n = packed.shape[0]
     if sum(output_slices) != n or tuple(packed.shape) != (n, k // 2):
         return f"weight {tuple(packed.shape)} does not fit input {k} and slices {tuple(output_slices)}"
-    tile = decode_tile(n, k)
+    tile = decode_tile(n, k, lora=True)
     if tile is None:
         return f"K={k} is not a multiple of 128"
     ragged = [size for size in output_slices[:-1] if size % tile["block_n"]]
@@ -237,7 +237,7 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias {tuple(bias.shape)}, expected ({n},)")
     if tile is None:
-        tile = decode_tile(n, k)
+        tile = decode_tile(n, k, lora=True)
     elif any(size % tile["block_n"] for size in slices[:-1]):
         raise ValueError(f"slices {slices} are not multiples of the given tile's {tile['block_n']} rows per block")
     x2 = x.reshape(1, k)

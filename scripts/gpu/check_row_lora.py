@@ -142,13 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     fns = {"row": row, "row+fused": row_fused, "row||fused": row_beside, "row_lora": one, "row_lora_pdl": one_pdl,
            "row_s0": row_s0, "row_lora_pdl_s0": one_pdl_s0}
     variants = VARIANTS
-    if any({**tile_4m(sum(sl), k), "stages": 0} != {"stages": 0, **decode_tile(sum(sl), k)}
-           for k, sl, _ in groups.values()):
+    if any({**tile_4m(sum(sl), k), "stages": 0} != {"stages": 0, **decode_tile(sum(sl), k, lora=lora)}
+           for k, sl, _ in groups.values() for lora in (False, True)):
         variants = VARIANTS + OLD_VARIANTS
     result: dict = {"shape": args.shape, "groups": list(groups), "layers": layers, "rank": r,
                     "device": torch.cuda.get_device_name(),
                     "torch": torch.__version__, "weight_gb": weight_bytes / 1e9, "lora_mb": lora_bytes / 1e6,
-                    "tiles": {g: decode_tile(sum(s), k) for g, (k, s, _) in groups.items()}, "check": {}}
+                    "tiles": {g: decode_tile(sum(s), k) for g, (k, s, _) in groups.items()},
+                    "lora_tiles": {g: decode_tile(sum(s), k, lora=True) for g, (k, s, _) in groups.items()},
+                    "check": {}}
     # 1. the one launch against the two it replaces, per group (the first layer's weights)
     for L in linears[:len(groups)]:
         want = row_fused(L)

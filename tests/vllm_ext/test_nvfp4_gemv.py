@@ -245,6 +245,10 @@ def test_decode_tiles_of_the_7b_and_32b_linears():
     assert decode_tile(55296, 5120) == dict(block_n=8, block_k=512, split_k=1, num_warps=1, stages=3)
     assert decode_tile(5120, 27648) == dict(block_n=16, block_k=512, split_k=4, num_warps=2, stages=3)
     assert decode_tile(64, 384)["block_k"] == 128 and decode_tile(64, 200) is None
+    # the row+lora kernel keeps §4m's unpipelined tile on the 32B down projection (§4n lease 2), elsewhere the same
+    assert decode_tile(5120, 27648, lora=True) == dict(block_n=8, block_k=512, split_k=8, num_warps=2)
+    for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (7168, 5120), (55296, 5120)):
+        assert decode_tile(n, k, lora=True) == decode_tile(n, k)
 
 
 BACKEND_DISPATCH = textwrap.dedent(
