@@ -212,6 +212,11 @@ run_step() {
         # without the adapter, 5 repeats. In the background into $work/bench-rowovh; `TAG=-rowovh session.sh bench_watch` follows it
         run_step ckpt7b
         TAG=-rowovh BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4 --variants decode-gemv --runs nvfp4-lora@decode-gemv,nvfp4@decode-gemv --batches 1 --new-tokens 256 --repeats 5" run_step bench_bg ;;
+    bench_row_h100)  # 7B decode at b1 (§4n lease 3): decode_gemv on the overlap default (its one-row calls on row+lora) with
+        # and without the adapter (the LoRA overhead), the Marlin default, BF16 + punica LoRA for the ratio; 5 repeats. In the
+        # background into $work/bench-rowh; `TAG=-rowh session.sh bench_watch` follows it
+        run_step ckpt7b
+        TAG=-rowh BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4,bf16-lora --variants default,decode-gemv,punica-lora --runs nvfp4-lora@decode-gemv,nvfp4@decode-gemv,nvfp4-lora@default,bf16-lora@punica-lora --batches 1 --new-tokens 256 --repeats 5" run_step bench_bg ;;
     overlap_test)  # the overlap mode's GPU tests (side stream vs fused and the exact result, CUDA-graph replay) and the fused kernel's
         step overlap_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_lora_overlap.py tests/vllm_ext/test_lora_fused.py ;;
     bnb)  # the bitsandbytes wheel for the nf4 (QLoRA) configs, carried in .whl/ (ignored by git); fetch it here with
