@@ -234,8 +234,9 @@ if triton is not None:
         copies the next tiles' words and ``x`` to shared memory with ``cp.async`` while this one is summed), and the
         rows' strides are declared multiples of 16 words and 8 scale bytes, so those copies can be wide. With 0 (the
         kernel measured in §4j-§4m) each tile's loads wait a full memory round trip before its sums: a 7B q/k/v or o
-        call is seven such round trips one after the other. The same products are summed in the same order along K
-        either way; only how a tile's words are split between threads for the final sum may differ."""
+        call is seven such round trips one after the other. On the H100 (§4n) the pipelined loop made 7B o and
+        gate/up and every 32B linear faster, but not 7B q/k/v or down. The same products are summed in the same
+        order along K either way; only how a tile's words are split between threads for the final sum may differ."""
         WORDS: tl.constexpr = BLOCK_K // 8
         acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
         if STAGES > 0:
