@@ -660,3 +660,37 @@ def test_gemv_check_sweep_cold_copies_and_verdict():
     # --shape 32B: every one-row tile of the xvec sweep divides the 32B input sizes (the kernel needs whole K tiles)
     assert cg.LAYERS == {"7B": 28, "32B": 64} and cg.LINEARS["32B"]["down"] == (27648, 5120)
     assert all(k % t["block_k"] == 0 for k, _ in cg.LINEARS["32B"].values() for t in cg.sweep_tiles(sweep="xvec"))
+
+
+def test_sweep_row_tiles_and_their_names():
+    """scripts/gpu/sweep_row.py: the grid it sweeps (block_k 512, the one-row kernel's flags) and the names its log
+    gives each tile, the pipeline depth last (none for the unpipelined loop)."""
+    sweep_row = _import_script("sweep_row")
+    tiles = sweep_row.sweep_tiles([4, 8, 16], [1, 2, 4, 8], [1, 2, 4], [0, 2, 3, 4])
+    assert len(tiles) == 144 and len({sweep_row.tile_name(t) for t in tiles}) == 144
+    assert all(t["block_k"] == 512 and t["words"] and t["asm"] and t["xvec"] for t in tiles)
+    assert sweep_row.tile_name(dict(block_n=8, block_k=512, split_k=1, num_warps=1, stages=3, words=True, asm=True,
+                                    xvec=True)) == "n8k512s1w1WAXS3"
+    assert sweep_row.tile_name(dict(block_n=4, block_k=512, split_k=1, num_warps=4, stages=0, words=True, asm=True,
+                                    xvec=True)) == "n4k512s1w4WAX"
+
+
+def test_jsonl_recorder_appends_one_line_per_record(tmp_path, capsys):
+    check_gemv = _import_script("check_gemv")
+    record = check_gemv.jsonl_recorder(str(tmp_path), "log.jsonl")
+    record({"what": "a", "x": 1})
+    record({"what": "b"}, echo=False)
+    lines = (tmp_path / "log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["what"] for line in lines] == ["a", "b"]
+    assert capsys.readouterr().out.count('"what"') == 1
+
+
+def test_check_row_lora_old_tiles_are_those_of_section_4m():
+    """check_row_lora's `_s0` variants run §4m's tiles, unpipelined: what decode_tile returned before §4n."""
+    check_row_lora = _import_script("check_row_lora")
+    assert check_row_lora.tile_4m(4608, 3584) == check_row_lora.tile_4m(3584, 3584) == dict(
+        block_n=4, block_k=512, split_k=1, num_warps=4)
+    assert check_row_lora.tile_4m(37888, 3584) == dict(block_n=8, block_k=512, split_k=1, num_warps=2)
+    assert check_row_lora.tile_4m(3584, 18944) == dict(block_n=8, block_k=512, split_k=4, num_warps=2)
+    assert check_row_lora.tile_4m(7168, 5120) == dict(block_n=4, block_k=512, split_k=1, num_warps=2)
+    assert check_row_lora.tile_4m(5120, 27648) == dict(block_n=8, block_k=512, split_k=8, num_warps=2)

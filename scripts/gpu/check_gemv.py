@@ -34,7 +34,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -108,6 +108,22 @@ def summarize(times_us: list[float]) -> dict[str, float]:
             "runs_us": [round(t, 2) for t in times_us]}
 
 
+def jsonl_recorder(out_arg: str | None, name: str) -> Callable[..., None]:
+    """``record(obj, echo=True)``: append ``obj`` as one JSON line to ``name`` in ``out_arg`` (else $OUT, else
+    ./.out), and print it unless ``echo`` is false."""
+    out = Path(out_arg or os.environ.get("OUT") or ".out").expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / name).open("a")
+
+    def record(obj: dict[str, Any], echo: bool = True) -> None:
+        log.write(json.dumps(obj) + "\n")
+        log.flush()
+        if echo:
+            print(json.dumps(obj), flush=True)
+
+    return record
+
+
 def verdict(a: dict[str, float], b: dict[str, float]) -> str:
     """'faster' / 'slower' for ``a`` against ``b`` where the medians differ by more than both spreads, else 'equal'."""
     diff = b["median_us"] - a["median_us"]
@@ -144,14 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_ext import nvfp4_gemv as gemv_mod
     from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_small_gemm
 
-    out = Path(args.out or os.environ.get("OUT") or ".out").expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    log = (out / "check_gemv.jsonl").open("a")
-
-    def record(obj: dict[str, Any]) -> None:
-        log.write(json.dumps(obj) + "\n")
-        log.flush()
-        print(json.dumps(obj), flush=True)
+    record = jsonl_recorder(args.out, "check_gemv.jsonl")
 
     batches = [int(b) for b in args.batches.split(",")]
     tiles = sweep_tiles(args.quick, args.sweep, 1)

@@ -35,7 +35,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from check_gemv import LAYERS, LINEARS, copies_for, summarize, tile_name, verdict  # noqa: E402
+from check_gemv import LAYERS, LINEARS, copies_for, jsonl_recorder, summarize, tile_name, verdict  # noqa: E402
 
 
 def sweep_tiles(block_ns: list[int], splits: list[int], warps: list[int], stages: list[int]) -> list[dict[str, Any]]:
@@ -106,15 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_ext.bench.kernels import capture_graph, replay_us
     from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_small_gemm
 
-    out = Path(args.out or os.environ.get("OUT") or ".out").expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    log = (out / "sweep_row.jsonl").open("a")
-
-    def record(obj: dict[str, Any], echo: bool = True) -> None:
-        log.write(json.dumps(obj) + "\n")
-        log.flush()
-        if echo:
-            print(json.dumps(obj), flush=True)
+    record = jsonl_recorder(args.out, "sweep_row.jsonl")
 
     tiles = sweep_tiles(ints(args.block_n), ints(args.split_k), ints(args.warps), ints(args.stages))
     if args.jobs > 1:
