@@ -108,6 +108,13 @@ def summarize(times_us: list[float]) -> dict[str, float]:
             "runs_us": [round(t, 2) for t in times_us]}
 
 
+def add_timing_args(p: argparse.ArgumentParser) -> None:
+    """The options of a kernel timing with cold weights: calls per graph, timed replays, MiB read per pass."""
+    p.add_argument("--iters", type=int, default=64, help="calls per CUDA graph (at least the copy count)")
+    p.add_argument("--reps", type=int, default=5, help="timed replays per kernel in the final comparison")
+    p.add_argument("--cold-mib", type=float, default=256.0, help="MiB one pass of a graph reads (default 256)")
+
+
 def jsonl_recorder(out_arg: str | None, name: str) -> Callable[..., None]:
     """``record(obj, echo=True)``: append ``obj`` as one JSON line to ``name`` in ``out_arg`` (else $OUT, else
     ./.out), and print it unless ``echo`` is false."""
@@ -137,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,64", help="rows per call (default 1,8,64)")
     p.add_argument("--shape", default="7B", choices=sorted(LINEARS), help="Qwen2.5 shape (default 7B)")
     p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
-    p.add_argument("--iters", type=int, default=64, help="calls per CUDA graph (at least the copy count)")
-    p.add_argument("--reps", type=int, default=5, help="timed replays per kernel in the final comparison")
-    p.add_argument("--cold-mib", type=float, default=256.0, help="MiB one pass of a graph reads (default 256)")
+    add_timing_args(p)
     p.add_argument("--quick", action="store_true", help="two tiles instead of the sweep")
     p.add_argument("--sweep", choices=("tiles", "diag", "words", "asm", "xvec"), default="tiles",
                    help="tiles: block sizes, split-K and warps (default); diag: the kernel's variants; words: the "

@@ -35,7 +35,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from check_gemv import LAYERS, LINEARS, copies_for, jsonl_recorder, summarize, tile_name, verdict  # noqa: E402
+from check_gemv import (  # noqa: E402
+    LAYERS, LINEARS, add_timing_args, copies_for, jsonl_recorder, summarize, tile_name, verdict)
 
 
 def sweep_tiles(block_ns: list[int], splits: list[int], warps: list[int], stages: list[int]) -> list[dict[str, Any]]:
@@ -89,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split-k", default="1,2,4,8", help="programs per output block (default 1,2,4,8)")
     p.add_argument("--warps", default="1,2,4", help="warps per program (default 1,2,4)")
     p.add_argument("--stages", default="0,2,3,4", help="pipeline depths; 0 = not pipelined (default 0,2,3,4)")
-    p.add_argument("--iters", type=int, default=64, help="calls per CUDA graph (at least the copy count)")
-    p.add_argument("--reps", type=int, default=5, help="timed replays per kernel in the final comparison")
-    p.add_argument("--cold-mib", type=float, default=256.0, help="MiB one pass of a graph reads (default 256)")
+    add_timing_args(p)
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                    help="processes compiling the kernels before the sweep (default: up to 16; 1: none)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
