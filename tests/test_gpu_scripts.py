@@ -686,8 +686,10 @@ def test_jsonl_recorder_appends_one_line_per_record(tmp_path, capsys):
 
 
 def test_check_row_lora_old_tiles_are_those_of_section_4m():
-    """check_row_lora's `_s0` variants run §4m's tiles, unpipelined: what decode_tile returned before §4n."""
+    """check_row_lora's `_s0` variants and sweep_row's baseline run §4m's tiles, unpipelined: what decode_tile
+    returned before §4n (check_gemv.tile_4m, which both scripts import)."""
     check_row_lora = _import_script("check_row_lora")
+    assert check_row_lora.tile_4m is _import_script("sweep_row").tile_4m
     assert check_row_lora.tile_4m(4608, 3584) == check_row_lora.tile_4m(3584, 3584) == dict(
         block_n=4, block_k=512, split_k=1, num_warps=4)
     assert check_row_lora.tile_4m(37888, 3584) == dict(block_n=8, block_k=512, split_k=1, num_warps=2)

@@ -98,6 +98,16 @@ def tile_name(t: dict[str, Any]) -> str:
     return name + (f"S{t['stages']}" if t.get("stages") else "")  # the one-row kernel's pipelined loop
 
 
+def tile_4m(n: int, k: int) -> dict[str, int]:
+    """decode_tile as §4m shipped it (before the pipelined loop of §4n): the baseline that sweep_row.py and
+    check_row_lora.py time beside today's tiles."""
+    if k > 8192:
+        return dict(block_n=8, block_k=512, split_k=8 if k > 20480 else 4, num_warps=2)
+    if n > 16384:
+        return dict(block_n=8, block_k=512, split_k=1, num_warps=2)
+    return dict(block_n=4, block_k=512, split_k=1, num_warps=4 if k <= 4096 else 2)
+
+
 def copies_for(nbytes: int, cold_mib: float, cap: int = 64) -> int:
     """How many weight copies one pass must cycle through to read at least ``cold_mib`` MiB."""
     return max(1, min(cap, math.ceil(cold_mib * 2**20 / max(nbytes, 1))))

@@ -35,8 +35,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "scripts" / "gpu"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from check_gemv import tile_4m  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, q features, kv features, layers (Qwen2.5)
     "7B": (3584, 18944, 3584, 512, 28),
@@ -45,14 +48,6 @@ SHAPES = {  # hidden, intermediate, q features, kv features, layers (Qwen2.5)
 VARIANTS = ("row", "row+fused", "row||fused", "row_lora", "row_lora_pdl")
 OLD_VARIANTS = ("row_s0", "row_lora_pdl_s0")
 
-
-def tile_4m(n: int, k: int) -> dict[str, int]:
-    """decode_tile as §4m shipped it (before the pipelined loop of §4n)."""
-    if k > 8192:
-        return dict(block_n=8, block_k=512, split_k=8 if k > 20480 else 4, num_warps=2)
-    if n > 16384:
-        return dict(block_n=8, block_k=512, split_k=1, num_warps=2)
-    return dict(block_n=4, block_k=512, split_k=1, num_warps=4 if k <= 4096 else 2)
 
 
 def compare(a: dict, b: dict) -> tuple[float, str]:
@@ -137,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def one_pdl_s0(L):
         return rl.launch_supported(L[1], L[2], L[3], L[4], L[5], L[6], L[7], 1.0, L[8], idx, pdl=True,
-                         tile=tile_4m(L[2].shape[0], L[1].shape[-1]))
+                                   tile=tile_4m(L[2].shape[0], L[1].shape[-1]))
 
     fns = {"row": row, "row+fused": row_fused, "row||fused": row_beside, "row_lora": one, "row_lora_pdl": one_pdl,
            "row_s0": row_s0, "row_lora_pdl_s0": one_pdl_s0}
