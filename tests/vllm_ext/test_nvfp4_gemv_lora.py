@@ -151,6 +151,22 @@ def test_launch_names_a_scale_or_bias_of_the_wrong_shape():
         rl.launch(x, q.packed, q.scale, q.global_scale, torch.zeros(15).half(), a, b, 1.0, (16,), idx)
 
 
+def test_a_given_tile_must_fit_the_slices():
+    """launch_supported's ``tile`` (scripts/gpu/check_row_lora.py times §4m's tiles with it): a block_n that would
+    make an output block straddle two slices is refused before anything is launched, naming the slices."""
+    from qerl_plugin import nvfp4
+    from vllm_ext import nvfp4_gemv_lora as rl
+
+    q = nvfp4.quantize((torch.randn(24, 256) * 0.05).to(torch.bfloat16))
+    x = torch.randn(1, 256).half()
+    a = tuple((torch.randn(1, 1, 16, 256) / 16).half() for _ in range(2))
+    b = (torch.randn(1, 1, 12, 16).half(), torch.randn(1, 1, 12, 16).half())
+    idx = torch.zeros(1, dtype=torch.int32)
+    tile = dict(block_n=8, block_k=256, split_k=1, num_warps=1)
+    with pytest.raises(ValueError, match=r"slices \(12, 12\) are not multiples of the given tile's 8 rows per block"):
+        rl.launch_supported(x, q.packed, q.scale, q.global_scale, None, a, b, 1.0, (12, 12), idx, tile=tile)
+
+
 def test_pdl_is_off_on_the_cpu_and_by_the_environment(monkeypatch):
     from vllm_ext import nvfp4_gemv_lora as rl
 
