@@ -269,6 +269,58 @@ if triton is not None:
                 SPLIT_K, b_ptr + rn, HAS_BIAS)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _mma_tile(acc, x_ptr, sxm, w_ptr, s_ptr, rn, n_ok, rm, m_ok, t, kw, kg, WORDS: tl.constexpr,
+                  DOT_F32: tl.constexpr):
+        """K tile ``t`` of :func:`_mma_kernel`: ``acc += W_tile @ x_tile^T`` as eight dots, one per code position."""
+        cw = t * WORDS + tl.arange(0, WORDS)  # this tile's words: codes 8*cw .. 8*cw + 7, code j in bits 4j .. 4j + 3
+        wv = tl.load(w_ptr + rn[:, None] * kw + cw[None, :], mask=n_ok[:, None], other=0)
+        sc = tl.load(s_ptr + rn[:, None] * kg + (cw // 2)[None, :], mask=n_ok[:, None], other=0.0).to(tl.float16)
+        for j in tl.static_range(8):
+            # code j of every word: magnitude bits to bits 11-9 of a float16, the sign to bit 15 (the E2M1 value
+            # times 2^-14), times the group's scale in float16: exact (see the module docstring)
+            h = (((wv >> (4 * j)) & 7) << 9) | (((wv >> (4 * j + 3)) & 1) << 15)
+            xj = tl.load(x_ptr + rm[None, :] * sxm + (8 * cw + j)[:, None], mask=m_ok[None, :], other=0.0)
+            a = (h.to(tl.int16).to(tl.float16, bitcast=True) * sc).to(xj.dtype)
+            if DOT_F32:
+                acc += tl.dot(a.to(tl.float32), xj.to(tl.float32))
+            else:
+                acc = tl.dot(a, xj, acc)
+        return acc
+
+    @triton.jit
+    def _mma_kernel(
+        x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, b_ptr, M, N, K,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        STAGES: tl.constexpr, DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ):  # fmt: skip
+        """A few rows (2-64) on the tensor cores, transposed (``y^T = W @ x^T``), the weight read as int32 words of 8
+        codes like the one-row kernel. Code position j of a tile's words is one ``[BLOCK_N, BLOCK_K / 8]`` operand
+        that meets the columns ``8 w + j`` of ``x``: eight dots per tile, no reordering of the decoded codes."""
+        WORDS: tl.constexpr = BLOCK_K // 8
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        n_ok = rn < N
+        m_ok = rm < M
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if STAGES > 0:
+            kw = tl.multiple_of(K // 8, 16)
+            kg = tl.multiple_of(K // 16, 8)
+            for t in tl.range(pid_k, K // BLOCK_K, SPLIT_K, num_stages=STAGES):
+                acc = _mma_tile(acc, x_ptr, sxm, w_ptr, s_ptr, rn, n_ok, rm, m_ok, t, kw, kg, WORDS, DOT_F32)
+        else:
+            for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+                acc = _mma_tile(acc, x_ptr, sxm, w_ptr, s_ptr, rn, n_ok, rm, m_ok, t, K // 8, K // 16, WORDS, DOT_F32)
+        # workspace [SPLIT_K, BLOCK_M, N] float32 for split-K's partials
+        _finish(y_ptr + rm[None, :] * sym + rn[:, None], ws_ptr + rm[None, :] * N + rn[:, None], BLOCK_M * N, acc,
+                n_ok[:, None] & m_ok[None, :], 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k, SPLIT_K,
+                b_ptr + rn[:, None], HAS_BIAS)
+
+
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for ``n`` output blocks, kept per device (they reset themselves after use)."""
     have = _COUNTERS.get(device)
@@ -282,7 +334,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                      block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4,
                      num_stages: int | None = None, fma: bool = False, group_scales: bool = False,
                      words: bool = False, asm: bool | None = None, xvec: bool = False,
-                     bias: torch.Tensor | None = None, stages: int = 0) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, stages: int = 0, mma: bool = False) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[..., K]`` (bfloat16/float16, at most :data:`MAX_TOKENS` rows) and ``W`` given as
     the NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the
     float32 divisor ``[1]``); returns ``[..., N]`` in ``x``'s dtype. ``block_n`` output features per program (16,
@@ -294,7 +346,8 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     ``xvec``: that kernel with ``x`` and the scales loaded once per word and group; ``bias`` ``[N]``: added to the
     float32 result in the epilogue, before the one rounding to ``x``'s dtype; ``stages``: with ``words``, the main
     loop software-pipelined that many stages deep (0: not pipelined; needs K a multiple of 128, see
-    :func:`_row_dot`)."""
+    :func:`_row_dot`), or with ``mma``; ``mma``: the few-row tensor-core kernel on int32 words
+    (:func:`_mma_kernel`; block_n 64 or 128, block_k a multiple of 128)."""
     if triton is None:
         raise RuntimeError(f"nvfp4_small_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -315,8 +368,12 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
             problems.append(f"{flag}=True takes one row, got {m}")
     if split_k < 1:
         problems.append(f"split_k={split_k} (>= 1)")
-    if stages < 0 or (stages and not words):
-        problems.append(f"stages={stages} (>= 0, and only with words=True)")
+    if mma and (words or fma):
+        problems.append("mma=True is its own kernel: not with words or fma")
+    if mma and (block_n not in (64, 128) or block_k % 128):
+        problems.append(f"mma=True takes block_n 64 or 128 and block_k a multiple of 128, got {block_n} / {block_k}")
+    if stages < 0 or (stages and not (words or mma)):
+        problems.append(f"stages={stages} (>= 0, and only with words=True or mma=True)")
     elif stages and k % 128:
         problems.append(f"stages={stages} needs K a multiple of 128, got K={k}")
     if tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8:
@@ -350,6 +407,14 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
             x2, packed.view(torch.int32), scale, g, out, ws, cnt, b, n, k,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm,
             XVEC=xvec, HAS_BIAS=bias is not None, STAGES=stages,
+            num_warps=num_warps, **extra,
+        )  # fmt: skip
+        return out.reshape(*x.shape[:-1], n)
+    if mma:
+        LAST_COMPILED = _mma_kernel[(blocks, split_k)](
+            x2, x2.stride(0), packed.view(torch.int32), scale, g, out, out.stride(0), ws, cnt, b, m, n, k,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STAGES=stages,
+            DOT_F32=_interpreting(), HAS_BIAS=bias is not None,
             num_warps=num_warps, **extra,
         )  # fmt: skip
         return out.reshape(*x.shape[:-1], n)

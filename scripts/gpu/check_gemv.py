@@ -95,7 +95,8 @@ def tile_name(t: dict[str, Any]) -> str:
     name += ("F" if t.get("fma") else "") + ("G" if t.get("group_scales") else "") + ("W" if t.get("words") else "")
     name += {True: "A", False: "I"}.get(t.get("asm"), "")  # PTX decode / Triton integer decode
     name += "X" if t.get("xvec") else ""
-    return name + (f"S{t['stages']}" if t.get("stages") else "")  # the one-row kernel's pipelined loop
+    name += "M" if t.get("mma") else ""  # the few-row tensor-core kernel on words
+    return name + (f"S{t['stages']}" if t.get("stages") else "")  # a software-pipelined loop
 
 
 def tile_4m(n: int, k: int) -> dict[str, int]:

@@ -212,6 +212,10 @@ run_step() {
         # without the adapter, 5 repeats. In the background into $work/bench-rowovh; `TAG=-rowovh session.sh bench_watch` follows it
         run_step ckpt7b
         TAG=-rowovh BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4 --variants decode-gemv --runs nvfp4-lora@decode-gemv,nvfp4@decode-gemv --batches 1 --new-tokens 256 --repeats 5" run_step bench_bg ;;
+    sweep_mma)  # the few-row tensor-core kernel (mma=True) against Marlin and BF16 cuBLAS at 8 and 64 rows (§4o); MMA_ARGS adds options
+        step sweep_mma 560 python3 scripts/gpu/sweep_mma.py ${MMA_ARGS:-} ;;
+    mma_test)  # the few-row tensor-core kernel's GPU tests (§4o)
+        step mma_test 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_gemv.py -k mma ;;
     bench_row_h100)  # 7B decode at b1 (§4n lease 3): decode_gemv on the overlap default (its one-row calls on row+lora) with
         # and without the adapter (the LoRA overhead), the Marlin default, BF16 + punica LoRA for the ratio; 5 repeats. In the
         # background into $work/bench-rowh; `TAG=-rowh session.sh bench_watch` follows it

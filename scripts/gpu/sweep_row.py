@@ -49,10 +49,10 @@ def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
-def _compile(tiles: list[dict[str, Any]]) -> int:
-    """Run each tile once on a small 7B-like call, in a worker process: Triton compiles it into its on-disk cache,
-    which the sweep then finds (every linear swept has N and K divisible by 16, so one compiled kernel per tile).
-    Returns how many failed (the sweep records why)."""
+def _compile(tiles: list[dict[str, Any]], rows: int = 1) -> int:
+    """Run each tile once on a small 7B-like call with ``rows`` rows of ``x``, in a worker process: Triton compiles
+    it into its on-disk cache, which the sweep then finds (every linear swept has N and K divisible by 16, so one
+    compiled kernel per tile and row block). Returns how many failed (the sweep records why)."""
     import torch
 
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
@@ -60,7 +60,7 @@ def _compile(tiles: list[dict[str, Any]]) -> int:
     dev = torch.device("cuda")
     packed = torch.randint(0, 256, (4608, 1792), dtype=torch.uint8, device=dev)
     scale = torch.ones(4608, 224, device=dev).to(torch.float8_e4m3fn)
-    x = torch.randn(1, 3584, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(rows, 3584, device=dev, dtype=torch.bfloat16)
     failed = 0
     for t in tiles:
         try:
@@ -71,15 +71,18 @@ def _compile(tiles: list[dict[str, Any]]) -> int:
     return failed
 
 
-def precompile(tiles: list[dict[str, Any]], jobs: int) -> None:
-    """Compile the sweep's kernels in ``jobs`` processes at once (one Triton compile takes ~1 s of one core)."""
+def precompile(tiles: list[dict[str, Any]], jobs: int, rows: int = 1) -> None:
+    """Compile the sweep's kernels for ``rows`` rows of ``x`` in ``jobs`` processes at once (one Triton compile takes
+    ~1 s of one core)."""
+    import functools
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     chunks = [tiles[i::jobs] for i in range(jobs)]
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        failed = sum(pool.map(_compile, chunks))
-    print(json.dumps({"what": "precompiled", "tiles": len(tiles), "jobs": jobs, "failed": failed}), flush=True)
+        failed = sum(pool.map(functools.partial(_compile, rows=rows), chunks))
+    print(json.dumps({"what": "precompiled", "tiles": len(tiles), "rows": rows, "jobs": jobs, "failed": failed}),
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,12 @@ CASES = [  # (rows, N, K, block_k, split_k, variant): one and several rows, a ra
     # the software-pipelined loop (stages > 0; the interpreter runs it as a plain loop, with its stride hints)
     (1, 40, 512, 128, 1, {"words": True, "xvec": True, "stages": 3}),
     (1, 20, 768, 256, 3, {"words": True, "xvec": True, "block_n": 4, "stages": 2, "bias": True}),
+    # the few-row tensor-core kernel on words: one row, several, a ragged N block, split-K, the pipelined loop, a bias
+    (1, 64, 256, 128, 1, {"mma": True, "block_n": 64}),
+    (8, 96, 512, 128, 1, {"mma": True, "block_n": 64}),
+    (3, 130, 768, 256, 2, {"mma": True, "block_n": 64, "stages": 2, "bias": True}),
+    (33, 70, 256, 128, 2, {"mma": True, "block_n": 128}),
+    (64, 64, 384, 128, 3, {"mma": True, "block_n": 64, "stages": 3}),
 ]
 
 INTERPRETED = textwrap.dedent(
@@ -191,6 +197,48 @@ def test_gpu_marlin_or_row_with_bias(n, k):
         assert got.shape == (rows, n) and (got.float() - ref).abs().max().item() <= tol, rows
 
 
+def test_mma_refuses_tiles_it_has_no_kernel_for():
+    """The few-row tensor-core kernel takes 64 or 128 output features per program (a tensor-core M dimension) and K
+    tiles of 16 words or more; each refusal names the values."""
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+
+    q = nvfp4.quantize(torch.randn(64, 512).to(torch.bfloat16))
+    x = torch.randn(8, 512).half()
+    with pytest.raises(ValueError, match="mma=True takes block_n 64 or 128 and block_k a multiple of 128, got 32 / 128"):
+        nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, mma=True, block_n=32)
+    with pytest.raises(ValueError, match="got 64 / 64"):
+        nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, mma=True, block_n=64, block_k=64)
+    with pytest.raises(ValueError, match="mma=True is its own kernel: not with words or fma"):
+        nvfp4_small_gemm(x[:1], q.packed, q.scale, q.global_scale, mma=True, words=True, block_n=64)
+    with pytest.raises(ValueError, match="stages=2 needs K a multiple of 128, got K=192"):
+        q2 = nvfp4.quantize(torch.randn(64, 192).to(torch.bfloat16))
+        nvfp4_small_gemm(torch.randn(2, 192).half(), q2.packed, q2.scale, q2.global_scale, mma=True, block_n=64,
+                         block_k=64, stages=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bfloat16 tensor-core dots)")
+@pytest.mark.parametrize("rows", [2, 8, 64])
+@pytest.mark.parametrize("n,k,block_n,block_k,split_k,stages", [(4608, 3584, 64, 256, 2, 3), (3584, 18944, 64, 512, 4, 0),
+                                                                (37888, 3584, 128, 256, 1, 4)])
+def test_gpu_mma_kernel_matches_the_exact_product(rows, n, k, block_n, block_k, split_k, stages):
+    """The few-row tensor-core kernel in bfloat16 on the 7B q/k/v, down and gate/up shapes: within the bf16 output's
+    rounding of the float64 product with the exact weight (the decoded weight is exact in bf16 and the dots sum in
+    float32), and the same bits on a second call."""
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+
+    torch.manual_seed(rows + split_k)
+    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    tile = dict(mma=True, block_n=block_n, block_k=block_k, split_k=split_k, stages=stages,
+                num_warps=8 if block_n == 128 else 4)
+    got = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **tile)
+    exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
+    excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
+    assert excess <= 1e-4 * exact.abs().max().item()
+    assert torch.equal(got, nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **tile))
+
+
 def test_stages_need_the_word_kernel_and_k_a_multiple_of_128():
     """The pipelined loop declares the rows' strides multiples of 16 words: a K it would be wrong for is refused, as
     is ``stages`` on a kernel without that loop; both errors name the value."""
@@ -201,7 +249,7 @@ def test_stages_need_the_word_kernel_and_k_a_multiple_of_128():
     with pytest.raises(ValueError, match=r"stages=2 needs K a multiple of 128, got K=192"):
         nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, words=True, block_k=64, stages=2)
     q = nvfp4.quantize(torch.randn(32, 256).to(torch.bfloat16))
-    with pytest.raises(ValueError, match=r"stages=2 \(>= 0, and only with words=True\)"):
+    with pytest.raises(ValueError, match=r"stages=2 \(>= 0, and only with words=True or mma=True\)"):
         nvfp4_small_gemm(torch.randn(1, 256).to(torch.bfloat16), q.packed, q.scale, q.global_scale, stages=2)
 
 

@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""GPU sweep of the few-row NVFP4 tensor-core kernel (``vllm_ext.nvfp4_gemv``, ``mma=True``: the weight read as
+int32 words, eight dots per K tile) against vLLM's Marlin FP4 GEMM and BF16 cuBLAS, at the batch sizes of the
+issue's b8 / b64 decode rows, on the linears of the 7B (and 32B) decode step, with the weights streamed from HBM.
+Run from the repository root on the GPU machine (Marlin needs the installed vLLM; without it the Marlin column is
+left out and said so):
+
+    PYTHONPATH=. python3 scripts/gpu/sweep_mma.py [--rows 8,64] [--shapes 7B] [--reps 5]
+
+For each linear and row count:
+  1. every tile (block_n x block_k x split_k x stages x warps) runs once and is checked against the float64
+     product with the exact (dequantized) weight: within the bf16 output's rounding (2^-8 relative, plus 1e-4 of
+     the largest value), and the same bits on a second call. Only correct tiles are timed.
+  2. each correct tile is timed once (``--iters`` calls in one CUDA graph, cycling through enough weight copies that
+     one pass reads >= ``--cold-mib`` MiB, so the weights come from HBM and not the 50 MB L2).
+  3. the fastest tile, Marlin and BF16 cuBLAS are timed ``--reps`` times each, interleaved: median and spread
+     (max - min). Per decode step: the medians summed over the four linears times the layer count.
+
+"Faster" where the difference of the medians exceeds both spreads (the rule of docs/benchmarks.md). Writes
+$OUT/sweep_mma.jsonl (one JSON object per measurement) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT, ROOT / "scripts" / "gpu"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from check_gemv import (  # noqa: E402
+    LAYERS, LINEARS, add_timing_args, copies_for, jsonl_recorder, summarize, tile_name, verdict)
+from sweep_row import ints, precompile  # noqa: E402
+
+
+def sweep_tiles(block_ns: list[int], block_ks: list[int], splits: list[int], stages: list[int],
+                warps: list[int]) -> list[dict[str, Any]]:
+    """The few-row kernel's tiles tried."""
+    return [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=w, stages=st, mma=True)
+            for st, bn, bk, sk, w in itertools.product(stages, block_ns, block_ks, splits, warps)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="8,64", help="rows of x per call (default 8,64)")
+    p.add_argument("--shapes", default="7B", help="Qwen2.5 shapes, from 7B and 32B (default 7B)")
+    p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
+    p.add_argument("--block-n", default="64,128", help="output features per program (default 64,128)")
+    p.add_argument("--block-k", default="128,256,512", help="input features per K tile (default 128,256,512)")
+    p.add_argument("--split-k", default="1,2,4,8", help="programs per output block (default 1,2,4,8)")
+    p.add_argument("--stages", default="0,2,3,4", help="pipeline depths; 0 = not pipelined (default 0,2,3,4)")
+    p.add_argument("--warps", default="4,8", help="warps per program (default 4,8)")
+    add_timing_args(p)
+    p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
+                   help="processes compiling the kernels before the sweep (default: up to 16; 1: none)")
+    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        print("sweep_mma: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    from qerl_plugin import nvfp4
+    from vllm_ext.bench.kernels import capture_graph, replay_us
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+
+    record = jsonl_recorder(args.out, "sweep_mma.jsonl")
+    try:
+        from vllm_ext.bench.kernels import marlin_linear
+
+        marlin_linear  # noqa: B018
+        import vllm._custom_ops  # noqa: F401  (Marlin's kernels)
+        marlin_why = None
+    except Exception as exc:  # noqa: BLE001
+        marlin_linear, marlin_why = None, f"{type(exc).__name__}: {exc}"[:300]
+
+    tiles = sweep_tiles(ints(args.block_n), ints(args.block_k), ints(args.split_k), ints(args.stages),
+                        ints(args.warps))
+    rows_list = ints(args.rows)
+    if args.jobs > 1:
+        for rows in sorted({max(16, 1 << (r - 1).bit_length()) for r in rows_list}):
+            precompile(tiles, args.jobs, rows=rows)  # one kernel per row block (16, 32, 64)
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "tiles": len(tiles), "rows": rows_list,
+            "cold_mib": args.cold_mib, "shapes": args.shapes, "linears": args.linears, "marlin_missing": marlin_why})
+    finals: list[dict[str, Any]] = []
+    bad = 0
+    for shape in args.shapes.split(","):
+        for lname in args.linears.split(","):
+            k, n = LINEARS[shape][lname]
+            torch.manual_seed(0)
+            w = (torch.randn(n, k, device=dev) * 0.02).to(bf16)
+            q = nvfp4.quantize(w)
+            w_exact = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double()
+            raw_bytes = q.packed.numel() + q.scale.numel()
+            copies = copies_for(raw_bytes, args.cold_mib)
+            raws = [(q.packed.clone(), q.scale.clone()) for _ in range(copies)]
+            marlins = [] if marlin_linear is None else [marlin_linear(p_, s_, q.global_scale, bf16) for p_, s_ in raws]
+            c_bf16 = copies_for(2 * n * k, args.cold_mib)
+            bf16s = [w.clone() for _ in range(c_bf16)]
+            iters = max(args.iters, copies)
+            record({"what": "linear", "shape": shape, "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes,
+                    "copies": copies, "bf16_copies": c_bf16})
+            for rows in rows_list:
+                x = torch.randn(rows, k, device=dev, dtype=bf16)
+                exact = x.double() @ w_exact.t()
+                floor = 1e-4 * exact.abs().max().item()
+
+                def graph_of(t: dict[str, Any]):  # noqa: ANN202
+                    return capture_graph([(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **t))
+                                          for p_, s_ in raws], iters)
+
+                swept = []
+                for t in tiles:
+                    row: dict[str, Any] = {"what": "tile", "shape": shape, "linear": lname, "rows": rows,
+                                           "tile": tile_name(t)}
+                    try:
+                        y1 = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t)
+                        y2 = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t)
+                        excess = ((y1.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
+                        row.update(excess=excess, repeat_identical=torch.equal(y1, y2))
+                        row["ok"] = excess <= floor and row["repeat_identical"]
+                        if row["ok"]:
+                            g = graph_of(t)
+                            row["us"] = round(replay_us(g, iters), 2)
+                            del g
+                            swept.append((row["us"], t))
+                        else:
+                            bad += 1
+                    except Exception as exc:  # one tile that does not compile or fit must not hide the others
+                        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    record(row, echo=False)
+                if not swept:
+                    record({"what": "final", "shape": shape, "linear": lname, "rows": rows, "error": "no tile correct"})
+                    continue
+                swept.sort(key=lambda s: s[0])
+                record({"what": "top", "shape": shape, "linear": lname, "rows": rows,
+                        "tiles": [[tile_name(t), us] for us, t in swept[:8]]})
+                best = swept[0][1]
+                graphs = {"mma": (graph_of(best), iters),
+                          "bf16": (capture_graph([(lambda w_=w_: F.linear(x, w_)) for w_ in bf16s],
+                                                 max(args.iters, c_bf16)), max(args.iters, c_bf16))}
+                if marlins:
+                    marlin_err = ((marlins[0](x).double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
+                    graphs["marlin"] = (capture_graph([(lambda r_=r_: r_(x)) for r_ in marlins], iters), iters)
+                times: dict[str, list[float]] = {key: [] for key in graphs}
+                for _ in range(args.reps):
+                    for key, (g, its) in graphs.items():
+                        times[key].append(replay_us(g, its))
+                del graphs
+                res = {key: summarize(v) for key, v in times.items()}
+                fin = {"what": "final", "shape": shape, "linear": lname, "rows": rows, "tile": tile_name(best), **res,
+                       "mma_gb_s": round(raw_bytes / res["mma"]["median_us"] / 1e3, 1),
+                       "mma_vs_bf16": verdict(res["mma"], res["bf16"])}
+                if "marlin" in res:
+                    fin.update(marlin_excess=marlin_err, mma_vs_marlin=verdict(res["mma"], res["marlin"]),
+                               marlin_gb_s=round(raw_bytes / res["marlin"]["median_us"] / 1e3, 1),
+                               marlin_over_mma=round(res["marlin"]["median_us"] / res["mma"]["median_us"], 3))
+                record(fin)
+                finals.append(fin)
+            del raws, marlins, bf16s, w_exact
+            torch.cuda.empty_cache()
+
+    keys = ("mma", "marlin", "bf16") if marlin_linear is not None else ("mma", "bf16")
+    lines = ["", "few-row NVFP4 tensor-core kernel, weights streamed from HBM: us per call, median of "
+             f"{args.reps} (spread); GB/s = NVFP4 bytes (codes + FP8 scales) / time"
+             + ("" if marlin_linear is not None else f"; Marlin not run ({marlin_why})"),
+             f"{'shape':<5} {'linear':<8}{'rows':>5} {'best tile':<20}" + "".join(f"{k_:>17}" for k_ in keys)
+             + f"{'GB/s':>7}  verdict"]
+    for f in finals:
+        cell = lambda r: f"{r['median_us']:>9.2f} ±{r['spread_us']:<5.2f}"  # noqa: E731
+        lines.append(f"{f['shape']:<5} {f['linear']:<8}{f['rows']:>5} {f['tile']:<20}"
+                     + "".join(cell(f[k_]) for k_ in keys) + f"{f['mma_gb_s']:>7.0f}  "
+                     + f.get("mma_vs_marlin", f["mma_vs_bf16"] + " (vs bf16)"))
+    for shape in args.shapes.split(","):
+        for rows in rows_list:
+            sel = [f for f in finals if f["shape"] == shape and f["rows"] == rows]
+            if len(sel) != len(args.linears.split(",")):
+                continue
+            step = {k_: round(LAYERS[shape] * sum(f[k_]["median_us"] for f in sel) / 1000.0, 3) for k_ in keys}
+            spread = {k_: round(LAYERS[shape] * sum(f[k_]["spread_us"] for f in sel) / 1000.0, 3) for k_ in keys}
+            record({"what": "per_step_ms", "shape": shape, "rows": rows, "median": step, "spread": spread})
+            lines.append(f"per {shape} decode step (x{LAYERS[shape]}), {rows} rows: "
+                         + ", ".join(f"{k_} {step[k_]:.3f} ms (±{spread[k_]:.3f})" for k_ in keys))
+    lines.append(f"tiles refused (error beyond the bf16 rounding, or not the same bits twice): {bad}")
+    print("\n".join(lines), flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
