@@ -7,7 +7,9 @@ standalone (1.93 vs 2.37 ms, §4j) and makes the engine's 7B b1 decode 12 % fast
 faster than Marlin (8.50 vs 8.77 ms per step; the engine's +1.6 % is inside the spread). With its loop
 software-pipelined and the tiles swept again (``stages``, §4n) it is 1.883 ms per 7B step and 7.500 ms per 32B step
 (the unpipelined kernel 1.934 and 8.014, same H100 run). The tensor-core path is 4-5x slower than Marlin at 8 and 64
-rows.
+rows; ``mma=True``, a tensor-core kernel on the int32 words (one dot per code position, pipelined), is 2.4x slower
+(5.83 vs 2.38 ms per 7B step at 8 rows, 9.45 vs 3.91 at 64; §4o), bound by its own instructions and shared memory:
+the decoded operand passes through shared memory, which Triton's layouts do not let it avoid.
 
 Why: §4h profiles a 7B decode step and finds vLLM's Marlin FP4 GEMMs at 2.38 ms of 4.64 at batch 1 and at 4.15 of
 7.44 ms at batch 64, while the 4-bit weights and FP8 scales of those linears (~3.7 GB) need ~1.1 ms at the H100's
