@@ -46,19 +46,47 @@ from __future__ import annotations
 
 import torch
 
+import os
+
+from qerl_plugin.options import parse_bool
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
-__all__ = ["MAX_TOKENS", "ROW_OP", "decode_tile", "nvfp4_gemv_row", "nvfp4_small_gemm"]
+__all__ = ["MAX_TOKENS", "NO_PDL_ENV", "PDL_FIRST_ENV", "ROW_OP", "decode_tile", "nvfp4_gemv_row", "nvfp4_small_gemm",
+           "pdl_first_allowed", "pdl_supported"]
 
 MAX_TOKENS = 64  # rows per call; larger inputs belong to a GEMM with real M tiles
 GROUP = 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 LAST_COMPILED = None  # the last launch's compiled kernel (registers, spills, shared memory: scripts/gpu/check_gemv.py)
+NO_PDL_ENV = "QERL_NO_PDL"
+PDL_FIRST_ENV = "QERL_PDL_FIRST"
+_PDL: dict[str, bool] = {}
+
+
+def pdl_first_allowed() -> bool:
+    """Whether the first launch of a ``decode_gemv`` linear (the one-row kernel alone, or the shrink of
+    :mod:`vllm_ext.nvfp4_gemv_lora`) may be a programmatic dependent launch too, where :func:`pdl_supported`:
+    ``QERL_PDL_FIRST`` (a bool, default on; off gives §4n's launches)."""
+    return parse_bool(os.environ.get(PDL_FIRST_ENV, "1") or "1", PDL_FIRST_ENV)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may use programmatic dependent launch: CUDA compute capability >= 9.0 (Hopper),
+    not under the Triton interpreter, and not turned off by ``QERL_NO_PDL`` (a bool: 1/true/yes/on)."""
+    if parse_bool(os.environ.get(NO_PDL_ENV, "0") or "0", NO_PDL_ENV):
+        return False
+    if device.type != "cuda" or _interpreting():
+        return False
+    key = str(device)
+    if key not in _PDL:
+        _PDL[key] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _PDL[key]
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_wait
 
     @triton.jit
     def _finish(y_ptrs, ws_ptrs, ws_step, part, ok, gmul, cnt_ptr, pid_k, SPLIT_K: tl.constexpr, b_ptrs,
@@ -255,12 +283,16 @@ if triton is not None:
     def _nvfp4_row_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, b_ptr, N, K,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
-        XVEC: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr,
+        XVEC: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """One row: ``y[n] = sum_k x[k] W[n, k]`` on the CUDA cores, the weight read as int32 words of 8 codes.
         ``XVEC``: ``x`` loaded as one 16-byte run per word (8 values) and the 8 decoded codes joined in registers to
         meet it, instead of 8 strided 2-byte loads per word, and one scale load per group (Nsight Compute, §4j
-        lease 6: the strided loads kept the L1 86 % busy)."""
+        lease 6: the strided loads kept the L1 86 % busy). ``PDL``: launched as a programmatic dependent launch, so
+        its programs may be placed before the previous kernel has finished; they wait for it
+        (``griddepcontrol.wait``) before any load or store."""
+        if PDL:
+            gdc_wait()
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -336,7 +368,8 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                      block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4,
                      num_stages: int | None = None, fma: bool = False, group_scales: bool = False,
                      words: bool = False, asm: bool | None = None, xvec: bool = False,
-                     bias: torch.Tensor | None = None, stages: int = 0, mma: bool = False) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, stages: int = 0, mma: bool = False,
+                     pdl: bool = False) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[..., K]`` (bfloat16/float16, at most :data:`MAX_TOKENS` rows) and ``W`` given as
     the NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the
     float32 divisor ``[1]``); returns ``[..., N]`` in ``x``'s dtype. ``block_n`` output features per program (16,
@@ -349,7 +382,8 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     float32 result in the epilogue, before the one rounding to ``x``'s dtype; ``stages``: with ``words``, the main
     loop software-pipelined that many stages deep (0: not pipelined; needs K a multiple of 128, see
     :func:`_row_dot`), or with ``mma``; ``mma``: the few-row tensor-core kernel on int32 words
-    (:func:`_mma_kernel`; block_n 64 or 128, block_k a multiple of 128)."""
+    (:func:`_mma_kernel`; block_n 64 or 128, block_k a multiple of 128); ``pdl``: with ``words``, a programmatic
+    dependent launch (Hopper, see :func:`pdl_supported`) whose programs wait for the previous kernel first."""
     if triton is None:
         raise RuntimeError(f"nvfp4_small_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -370,6 +404,8 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
             problems.append(f"{flag}=True takes one row, got {m}")
     if split_k < 1:
         problems.append(f"split_k={split_k} (>= 1)")
+    if pdl and not words:
+        problems.append("pdl=True only with words=True")
     if mma and (words or fma):
         problems.append("mma=True is its own kernel: not with words or fma")
     if mma and (block_n not in (64, 128) or block_k % 128):
@@ -408,8 +444,8 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](
             x2, packed.view(torch.int32), scale, g, out, ws, cnt, b, n, k,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm,
-            XVEC=xvec, HAS_BIAS=bias is not None, STAGES=stages,
-            num_warps=num_warps, **extra,
+            XVEC=xvec, HAS_BIAS=bias is not None, STAGES=stages, PDL=pdl,
+            num_warps=num_warps, launch_pdl=pdl, **extra,
         )  # fmt: skip
         return out.reshape(*x.shape[:-1], n)
     if mma:
@@ -471,11 +507,12 @@ def nvfp4_gemv_row(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for one row of ``x`` with the one-row kernel (PTX decode on CUDA, ``x`` once per word,
     the bias added in its epilogue) and :func:`decode_tile`'s tile, as one opaque op for torch.compile and CUDA
-    graphs."""
+    graphs; a programmatic dependent launch where :func:`pdl_supported` and :func:`pdl_first_allowed`."""
     tile = decode_tile(packed.shape[0], x.shape[-1])
     if tile is None:
         raise ValueError(f"{ROW_OP}: K={x.shape[-1]} is not a multiple of 128")
-    return nvfp4_small_gemm(x, packed, scale, global_scale, words=True, xvec=True, bias=bias, **tile)
+    return nvfp4_small_gemm(x, packed, scale, global_scale, words=True, xvec=True, bias=bias,
+                            pdl=pdl_supported(x.device) and pdl_first_allowed(), **tile)
 
 
 @nvfp4_gemv_row.register_fake

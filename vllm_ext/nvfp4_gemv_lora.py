@@ -36,13 +36,10 @@ Used by the overlap LoRA mode (the default) for one-row calls of engines with ``
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from qerl_plugin.options import parse_bool
 from vllm_ext import lora_fused
-from vllm_ext.nvfp4_gemv import _counters, decode_tile
+from vllm_ext.nvfp4_gemv import NO_PDL_ENV, _counters, decode_tile, pdl_first_allowed, pdl_supported
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
@@ -68,9 +65,14 @@ if triton is not None:
 
     @triton.jit
     def _shrink_kernel(x_ptr, a0, a1, a2, hp_ptr, K, CH, R: tl.constexpr, SUB: tl.constexpr, KS_PAD: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PDL: tl.constexpr, WAIT: tl.constexpr):
         """``hp[s, c, :] = A_s[:, c*CH : (c+1)*CH] @ x[c*CH : (c+1)*CH]`` in float32 (products of 16-bit values,
-        exact in float32). ``PDL``: let the row kernel start now (it waits for this grid before reading ``hp``)."""
+        exact in float32). ``WAIT``: this grid is itself a programmatic dependent launch; its programs wait for the
+        previous kernel (which wrote ``x``) before anything else, and only then let the row kernel start, so the row
+        kernel never reads ``x`` early. ``PDL``: let the row kernel start now (it waits for this grid before reading
+        ``hp``)."""
+        if WAIT:
+            gdc_wait()
         if PDL:
             gdc_launch_dependents()
         c = tl.program_id(0)
@@ -161,23 +163,6 @@ if triton is not None:
                 _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS)
 
 
-NO_PDL_ENV = "QERL_NO_PDL"
-_PDL: dict[str, bool] = {}
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may use programmatic dependent launch: CUDA compute capability >= 9.0 (Hopper),
-    not under the Triton interpreter, and not turned off by ``QERL_NO_PDL`` (a bool: 1/true/yes/on)."""
-    if parse_bool(os.environ.get(NO_PDL_ENV, "0") or "0", NO_PDL_ENV):
-        return False
-    if device.type != "cuda" or _interpreting():
-        return False
-    key = str(device)
-    if key not in _PDL:
-        _PDL[key] = torch.cuda.get_device_capability(device)[0] >= 9
-    return _PDL[key]
-
-
 def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, ...],
              lora_b: tuple[torch.Tensor, ...], output_slices: tuple[int, ...]) -> str | None:
     """``None`` when :func:`launch` runs this call (one row, an adapter the fused LoRA kernel takes, slices that
@@ -212,25 +197,27 @@ def _ragged(output_slices: tuple[int, ...], block_n: int) -> list[int]:
 def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
            bias: torch.Tensor | None, lora_a: tuple[torch.Tensor, ...], lora_b: tuple[torch.Tensor, ...],
            lora_scale: float, output_slices: tuple[int, ...], token_lora_indices: torch.Tensor,
-           pdl: bool | None = None) -> torch.Tensor:
+           pdl: bool | None = None, pdl_first: bool | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias) + B_s @ (lora_scale * A_s @ x)`` per slice for one row ``x`` ``[..., K]``, where the token's
     slot (``token_lora_indices[0]``) is 0; returns ``[..., N]`` in ``x``'s dtype. ``W`` is the NVFP4 triple
     (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor);
     ``bias`` ``[N]`` in natural order; ``lora_a[s]`` ``[1, 1, R, K]``, ``lora_b[s]`` ``[1, 1, n_s, R]``. Two
     launches (shrink, then the row kernel with the expand); ``pdl`` (default: where :func:`pdl_supported`): the row
     kernel as a programmatic dependent launch, so it starts while the shrink runs and waits for it only before
-    reading ``h``. Raises :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported` where :func:`supports` says no."""
+    reading ``h``; ``pdl_first`` (default: ``pdl`` and :func:`~vllm_ext.nvfp4_gemv.pdl_first_allowed`): the shrink too, waiting for the kernel
+    before it. Raises :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported` where :func:`supports` says no."""
     why = supports(x, packed, lora_a, lora_b, tuple(output_slices))
     if why is not None:
         raise lora_fused.FusedLoRAUnsupported(why)
     return launch_supported(x, packed, scale, global_scale, bias, lora_a, lora_b, lora_scale, output_slices,
-                            token_lora_indices, pdl)
+                            token_lora_indices, pdl, pdl_first=pdl_first)
 
 
 def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      bias: torch.Tensor | None, lora_a: tuple[torch.Tensor, ...], lora_b: tuple[torch.Tensor, ...],
                      lora_scale: float, output_slices: tuple[int, ...], token_lora_indices: torch.Tensor,
-                     pdl: bool | None = None, tile: dict[str, int] | None = None) -> torch.Tensor:
+                     pdl: bool | None = None, tile: dict[str, int] | None = None,
+                     pdl_first: bool | None = None) -> torch.Tensor:
     """:func:`launch` for a caller that has already had ``None`` from :func:`supports` for this call (the overlap op
     asks it to choose its path); still refuses a scale or bias of the wrong shape. ``tile``: the row kernel's tile
     in place of :func:`decode_tile`'s (for timing the kernel's variants side by side: scripts/gpu/check_row_lora.py);
@@ -265,7 +252,10 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     hp = torch.empty(s_count, MAX_CHUNKS, rank, device=x.device, dtype=torch.float32)  # every read row is written
     if pdl is None:
         pdl = pdl_supported(x.device)
-    _shrink_kernel[(ks, s_count)](x2, *a, hp, k, per, R=rank, SUB=SUB_K, KS_PAD=MAX_CHUNKS, PDL=pdl, num_warps=4)
+    if pdl_first is None:
+        pdl_first = pdl and pdl_first_allowed()
+    _shrink_kernel[(ks, s_count)](x2, *a, hp, k, per, R=rank, SUB=SUB_K, KS_PAD=MAX_CHUNKS, PDL=pdl, WAIT=pdl_first,
+                                  num_warps=4, launch_pdl=pdl_first)
     g = global_scale.reshape(-1)[:1].to(torch.float32)
     _row_lora_kernel[(blocks, split_k)](
         x2, packed.contiguous().view(torch.int32), scale.contiguous(), g, out, ws, cnt,

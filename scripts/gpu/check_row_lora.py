@@ -2,15 +2,19 @@
 """GPU timing of one 7B (or 32B) decode step's linears at batch 1 with LoRA, four ways, each step captured in a CUDA
 graph with every layer's own weights (so the 4-bit weights stream from HBM, as in the engine):
 
-  row          decode_gemv's one-row kernel alone (torch.ops.qerl.nvfp4_gemv_row): the LoRA-free floor
+  row          decode_gemv's one-row kernel alone (torch.ops.qerl.nvfp4_gemv_row, as shipped: a programmatic
+               dependent launch on Hopper since §4p): the LoRA-free floor
+  row_nopdl    the same kernel and tile launched plainly (§4n's row)
   row+fused    the row kernel, then the one-launch LoRA kernel (vllm_ext.lora_fused) on one stream: decode_gemv with
                additional_config={"qerl_lora": "fused"}
   row||fused   the LoRA kernel on a second stream beside the row kernel, joined and added: decode_gemv with the
                overlap mode before vllm_ext.nvfp4_gemv_lora
   row_lora     vllm_ext.nvfp4_gemv_lora: a small shrink kernel, then the row kernel with the LoRA expand in its
                epilogue (two launches, no synchronisation between programs)
-  row_lora_pdl the same with the row kernel as a programmatic dependent launch (Hopper): it starts while the shrink
-               runs and waits for it only before reading its result
+  row_lora_pdl the same with both launches programmatic dependent launches (Hopper, as shipped since §4p): the
+               shrink waits for the kernel before it, then lets the row kernel start, which waits for the shrink only
+               before reading its result
+  row_lora_pdl1 only the row kernel a dependent launch (§4m-§4n's row+lora)
   row_s0, row_lora_pdl_s0
                row and row_lora_pdl with §4m's tiles and an unpipelined loop (stages 0), when decode_tile's tiles
                differ from them: the kernels before §4n, in the same run
@@ -45,7 +49,7 @@ SHAPES = {  # hidden, intermediate, q features, kv features, layers (Qwen2.5)
     "7B": (3584, 18944, 3584, 512, 28),
     "32B": (5120, 27648, 5120, 1024, 64),
 }
-VARIANTS = ("row", "row+fused", "row||fused", "row_lora", "row_lora_pdl")
+VARIANTS = ("row", "row+fused", "row||fused", "row_lora", "row_lora_pdl", "row_nopdl", "row_lora_pdl1")
 OLD_VARIANTS = ("row_s0", "row_lora_pdl_s0")
 
 
@@ -120,11 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     def row_beside(L):
         return lora_fused.launch_beside(lambda: row(L), updates[L[0]], L[1], L[6], L[7], 1.0, L[8], idx, sync, *side)
 
-    def one(L, pdl=False):
-        return rl.launch(L[1], L[2], L[3], L[4], L[5], L[6], L[7], 1.0, L[8], idx, pdl=pdl)
+    def one(L, pdl=False, pdl_first=None):
+        return rl.launch(L[1], L[2], L[3], L[4], L[5], L[6], L[7], 1.0, L[8], idx, pdl=pdl, pdl_first=pdl_first)
 
     def one_pdl(L):
-        return one(L, pdl=True)
+        return one(L, pdl=True, pdl_first=True)
+
+    def one_pdl1(L):
+        return one(L, pdl=True, pdl_first=False)
+
+    def row_nopdl(L):
+        return nvfp4_small_gemm(L[1], L[2], L[3], L[4], bias=L[5], words=True, xvec=True, pdl=False,
+                                **decode_tile(L[2].shape[0], L[1].shape[-1]))
 
     def row_s0(L):
         return nvfp4_small_gemm(L[1], L[2], L[3], L[4], bias=L[5], words=True, xvec=True,
@@ -132,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def one_pdl_s0(L):
         return rl.launch_supported(L[1], L[2], L[3], L[4], L[5], L[6], L[7], 1.0, L[8], idx, pdl=True,
-                                   tile=tile_4m(L[2].shape[0], L[1].shape[-1]))
+                                   tile=tile_4m(L[2].shape[0], L[1].shape[-1]), pdl_first=False)
 
     fns = {"row": row, "row+fused": row_fused, "row||fused": row_beside, "row_lora": one, "row_lora_pdl": one_pdl,
-           "row_s0": row_s0, "row_lora_pdl_s0": one_pdl_s0}
+           "row_s0": row_s0, "row_lora_pdl_s0": one_pdl_s0, "row_nopdl": row_nopdl, "row_lora_pdl1": one_pdl1}
     variants = VARIANTS
     if any({**tile_4m(sum(sl), k), "stages": 0} != {"stages": 0, **decode_tile(sum(sl), k, lora=lora)}
            for k, sl, _ in groups.values() for lora in (False, True)):
@@ -163,12 +174,15 @@ def main(argv: list[str] | None = None) -> int:
                                  "differing": (got != want).double().mean().item(),
                                  "repeat_identical": again,
                                  "pdl_identical": torch.equal(got, got_pdl),
+                                 "pdl1_identical": torch.equal(got, one_pdl1(L)),
+                                 "row_pdl_identical": torch.equal(row(L), row_nopdl(L)),
                                  "pdl_max_ulps": ((got_pdl.double() - want.double()).abs() / ulp).max().item(),
                                  "no_adapter_max_ulps_vs_row": ((plain.double() - alone.double()).abs()
                                                                 / ulp_alone).max().item(),
                                  "no_adapter_differing": (plain != alone).double().mean().item()}
     torch.cuda.synchronize()
     ok = all(c["max_ulps"] <= 1.0 and c["repeat_identical"] and c["pdl_max_ulps"] <= 1.0
+             and c["pdl_identical"] and c["pdl1_identical"] and c["row_pdl_identical"]
              and c["no_adapter_max_ulps_vs_row"] <= 1.0
              for c in result["check"].values())
     result["check_ok"] = ok
@@ -203,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     pdiff, result["pdl_verdict"] = compare(rows["row_lora_pdl"], rows["row_lora"])
     result["pdl_vs_row_lora_ms"] = round(pdiff, 4)
     result["lora_cost_ms"] = {name: round(rows[name]["median_ms"] - rows["row"]["median_ms"], 4)
-                              for name in VARIANTS[1:]}
+                              for name in ("row+fused", "row||fused", "row_lora", "row_lora_pdl", "row_lora_pdl1")}
+    for new, old in (("row", "row_nopdl"), ("row_lora_pdl", "row_lora_pdl1")):  # §4p: the first launch dependent too
+        d, v = compare(rows[new], rows[old])
+        result[f"{new}_vs_{old}"] = {"ms": round(d, 4), "verdict": v}
     if "row_s0" in rows:  # §4n's verdicts: the shipped tiles against §4m's, same run
         for new, old in (("row", "row_s0"), ("row_lora_pdl", "row_lora_pdl_s0")):
             d, v = compare(rows[new], rows[old])
@@ -217,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:<11} {rows[name]['median_ms']:.4f} ms ({rows[name]['spread_ms']:.4f}){extra}")
     print(f"row kernel alone: {result['row_tb_s']} TB/s; row_lora vs row+fused: {diff:+.4f} ms -> {result['verdict']}; "
           f"row_lora_pdl vs row_lora: {pdiff:+.4f} ms -> {result['pdl_verdict']}; check {'ok' if ok else 'FAILED'}")
-    for key in ("row_vs_row_s0", "row_lora_pdl_vs_row_lora_pdl_s0"):
+    for key in ("row_vs_row_s0", "row_lora_pdl_vs_row_lora_pdl_s0", "row_vs_row_nopdl", "row_lora_pdl_vs_row_lora_pdl1"):
         if key in result:
             print(f"{key}: {result[key]['ms']:+.4f} ms -> {result[key]['verdict']}")
     return 0 if ok else 1

@@ -212,6 +212,15 @@ run_step() {
         # without the adapter, 5 repeats. In the background into $work/bench-rowovh; `TAG=-rowovh session.sh bench_watch` follows it
         run_step ckpt7b
         TAG=-rowovh BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4 --variants decode-gemv --runs nvfp4-lora@decode-gemv,nvfp4@decode-gemv --batches 1 --new-tokens 256 --repeats 5" run_step bench_bg ;;
+    pdl_test)  # the GPU tests of the one-row kernel and row+lora, with their first launch a dependent launch (§4p)
+        step pdl_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_gemv_lora.py tests/vllm_ext/test_nvfp4_gemv.py ;;
+    row_lora_steps)  # check_row_lora at 7B and 32B (§4p: the first launch dependent or not, same run), 9 replays each
+        step row_lora_steps 300 bash -c 'python3 scripts/gpu/check_row_lora.py --shape 7B --reps 9 --out $OUT/7b && python3 scripts/gpu/check_row_lora.py --shape 32B --reps 9 --out $OUT/32b' ;;
+    bench_pdl)  # 7B decode at b1 (§4p): decode_gemv with the first launch per linear dependent (as shipped) and not, with
+        # the adapter; without it; BF16 + punica LoRA for the ratio; 7 repeats. In the background into $work/bench-pdl;
+        # `TAG=-pdl session.sh bench_watch` follows it
+        run_step ckpt7b
+        TAG=-pdl BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4,bf16-lora --variants decode-gemv,decode-gemv+pdl-first-off,punica-lora --runs nvfp4-lora@decode-gemv,nvfp4-lora@decode-gemv+pdl-first-off,nvfp4@decode-gemv,bf16-lora@punica-lora --batches 1 --new-tokens 256 --repeats 7" run_step bench_bg ;;
     sweep_mma)  # the few-row tensor-core kernel (mma=True) against Marlin and BF16 cuBLAS at 8 and 64 rows (§4o); MMA_ARGS adds options
         step sweep_mma 560 python3 scripts/gpu/sweep_mma.py ${MMA_ARGS:-} ;;
     mma_test)  # the few-row tensor-core kernel's GPU tests (§4o)

@@ -178,6 +178,31 @@ def test_pdl_is_off_on_the_cpu_and_by_the_environment(monkeypatch):
         rl.pdl_supported(torch.device("cuda"))
 
 
+def test_first_launch_pdl_follows_its_variable(monkeypatch):
+    """QERL_PDL_FIRST (default on) decides whether the first launch of a decode_gemv linear is dependent too; a bad
+    value is an error that names the variable; on the CPU no launch is dependent whatever it says."""
+    from vllm_ext import nvfp4_gemv as g
+
+    monkeypatch.delenv(g.PDL_FIRST_ENV, raising=False)
+    assert g.pdl_first_allowed() is True
+    monkeypatch.setenv(g.PDL_FIRST_ENV, "0")
+    assert g.pdl_first_allowed() is False
+    monkeypatch.setenv(g.PDL_FIRST_ENV, "maybe")
+    with pytest.raises(ValueError, match="QERL_PDL_FIRST: expected true or false, got 'maybe'"):
+        g.pdl_first_allowed()
+    monkeypatch.setenv(g.PDL_FIRST_ENV, "1")
+    assert g.pdl_supported(torch.device("cpu")) is False
+
+
+def test_pdl_needs_the_word_kernel():
+    from qerl_plugin import nvfp4
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+
+    q = nvfp4.quantize(torch.randn(64, 256).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="pdl=True only with words=True"):
+        nvfp4_small_gemm(torch.randn(2, 256).half(), q.packed, q.scale, q.global_scale, pdl=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bfloat16 and the 7B shapes)")
 @pytest.mark.parametrize("pdl", [False, True])
@@ -238,3 +263,55 @@ def test_gpu_7b_linears_match_row_kernel_then_fused_lora(group, pdl):
     idx.fill_(-1)  # no adapter: the row kernel's result, its float32 sum possibly in another order
     plain = rl.launch(x, q.packed, q.scale, q.global_scale, bias, a, b, 1.0, slices, idx, pdl=pdl)
     assert ulps(plain, nvfp4_gemv_row(x, q.packed, q.scale, q.global_scale, bias)) <= 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bfloat16 and the 7B shapes)")
+@pytest.mark.parametrize("path", ["row", "row_lora"])
+def test_gpu_dependent_first_launch_reads_what_the_kernel_before_it_wrote(path):
+    """With the first launch of a linear a programmatic dependent launch (the row kernel alone, or the shrink of
+    row+lora), its input is written by the kernel right before it: in one CUDA graph, six times, a large elementwise
+    kernel writes ``x`` at the end of its output, then the linear reads it. Every replay gives the bits of the same
+    linears launched plainly, one by one."""
+    from qerl_plugin import nvfp4
+    from vllm_ext import nvfp4_gemv_lora as rl
+    from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_small_gemm
+
+    if not rl.pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    torch.manual_seed(1)
+    dev, k, slices = "cuda", 3584, (3584, 512, 512)
+    n, r = sum(slices), 32
+    q = nvfp4.quantize((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
+    a = tuple((torch.randn(1, 1, r, k, device=dev) / k**0.5).to(torch.bfloat16) for _ in slices)
+    b = tuple((torch.randn(1, 1, s, r, device=dev) * 0.1).to(torch.bfloat16) for s in slices)
+    idx = torch.zeros(4, dtype=torch.int32, device=dev)
+    tile = decode_tile(n, k)
+
+    def linear(x, pdl):
+        if path == "row":
+            return nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, words=True, xvec=True, pdl=pdl, **tile)
+        return rl.launch(x, q.packed, q.scale, q.global_scale, None, a, b, 1.0, slices, idx, pdl=pdl, pdl_first=pdl)
+
+    big = 1 << 24  # the producer: 16 M elements, x in its last k
+    sources = [torch.randn(big, device=dev, dtype=torch.bfloat16) for _ in range(6)]
+    buf = torch.empty(big, device=dev, dtype=torch.bfloat16)
+    x = buf[-k:].view(1, k)
+    want = [linear(s[-k:].view(1, k).clone(), False) for s in sources]
+    for s in sources:  # warm-up (compiles) outside the capture
+        torch.mul(s, 1.0, out=buf)
+        linear(x, True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = []
+        for s in sources:
+            torch.mul(s, 1.0, out=buf)
+            outs.append(linear(x, True))
+    for _ in range(3):
+        for o in outs:
+            o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, ref in zip(outs, want):
+            assert torch.equal(got, ref)
