@@ -22,7 +22,9 @@ version has no counter, no wait and nothing to reset:
 
 Per 7B decode step at batch 1 on an H200 (§4m lease 4): 2.229 ms, against 2.774 ms for the row kernel followed by
 the LoRA kernel and 1.877 ms for the row kernel alone; in the engine, batch-1 decode 16.2 % faster. On an H100 with
-the pipelined loop (§4n): 2.256 ms against 2.816 (1.883 alone); in the engine 2.21x BF16 + LoRA.
+the pipelined loop (§4n): 2.256 ms against 2.816 (1.883 alone); in the engine 2.21x BF16 + LoRA. Since §4p the shrink
+is a dependent launch too (it waits for the kernel before it, then lets the row kernel start): 2.151 against 2.243 ms
+per 7B step and 8.393 against 8.640 per 32B step on an H100, the same bits; in the engine level with before.
 
 The arithmetic is that of the row kernel followed by :mod:`vllm_ext.lora_fused`'s kernel (punica's): the base output
 rounded once, ``h = A @ x`` summed in float32, ``scale`` in float32, ``h`` rounded to the dtype, the update's float32
