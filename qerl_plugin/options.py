@@ -11,7 +11,8 @@ engine built with AQN never reuses a graph compiled without it)::
     {"qerl_nvfp4": {"decode_gemv": true}}                       one-row calls on vllm_ext.nvfp4_gemv's kernel
                                                                 (experimental; keeps a second copy of the weights);
                                                                 in the overlap mode with the LoRA inside it
-                                                                (vllm_ext.nvfp4_gemv_lora; QERL_NO_PDL=1: no PDL)
+                                                                (vllm_ext.nvfp4_gemv_lora; QERL_NO_PDL=1: no PDL,
+                                                                QERL_PDL_FIRST=0: no PDL for a linear's first launch)
     {"qerl_lora": "overlap"}                                    the default: one adapter slot (max_loras=1), one
                                                                 Triton launch per LoRA linear (vllm_ext.lora_fused)
                                                                 on a second CUDA stream, beside the base GEMM, for
