@@ -696,3 +696,44 @@ def test_check_row_lora_old_tiles_are_those_of_section_4m():
     assert check_row_lora.tile_4m(3584, 18944) == dict(block_n=8, block_k=512, split_k=4, num_warps=2)
     assert check_row_lora.tile_4m(7168, 5120) == dict(block_n=4, block_k=512, split_k=1, num_warps=2)
     assert check_row_lora.tile_4m(5120, 27648) == dict(block_n=8, block_k=512, split_k=8, num_warps=2)
+
+
+def test_sweep_tiles_keep_only_correct_reproducible_ones_fastest_first():
+    """sweep_row.try_tiles (used by sweep_row.py and sweep_mma.py): a tile within the bf16 rounding of the float64
+    product is timed, one beyond it or with other bits on the second call is refused and counted, one that raises is
+    recorded with its error and not counted as refused; the timed tiles come back fastest first."""
+    import torch
+
+    try_tiles = _import_script("sweep_row").try_tiles
+    exact = torch.tensor([[1.0, -2.0, 300.0]], dtype=torch.float64)
+    calls = {"t0": 0}
+
+    def call(t):
+        if t["name"] == "raises":
+            raise RuntimeError("out of resources")
+        if t["name"] == "flaky":
+            calls["t0"] += 1
+            return exact.float() + calls["t0"] * 1e-3  # within the bound, other bits each time
+        return exact.float() * (1.0 + t["err"])
+
+    tiles = [dict(name=n, err=e, block_n=8, block_k=512, split_k=1, num_warps=w)
+             for n, e, w in (("slow", 0.0, 1), ("fast", 2.0**-9, 2), ("wrong", 2.0**-6, 4), ("flaky", 0.0, 8),
+                             ("raises", 0.0, 16))]
+    rows = []
+    swept, refused = try_tiles(tiles, call, exact, lambda t: {1: 9.0, 2: 4.0}[t["num_warps"]],
+                               lambda r, echo=True: rows.append(r), {"linear": "o"})
+    assert [t["name"] for _, t in swept] == ["fast", "slow"] and [us for us, _ in swept] == [4.0, 9.0]
+    assert refused == 2
+    assert [r["tile"] for r in rows] == ["n8k512s1w1", "n8k512s1w2", "n8k512s1w4", "n8k512s1w8", "n8k512s1w16"]
+    assert all(r["linear"] == "o" and r["what"] == "tile" for r in rows)
+    assert rows[2]["ok"] is False and rows[3]["repeat_identical"] is False
+    assert rows[4]["error"] == "RuntimeError: out of resources" and "us" not in rows[4]
+
+
+def test_sweep_mma_tiles_and_names():
+    sweep_mma = _import_script("sweep_mma")
+    tiles = sweep_mma.sweep_tiles([64, 128], [128, 256, 512], [1, 2, 4, 8], [0, 2, 3, 4], [4, 8])
+    assert len(tiles) == 192 and len({sweep_mma.tile_name(t) for t in tiles}) == 192
+    assert all(t["mma"] for t in tiles)
+    assert sweep_mma.tile_name(dict(block_n=128, block_k=256, split_k=4, num_warps=4, stages=3, mma=True)) == \
+        "n128k256s4w4MS3"

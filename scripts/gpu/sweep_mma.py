@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,9 +33,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_timing_args, copies_for, jsonl_recorder, summarize, tile_name, verdict)
-from sweep_row import ints, precompile  # noqa: E402
+from check_gemv import LAYERS, LINEARS, copies_for, jsonl_recorder, summarize, tile_name, verdict  # noqa: E402
+from sweep_row import add_sweep_args, ints, precompile, try_tiles  # noqa: E402
 
 
 def sweep_tiles(block_ns: list[int], block_ks: list[int], splits: list[int], stages: list[int],
@@ -49,17 +47,8 @@ def sweep_tiles(block_ns: list[int], block_ks: list[int], splits: list[int], sta
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="8,64", help="rows of x per call (default 8,64)")
-    p.add_argument("--shapes", default="7B", help="Qwen2.5 shapes, from 7B and 32B (default 7B)")
-    p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
-    p.add_argument("--block-n", default="64,128", help="output features per program (default 64,128)")
     p.add_argument("--block-k", default="128,256,512", help="input features per K tile (default 128,256,512)")
-    p.add_argument("--split-k", default="1,2,4,8", help="programs per output block (default 1,2,4,8)")
-    p.add_argument("--stages", default="0,2,3,4", help="pipeline depths; 0 = not pipelined (default 0,2,3,4)")
-    p.add_argument("--warps", default="4,8", help="warps per program (default 4,8)")
-    add_timing_args(p)
-    p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
-                   help="processes compiling the kernels before the sweep (default: up to 16; 1: none)")
-    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+    add_sweep_args(p, shapes="7B", block_n="64,128", warps="4,8")
     args = p.parse_args(argv)
 
     import torch
@@ -113,36 +102,18 @@ def main(argv: list[str] | None = None) -> int:
             for rows in rows_list:
                 x = torch.randn(rows, k, device=dev, dtype=bf16)
                 exact = x.double() @ w_exact.t()
-                floor = 1e-4 * exact.abs().max().item()
 
                 def graph_of(t: dict[str, Any]):  # noqa: ANN202
                     return capture_graph([(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **t))
                                           for p_, s_ in raws], iters)
 
-                swept = []
-                for t in tiles:
-                    row: dict[str, Any] = {"what": "tile", "shape": shape, "linear": lname, "rows": rows,
-                                           "tile": tile_name(t)}
-                    try:
-                        y1 = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t)
-                        y2 = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t)
-                        excess = ((y1.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
-                        row.update(excess=excess, repeat_identical=torch.equal(y1, y2))
-                        row["ok"] = excess <= floor and row["repeat_identical"]
-                        if row["ok"]:
-                            g = graph_of(t)
-                            row["us"] = round(replay_us(g, iters), 2)
-                            del g
-                            swept.append((row["us"], t))
-                        else:
-                            bad += 1
-                    except Exception as exc:  # one tile that does not compile or fit must not hide the others
-                        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                    record(row, echo=False)
+                swept, refused = try_tiles(
+                    tiles, lambda t: nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t), exact,
+                    lambda t: replay_us(graph_of(t), iters), record, {"shape": shape, "linear": lname, "rows": rows})
+                bad += refused
                 if not swept:
                     record({"what": "final", "shape": shape, "linear": lname, "rows": rows, "error": "no tile correct"})
                     continue
-                swept.sort(key=lambda s: s[0])
                 record({"what": "top", "shape": shape, "linear": lname, "rows": rows,
                         "tiles": [[tile_name(t), us] for us, t in swept[:8]]})
                 best = swept[0][1]

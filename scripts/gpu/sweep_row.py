@@ -85,18 +85,51 @@ def precompile(tiles: list[dict[str, Any]], jobs: int, rows: int = 1) -> None:
           flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="7B,32B", help="Qwen2.5 shapes, from 7B and 32B (default both)")
+def add_sweep_args(p: argparse.ArgumentParser, shapes: str, block_n: str, warps: str) -> None:
+    """The options sweep_row.py and sweep_mma.py share (their defaults for shapes, block_n and warps differ)."""
+    p.add_argument("--shapes", default=shapes, help=f"Qwen2.5 shapes, from 7B and 32B (default {shapes})")
     p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
-    p.add_argument("--block-n", default="4,8,16", help="rows per program (default 4,8,16)")
+    p.add_argument("--block-n", default=block_n, help=f"output features per program (default {block_n})")
     p.add_argument("--split-k", default="1,2,4,8", help="programs per output block (default 1,2,4,8)")
-    p.add_argument("--warps", default="1,2,4", help="warps per program (default 1,2,4)")
+    p.add_argument("--warps", default=warps, help=f"warps per program (default {warps})")
     p.add_argument("--stages", default="0,2,3,4", help="pipeline depths; 0 = not pipelined (default 0,2,3,4)")
     add_timing_args(p)
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                    help="processes compiling the kernels before the sweep (default: up to 16; 1: none)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+
+
+def try_tiles(tiles: list[dict[str, Any]], call, exact, time_us, record, base: dict[str, Any]):  # noqa: ANN001
+    """Each tile once: ``call(tile)`` twice against the float64 product ``exact`` (within the bf16 output's rounding,
+    2^-8 relative, plus 1e-4 of the largest value; the same bits twice), then ``time_us(tile)`` for a correct one.
+    Records one row per tile (``base`` plus the findings); returns the correct tiles as ``[(us, tile)]``, fastest
+    first, and how many were refused for their error or bits."""
+    import torch
+
+    floor = 1e-4 * exact.abs().max().item()
+    swept, bad = [], 0
+    for t in tiles:
+        row: dict[str, Any] = {"what": "tile", **base, "tile": tile_name(t)}
+        try:
+            y1, y2 = call(t), call(t)
+            excess = ((y1.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
+            row.update(excess=excess, repeat_identical=torch.equal(y1, y2))
+            row["ok"] = excess <= floor and row["repeat_identical"]
+            if row["ok"]:
+                row["us"] = round(time_us(t), 2)
+                swept.append((row["us"], t))
+            else:
+                bad += 1
+        except Exception as exc:  # one tile that does not compile or fit must not hide the others
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        record(row, echo=False)
+    swept.sort(key=lambda s: s[0])
+    return swept, bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sweep_args(p, shapes="7B,32B", block_n="4,8,16", warps="1,2,4")
     args = p.parse_args(argv)
 
     import torch
@@ -126,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
             q = nvfp4.quantize((torch.randn(n, k, device=dev) * 0.02).to(bf16))
             x = torch.randn(1, k, device=dev, dtype=bf16)
             exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
-            floor = 1e-4 * exact.abs().max().item()
             raw_bytes = q.packed.numel() + q.scale.numel()
             copies = copies_for(raw_bytes, args.cold_mib)
             raws = [(q.packed.clone(), q.scale.clone()) for _ in range(copies)]
@@ -138,29 +170,13 @@ def main(argv: list[str] | None = None) -> int:
                 return capture_graph([(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **t))
                                       for p_, s_ in raws], iters)
 
-            swept = []
-            for t in tiles:
-                row: dict[str, Any] = {"what": "tile", "shape": shape, "linear": lname, "tile": tile_name(t)}
-                try:
-                    y1 = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t)
-                    y2 = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t)
-                    excess = ((y1.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
-                    row.update(excess=excess, repeat_identical=torch.equal(y1, y2))
-                    row["ok"] = excess <= floor and row["repeat_identical"]
-                    if row["ok"]:
-                        g = graph_of(t)
-                        row["us"] = round(replay_us(g, iters), 2)
-                        del g
-                        swept.append((row["us"], t))
-                    else:
-                        bad += 1
-                except Exception as exc:  # one tile that does not compile or fit must not hide the others
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                record(row, echo=False)
+            swept, refused = try_tiles(tiles, lambda t: nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t),
+                                       exact, lambda t: replay_us(graph_of(t), iters), record,
+                                       {"shape": shape, "linear": lname})
+            bad += refused
             if not swept:
                 record({"what": "final", "shape": shape, "linear": lname, "error": "no tile correct"})
                 continue
-            swept.sort(key=lambda s: s[0])
             record({"what": "top", "shape": shape, "linear": lname,
                     "tiles": [[tile_name(t), us] for us, t in swept[:8]]})
             best = swept[0][1]
