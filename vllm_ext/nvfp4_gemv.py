@@ -44,9 +44,9 @@ bfloat16 dots wrong); the products are exact either way.
 
 from __future__ import annotations
 
-import torch
-
 import os
+
+import torch
 
 from qerl_plugin.options import parse_bool
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
