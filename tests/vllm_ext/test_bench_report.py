@@ -41,6 +41,29 @@ def test_summary_ratios_overhead_and_targets(rollout_args):
     assert "PASS nvfp4-lora@default 7B b1 vs bf16-lora: 2.6" in table and "5.50" in table
 
 
+def test_target_verdicts_follow_the_spread_rule(rollout_args):
+    """A target's verdict is "no verdict" where the larger relative spread of the two runs reaches the distance of
+    the median result from the target (§4p's 7B run: LoRA overhead 9.0 % with 9.1 % spreads), else pass or fail."""
+    def res(config, tok, spread):
+        r = _res(config, "decode-gemv", {1: tok})
+        r["batches"]["1"]["decode_spread"] = spread
+        return r
+
+    results = [res("nvfp4-lora", 277.83, 0.0914), res("nvfp4", 305.31, 0.0913), res("bf16-lora", 125.16, 0.0214)]
+    summary = report.summarize(results, rollout_args("--shape", "7B"))
+    checks = {c["what"]: c for c in summary["checks"]}
+    over = checks["LoRA overhead b1"]
+    assert over["got"] == round(1 - 277.83 / 305.31, 3) and over["pass"] is True  # the medians alone
+    assert over["spread"] == 0.0914 and over["verdict"] == "no verdict"
+    assert checks["7B b1 vs bf16-lora"]["verdict"] == "fail"  # 2.22 is 11 % below 2.5: beyond the 9.1 % spread
+    table = report.format_table(results, summary, [1])
+    assert "NO VERDICT nvfp4-lora@decode-gemv LoRA overhead b1: 0.09 (target <= 10%, spread 9.1%)" in table
+    # tight repeats: the same medians decide
+    tight = [res("nvfp4-lora", 277.83, 0.005), res("nvfp4", 305.31, 0.005), res("bf16-lora", 125.16, 0.005)]
+    assert {c["what"]: c["verdict"] for c in report.summarize(tight, rollout_args("--shape", "7B"))["checks"]} == {
+        "7B b1 vs bf16-lora": "fail", "LoRA overhead b1": "pass"}
+
+
 def test_ours_on_its_default_against_vllms_own_punica_lora(rollout_args):
     """The issue's table: ours as shipped (fused LoRA) vs BF16 on vLLM's punica LoRA, with no bf16-lora@default run."""
     results = [
