@@ -737,3 +737,21 @@ def test_sweep_mma_tiles_and_names():
     assert all(t["mma"] for t in tiles)
     assert sweep_mma.tile_name(dict(block_n=128, block_k=256, split_k=4, num_warps=4, stages=3, mma=True)) == \
         "n128k256s4w4MS3"
+
+
+def test_sweep_mma_gluon_tiles_and_their_call():
+    """--kernel gluon: 16 output features per warp, all of K per program; the tile names end in L, and run_tile
+    sends such a tile to vllm_ext.nvfp4_gluon (which refuses a CPU tensor, naming it)."""
+    import pytest
+    import torch
+
+    sweep_mma = _import_script("sweep_mma")
+    tiles = sweep_mma.gluon_tiles([64, 128, 256, 512], [1, 2, 4, 8])
+    assert len(tiles) == 16 and all(t["gluon"] and t["block_n"] == 16 * t["num_warps"] for t in tiles)
+    assert sweep_mma.tile_name(tiles[0]) == "n16k64s1w1L"
+    from qerl_plugin import nvfp4
+
+    q = nvfp4.quantize(torch.randn(32, 256).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="nvfp4_gluon_gemm: x on cpu"):
+        _import_script("sweep_row").run_tile(torch.randn(2, 256).to(torch.bfloat16), q.packed, q.scale,
+                                             q.global_scale, dict(tiles[0]))

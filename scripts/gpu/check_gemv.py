@@ -96,6 +96,7 @@ def tile_name(t: dict[str, Any]) -> str:
     name += {True: "A", False: "I"}.get(t.get("asm"), "")  # PTX decode / Triton integer decode
     name += "X" if t.get("xvec") else ""
     name += "M" if t.get("mma") else ""  # the few-row tensor-core kernel on words
+    name += "L" if t.get("gluon") else ""  # vllm_ext.nvfp4_gluon (explicit layouts)
     return name + (f"S{t['stages']}" if t.get("stages") else "")  # a software-pipelined loop
 
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""GPU sweep of the few-row NVFP4 tensor-core kernel (``vllm_ext.nvfp4_gemv``, ``mma=True``: the weight read as
-int32 words, eight dots per K tile) against vLLM's Marlin FP4 GEMM and BF16 cuBLAS, at the batch sizes of the
-issue's b8 / b64 decode rows, on the linears of the 7B (and 32B) decode step, with the weights streamed from HBM.
+"""GPU sweep of a few-row NVFP4 tensor-core kernel against vLLM's Marlin FP4 GEMM and BF16 cuBLAS, at the batch
+sizes of the issue's b8 / b64 decode rows: ``--kernel mma`` (default), ``vllm_ext.nvfp4_gemv``'s ``mma=True`` (the
+weight read as int32 words, eight dots per K tile); ``--kernel gluon``, ``vllm_ext.nvfp4_gluon`` (operands laid out
+in registers as mma.sync takes them). On the
+linears of the 7B (and 32B) decode step, with the weights streamed from HBM.
 Run from the repository root on the GPU machine (Marlin needs the installed vLLM; without it the Marlin column is
 left out and said so):
 
@@ -17,7 +19,7 @@ For each linear and row count:
      (max - min). Per decode step: the medians summed over the four linears times the layer count.
 
 "Faster" where the difference of the medians exceeds both spreads (the rule of docs/benchmarks.md). Writes
-$OUT/sweep_mma.jsonl (one JSON object per measurement) and prints the tables.
+$OUT/sweep_<kernel>.jsonl (one JSON object per measurement) and prints the tables.
 """
 
 from __future__ import annotations
@@ -34,19 +36,29 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import LAYERS, LINEARS, copies_for, jsonl_recorder, summarize, tile_name, verdict  # noqa: E402
-from sweep_row import add_sweep_args, ints, precompile, try_tiles  # noqa: E402
+from sweep_row import add_sweep_args, ints, precompile, run_tile, try_tiles  # noqa: E402
 
 
 def sweep_tiles(block_ns: list[int], block_ks: list[int], splits: list[int], stages: list[int],
                 warps: list[int]) -> list[dict[str, Any]]:
-    """The few-row kernel's tiles tried."""
+    """The few-row Triton kernel's tiles tried."""
     return [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=w, stages=st, mma=True)
             for st, bn, bk, sk, w in itertools.product(stages, block_ns, block_ks, splits, warps)]
+
+
+def gluon_tiles(block_ks: list[int], warps: list[int]) -> list[dict[str, Any]]:
+    """vllm_ext.nvfp4_gluon's tiles tried: 16 output features per warp, all of K per program."""
+    return [dict(block_n=16 * w, block_k=bk, split_k=1, num_warps=w, gluon=True)
+            for bk, w in itertools.product(block_ks, warps)]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="8,64", help="rows of x per call (default 8,64)")
+    p.add_argument("--kernel", choices=("mma", "gluon"), default="mma",
+                   help="mma: nvfp4_small_gemm(mma=True) over --block-n/--split-k/--stages/--warps (default); gluon: "
+                   "vllm_ext.nvfp4_gluon over --block-k and --gluon-warps")
+    p.add_argument("--gluon-warps", default="1,2,4,8", help="warps per program for --kernel gluon (default 1,2,4,8)")
     p.add_argument("--block-k", default="128,256,512", help="input features per K tile (default 128,256,512)")
     add_sweep_args(p, shapes="7B", block_n="64,128", warps="4,8")
     args = p.parse_args(argv)
@@ -59,9 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from qerl_plugin import nvfp4
     from vllm_ext.bench.kernels import capture_graph, replay_us
-    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
-    record = jsonl_recorder(args.out, "sweep_mma.jsonl")
+    record = jsonl_recorder(args.out, f"sweep_{args.kernel}.jsonl")
     try:
         from vllm_ext.bench.kernels import marlin_linear
 
@@ -71,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001
         marlin_linear, marlin_why = None, f"{type(exc).__name__}: {exc}"[:300]
 
-    tiles = sweep_tiles(ints(args.block_n), ints(args.block_k), ints(args.split_k), ints(args.stages),
-                        ints(args.warps))
+    if args.kernel == "gluon":
+        tiles = gluon_tiles(ints(args.block_k), ints(args.gluon_warps))
+    else:
+        tiles = sweep_tiles(ints(args.block_n), ints(args.block_k), ints(args.split_k), ints(args.stages),
+                            ints(args.warps))
     rows_list = ints(args.rows)
     if args.jobs > 1:
         for rows in sorted({max(16, 1 << (r - 1).bit_length()) for r in rows_list}):
@@ -104,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
                 exact = x.double() @ w_exact.t()
 
                 def graph_of(t: dict[str, Any]):  # noqa: ANN202
-                    return capture_graph([(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **t))
+                    return capture_graph([(lambda p_=p_, s_=s_: run_tile(x, p_, s_, q.global_scale, t))
                                           for p_, s_ in raws], iters)
 
                 swept, refused = try_tiles(
-                    tiles, lambda t: nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t), exact,
+                    tiles, lambda t: run_tile(x, q.packed, q.scale, q.global_scale, t), exact,
                     lambda t: replay_us(graph_of(t), iters), record, {"shape": shape, "linear": lname, "rows": rows})
                 bad += refused
                 if not swept:
@@ -142,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
 
     keys = ("mma", "marlin", "bf16") if marlin_linear is not None else ("mma", "bf16")
-    lines = ["", "few-row NVFP4 tensor-core kernel, weights streamed from HBM: us per call, median of "
+    lines = ["", f"few-row NVFP4 tensor-core kernel ({args.kernel}), weights streamed from HBM: us per call, median of "
              f"{args.reps} (spread); GB/s = NVFP4 bytes (codes + FP8 scales) / time"
              + ("" if marlin_linear is not None else f"; Marlin not run ({marlin_why})"),
              f"{'shape':<5} {'linear':<8}{'rows':>5} {'best tile':<20}" + "".join(f"{k_:>17}" for k_ in keys)

@@ -49,13 +49,23 @@ def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
+def run_tile(x, packed, scale, gscale, t: dict[str, Any]):  # noqa: ANN001, ANN201
+    """One call of the kernel a sweep tile names: vllm_ext.nvfp4_gluon's (``gluon`` set: ``block_k`` and
+    ``num_warps``) or ``nvfp4_small_gemm`` with the tile's options."""
+    if t.get("gluon"):
+        from vllm_ext.nvfp4_gluon import nvfp4_gluon_gemm
+
+        return nvfp4_gluon_gemm(x, packed, scale, gscale, block_k=t["block_k"], warps=t["num_warps"])
+    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
+
+    return nvfp4_small_gemm(x, packed, scale, gscale, **t)
+
+
 def _compile(tiles: list[dict[str, Any]], rows: int = 1) -> int:
     """Run each tile once on a small 7B-like call with ``rows`` rows of ``x``, in a worker process: Triton compiles
     it into its on-disk cache, which the sweep then finds (every linear swept has N and K divisible by 16, so one
     compiled kernel per tile and row block). Returns how many failed (the sweep records why)."""
     import torch
-
-    from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
     dev = torch.device("cuda")
     packed = torch.randint(0, 256, (4608, 1792), dtype=torch.uint8, device=dev)
@@ -64,7 +74,7 @@ def _compile(tiles: list[dict[str, Any]], rows: int = 1) -> int:
     failed = 0
     for t in tiles:
         try:
-            nvfp4_small_gemm(x, packed, scale, torch.ones(1, device=dev), **t)
+            run_tile(x, packed, scale, torch.ones(1, device=dev), t)
         except Exception:  # noqa: BLE001 (the sweep itself records the error)
             failed += 1
     torch.cuda.synchronize()

@@ -1,0 +1,100 @@
+"""vllm_ext.nvfp4_gluon: the experimental few-row NVFP4 GEMM in Gluon.
+
+Gluon does not run under the Triton interpreter, so on the CPU only the refusals and the compiled kernel's resources
+are checked (compiled for sm_90 with Triton's own ptxas: no shared memory, no spills, at every tile the sweep tries).
+The numerics are checked on the GPU against the float64 product with the exact weight.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl_plugin import nvfp4
+
+ng = pytest.importorskip("vllm_ext.nvfp4_gluon")
+if ng.GLUON_IMPORT_ERROR is not None:
+    pytest.skip(f"Triton's Gluon is not importable ({ng.GLUON_IMPORT_ERROR})", allow_module_level=True)
+
+
+def test_refusals_name_the_bad_input():
+    q = nvfp4.quantize(torch.randn(32, 256).to(torch.bfloat16))
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="x on cpu .the kernel runs on CUDA only"):
+        ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale)
+    with pytest.raises(ValueError, match="activations in torch.float16 .bfloat16 supported."):
+        ng.nvfp4_gluon_gemm(x.half(), q.packed, q.scale, q.global_scale)
+    with pytest.raises(ValueError, match="65 rows .1 to 64."):
+        ng.nvfp4_gluon_gemm(torch.randn(65, 256).to(torch.bfloat16), q.packed, q.scale, q.global_scale)
+    with pytest.raises(ValueError, match="K=256 and block_k=96: block_k must be a multiple of 64 that divides K"):
+        ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, block_k=96)
+    with pytest.raises(ValueError, match="warps=3 .1, 2, 4 or 8."):
+        ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, warps=3)
+    with pytest.raises(ValueError, match=r"scale torch.uint8 \(32, 16\), expected float8_e4m3fn \(32, 16\)"):
+        ng.nvfp4_gluon_gemm(x, q.packed, q.scale.view(torch.uint8), q.global_scale)
+
+
+def _compile_sm90(block_m: int, block_k: int, warps: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16",
+           "sym": "i32", "M": "i32", "N": "i32", "K": "i32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
+           "WARPS": "constexpr"}
+    src = GluonASTSource(fn=ng._gluon_kernel, signature=sig,
+                         constexprs={"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps},
+                         attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 9)})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+@pytest.mark.parametrize("block_m,block_k,warps", [(16, 128, 1), (16, 256, 2), (64, 128, 4)])
+def test_compiles_for_sm90_with_operands_in_registers_only(block_m, block_k, warps):
+    """The point of the kernel: compiled for Hopper, every operand of its tensor-core instructions stays in registers
+    (no shared memory at all, and no conversion through it), with no spills; its SASS has the mma.sync instructions
+    (HMMA) of one K tile per loop."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    try:
+        ck = _compile_sm90(block_m, block_k, warps)
+    except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
+        pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
+    assert ck.metadata.shared == 0
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        cuobjdump = shutil.which("cuobjdump")
+        if cuobjdump is None:
+            pytest.skip("no cuobjdump to read the SASS with")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
+    assert re.search(r"LOCAL:0\b", usage), usage  # no spills
+    ops = re.findall(r"\*/\s+(?:@!?P\d\s+)?([A-Z][A-Z0-9]*)", sass)
+    assert "HMMA" in ops and not {"STS", "LDS", "LDSM"} & set(ops)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Gluon has no interpreter)")
+@pytest.mark.parametrize("rows", [1, 8, 64])
+@pytest.mark.parametrize("n,k,block_k,warps", [(4608, 3584, 128, 1), (3584, 18944, 256, 2), (37888, 3584, 128, 4),
+                                               (100, 3584, 64, 1)])
+def test_gpu_matches_the_exact_product(rows, n, k, block_k, warps):
+    """bfloat16 on the 7B q/k/v, down and gate/up shapes and a ragged N: within the bf16 output's rounding of the
+    float64 product with the exact weight, and the same bits on a second call."""
+    torch.manual_seed(rows + warps)
+    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    got = ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, block_k=block_k, warps=warps)
+    exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
+    assert excess <= 1e-4 * exact.abs().max().item()
+    assert torch.equal(got, ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, block_k=block_k, warps=warps))

@@ -1,0 +1,138 @@
+"""An experimental few-row NVFP4 GEMM written in Gluon (Triton's explicit-layout dialect), **not yet run on a GPU**.
+
+Why: §4o's tensor-core kernel in Triton (``nvfp4_small_gemm(mma=True)``) is 2.4x slower than Marlin at 8 and 64
+rows. Compiled for sm_90 it moves every decoded weight operand through shared memory, because Triton chooses the
+register layouts itself and the decoded codes never land where the tensor-core instruction wants them. In Gluon the
+layouts are stated: the packed bytes are loaded directly in the layout from which Triton's own E2M1 upcast
+(``gl.fp4_to_fp``) yields ``mma.sync``'s weight operand (a dot operand with 8 consecutive K values per thread), the
+FP8 group scales are loaded in that same layout, ``x`` is loaded in the other operand's layout, and ``mma_v2`` takes
+both from registers. Compiled here for sm_90 (Triton 3.6), the kernel uses **no shared memory** and about 6
+instructions per weight in its loop (§4o's kernel: shared memory for every operand, ~10).
+
+Numerics: the E2M1 value times its E4M3 scale is exact in bfloat16 (at most 6 significant bits, within range), the
+dots sum in float32, and ``1 / global_scale`` multiplies the sums once, so the result is within the bf16 output's
+rounding of the exact product, as for the other kernels here. Gluon does not run under the Triton interpreter, so
+its only numerics tests are the GPU tests (tests/vllm_ext/test_nvfp4_gluon.py); the CPU tests check the refusals and
+that the kernel still compiles for sm_90 without shared memory. Nothing in the engines uses it;
+``scripts/gpu/sweep_mma.py --kernel gluon`` times it against Marlin.
+
+Layout: compressed-tensors' ``weight_packed`` uint8 ``[N, K/2]`` (element 2i in the low nibble of byte i, as
+``fp4_to_fp`` reads it), ``weight_scale`` float8_e4m3fn ``[N, K/16]``, ``weight_global_scale`` float32 ``[1]`` (the
+divisor). Each program computes ``16 * warps`` output features for all rows of ``x`` over the whole of K (no split-K).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
+from vllm_ext.triton_support import triton
+
+__all__ = ["GLUON_IMPORT_ERROR", "MAX_TOKENS", "nvfp4_gluon_gemm"]
+
+MAX_TOKENS = 64
+
+try:  # Gluon ships with Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except Exception as exc:  # noqa: BLE001 (an old or missing Triton: the kernel is simply unavailable)
+    gluon = gl = mma_v2 = None
+    GLUON_IMPORT_ERROR: str | None = f"{type(exc).__name__}: {exc}" if triton is not None else _TRITON_IMPORT_ERROR
+else:
+    GLUON_IMPORT_ERROR = None
+
+
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _scale3_layout(k8, warps):
+        """``[16 * warps, k8, 8]``: the scales of 8 consecutive K (``[:, j, :]`` share one) laid out as mma.sync's weight
+        operand ``[16 * warps, 8 * k8]`` with 8 consecutive K per thread: those 8 in registers; K/8 bits 0-1 in the
+        lane's low bits and the rest in registers; row bits 0-2 in the lane's high bits, bit 3 in a register, the rest
+        in warps. Sliced along its last dimension it holds each scale once per thread."""
+        regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]] + [[0, 1 << b, 0] for b in range(2, k8.bit_length() - 1)]
+        lanes = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+        warp_bases = [[16 << b, 0, 0] for b in range(warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [16 * warps, k8, 8])
+
+    @gluon.jit
+    def _gluon_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, M, N, K,
+                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr):
+        """``y^T[n, m] = sum_k W[n, k] x[m, k]`` for ``16 * WARPS`` rows of W per program, all of K."""
+        BLOCK_N: gl.constexpr = 16 * WARPS
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)  # the decoded weight
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)  # its packed bytes
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)  # x^T
+        pid = gl.program_id(0)
+        rn_p = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, p_l))
+        rb_p = gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, p_l))
+        s3_l: gl.constexpr = _scale3_layout(BLOCK_K // 8, WARPS)
+        s_l: gl.constexpr = gl.SliceLayout(2, s3_l)
+        rn_s = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_l))
+        rk_s = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, s_l))
+        n_ok_s = (rn_s < N)[:, None]
+        rk_b = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, b_l))
+        rm_b = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_l))
+        n_ok_p = (rn_p < N)[:, None]
+        m_ok_b = (rm_b < M)[None, :]
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+        for k0 in range(0, K, BLOCK_K):
+            wb = gl.load(w_ptr + rn_p[:, None] * (K // 2) + (k0 // 2 + rb_p)[None, :], mask=n_ok_p, other=0)
+            a = gl.convert_layout(gl.fp4_to_fp(wb, gl.bfloat16, 1), a_l)  # E2M1 values, exact
+            # one scale per thread per 8 consecutive K (they share a group): loaded in the weight operand's layout
+            # without its 8-wide register dimension, then broadcast into it
+            sc8 = gl.load(s_ptr + rn_s[:, None] * (K // 16) + (k0 // 16 + rk_s // 2)[None, :], mask=n_ok_s, other=0.0)
+            sc8 = sc8.to(gl.bfloat16)
+            sc = gl.reshape(gl.expand_dims(sc8, 2) + gl.full([BLOCK_N, BLOCK_K // 8, 8], 0, gl.bfloat16, s3_l),
+                            [BLOCK_N, BLOCK_K])
+            a = a * gl.convert_layout(sc, a_l)  # exact: at most 6 significant bits
+            xb = gl.load(x_ptr + rm_b[None, :] * sxm + (k0 + rk_b)[:, None], mask=m_ok_b, other=0.0)
+            acc = mma_v2(a, xb.to(gl.bfloat16), acc)
+        out = acc * (1.0 / gl.load(g_ptr))
+        rn_o = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+        rm_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+        ok = (rn_o < N)[:, None] & (rm_o < M)[None, :]
+        gl.store(y_ptr + rm_o[None, :] * sym + rn_o[:, None], out.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                     block_k: int = 128, warps: int = 1) -> torch.Tensor:
+    """``x @ W.T`` for bfloat16 ``x`` ``[..., K]`` (at most :data:`MAX_TOKENS` rows) and ``W`` as the NVFP4 triple
+    (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor);
+    returns ``[..., N]`` in bfloat16. ``block_k``: input features per step (a multiple of 64 dividing K); ``warps``:
+    16 output features per warp, one program per ``16 * warps`` features. CUDA only (Gluon has no interpreter)."""
+    if GLUON_IMPORT_ERROR is not None:
+        raise RuntimeError(f"nvfp4_gluon_gemm needs Triton's Gluon ({GLUON_IMPORT_ERROR})")
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m, n = x2.shape[0], packed.shape[0]
+    problems = []
+    if x.dtype != torch.bfloat16:
+        problems.append(f"activations in {x.dtype} (bfloat16 supported)")
+    if not 1 <= m <= MAX_TOKENS:
+        problems.append(f"{m} rows (1 to {MAX_TOKENS})")
+    if block_k % 64 or k % block_k:
+        problems.append(f"K={k} and block_k={block_k}: block_k must be a multiple of 64 that divides K")
+    if warps not in (1, 2, 4, 8):
+        problems.append(f"warps={warps} (1, 2, 4 or 8)")
+    if tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8:
+        problems.append(f"packed {packed.dtype} {tuple(packed.shape)}, expected uint8 ({n}, {k // 2})")
+    if tuple(scale.shape) != (n, k // 16) or scale.dtype != torch.float8_e4m3fn:
+        problems.append(f"scale {scale.dtype} {tuple(scale.shape)}, expected float8_e4m3fn ({n}, {k // 16})")
+    if global_scale.numel() != 1:
+        problems.append(f"global_scale has {global_scale.numel()} values, expected 1")
+    if x.device.type != "cuda":
+        problems.append(f"x on {x.device} (the kernel runs on CUDA only: Gluon has no interpreter)")
+    if problems:
+        raise ValueError("nvfp4_gluon_gemm: " + "; ".join(problems))
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
+    block_m = max(16, triton.next_power_of_2(m))
+    _gluon_kernel[(triton.cdiv(n, 16 * warps),)](
+        x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
+        out.stride(0), m, n, k, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, num_warps=warps,
+    )  # fmt: skip
+    return out.reshape(*x.shape[:-1], n)
