@@ -51,7 +51,7 @@ def _compile_sm90(block_m: int, block_k: int, warps: int):
 @pytest.mark.parametrize("block_m,block_k,warps", [(16, 128, 1), (16, 256, 2), (64, 128, 4)])
 def test_compiles_for_sm90_with_operands_in_registers_only(block_m, block_k, warps):
     """The point of the kernel: compiled for Hopper, every operand of its tensor-core instructions stays in registers
-    (no shared memory at all, and no conversion through it), with no spills; its SASS has the mma.sync instructions
+    (no shared memory at all, no conversion through it or between lanes), with no spills; its SASS has the mma.sync instructions
     (HMMA) of one K tile per loop."""
     import re
     import shutil
@@ -78,7 +78,7 @@ def test_compiles_for_sm90_with_operands_in_registers_only(block_m, block_k, war
         sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
     assert re.search(r"LOCAL:0\b", usage), usage  # no spills
     ops = re.findall(r"\*/\s+(?:@!?P\d\s+)?([A-Z][A-Z0-9]*)", sass)
-    assert "HMMA" in ops and not {"STS", "LDS", "LDSM"} & set(ops)
+    assert "HMMA" in ops and not {"STS", "LDS", "LDSM", "SHFL"} & set(ops)  # no conversion through memory or lanes
 
 
 @pytest.mark.gpu
