@@ -755,3 +755,13 @@ def test_sweep_mma_gluon_tiles_and_their_call():
     with pytest.raises(ValueError, match="nvfp4_gluon_gemm: x on cpu"):
         _import_script("sweep_row").run_tile(torch.randn(2, 256).to(torch.bfloat16), q.packed, q.scale,
                                              q.global_scale, dict(tiles[0]))
+
+
+def test_per_step_ms_sums_medians_and_spreads_over_linears_times_layers():
+    """check_gemv.per_step_ms, used by check_gemv.py, sweep_row.py and sweep_mma.py: a decode step's ms is the sum of
+    the four linears' µs per call times the layer count, for the medians and the spreads alike."""
+    per_step_ms = _import_script("check_gemv").per_step_ms
+    finals = [{"a": {"median_us": 10.0, "spread_us": 0.5}, "b": {"median_us": 20.0, "spread_us": 1.0}},
+              {"a": {"median_us": 30.0, "spread_us": 0.25}, "b": {"median_us": 5.0, "spread_us": 0.0}}]
+    step, spread = per_step_ms(finals, ("a", "b"), 28)
+    assert step == {"a": 1.12, "b": 0.7} and spread == {"a": 0.021, "b": 0.028}

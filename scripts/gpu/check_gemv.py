@@ -143,6 +143,15 @@ def jsonl_recorder(out_arg: str | None, name: str) -> Callable[..., None]:
     return record
 
 
+def per_step_ms(finals: list[dict[str, Any]], keys: tuple[str, ...], layers: int) -> tuple[dict, dict]:
+    """A decode step's time from one call per linear: for each of ``keys``, the sum over ``finals`` (one per linear)
+    of the median and of the spread (µs per call), times ``layers``, in ms."""
+    def total(key: str, stat: str) -> float:
+        return round(layers * sum(f[key][stat] for f in finals) / 1000.0, 3)
+
+    return {k: total(k, "median_us") for k in keys}, {k: total(k, "spread_us") for k in keys}
+
+
 def verdict(a: dict[str, float], b: dict[str, float]) -> str:
     """'faster' / 'slower' for ``a`` against ``b`` where the medians differ by more than both spreads, else 'equal'."""
     diff = b["median_us"] - a["median_us"]
@@ -288,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(sel) == len(args.linears.split(",")):
             layers = LAYERS[args.shape]
             keys = ("gemv", "marlin", "bf16") + (("shipped",) if all("shipped" in f for f in sel) else ())
-            step = {key: round(layers * sum(f[key]["median_us"] for f in sel) / 1000.0, 3) for key in keys}
-            spread = {key: round(layers * sum(f[key]["spread_us"] for f in sel) / 1000.0, 3) for key in keys}
+            step, spread = per_step_ms(sel, keys, layers)
             record({"what": "per_step_ms", "shape": args.shape, "m": m, "median": step, "spread": spread})
             lines.append(f"per {args.shape} decode step (x{layers}), m={m}: gemv (best tiles) {step['gemv']:.3f} ms "
                          f"(±{spread['gemv']:.3f}), marlin {step['marlin']:.3f} (±{spread['marlin']:.3f}), bf16 "

@@ -35,7 +35,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from check_gemv import LAYERS, LINEARS, copies_for, jsonl_recorder, summarize, tile_name, verdict  # noqa: E402
+from check_gemv import (  # noqa: E402
+    LAYERS, LINEARS, copies_for, jsonl_recorder, per_step_ms, summarize, tile_name, verdict)
 from sweep_row import add_sweep_args, ints, precompile, run_tile, try_tiles  # noqa: E402
 
 
@@ -171,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             sel = [f for f in finals if f["shape"] == shape and f["rows"] == rows]
             if len(sel) != len(args.linears.split(",")):
                 continue
-            step = {k_: round(LAYERS[shape] * sum(f[k_]["median_us"] for f in sel) / 1000.0, 3) for k_ in keys}
-            spread = {k_: round(LAYERS[shape] * sum(f[k_]["spread_us"] for f in sel) / 1000.0, 3) for k_ in keys}
+            step, spread = per_step_ms(sel, keys, LAYERS[shape])
             record({"what": "per_step_ms", "shape": shape, "rows": rows, "median": step, "spread": spread})
             lines.append(f"per {shape} decode step (x{LAYERS[shape]}), {rows} rows: "
                          + ", ".join(f"{k_} {step[k_]:.3f} ms (±{spread[k_]:.3f})" for k_ in keys))

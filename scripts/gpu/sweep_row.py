@@ -36,7 +36,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_timing_args, copies_for, jsonl_recorder, summarize, tile_4m, tile_name, verdict)
+    LAYERS, LINEARS, add_timing_args, copies_for, jsonl_recorder, per_step_ms, summarize, tile_4m, tile_name,
+    verdict)
 
 
 def sweep_tiles(block_ns: list[int], splits: list[int], warps: list[int], stages: list[int]) -> list[dict[str, Any]]:
@@ -222,10 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         sel = [f for f in finals if f["shape"] == shape]
         if len(sel) == len(args.linears.split(",")):
-            step = {key: round(LAYERS[shape] * sum(f[key]["median_us"] for f in sel) / 1000.0, 3)
-                    for key in ("best", "shipped", "stages0")}
-            spread = {key: round(LAYERS[shape] * sum(f[key]["spread_us"] for f in sel) / 1000.0, 3)
-                      for key in ("best", "shipped", "stages0")}
+            step, spread = per_step_ms(sel, ("best", "shipped", "stages0"), LAYERS[shape])
             record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
             lines.append(f"per {shape} decode step (x{LAYERS[shape]}): best tiles {step['best']:.3f} ms "
                          f"(±{spread['best']:.3f}), shipped {step['shipped']:.3f} (±{spread['shipped']:.3f}), "
