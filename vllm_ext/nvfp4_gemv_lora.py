@@ -12,13 +12,13 @@ version has no counter, no wait and nothing to reset:
 * :func:`_shrink_kernel`, grid ``(KS, slices)``: program ``(c, s)`` writes the float32 partial ``A_s[:, chunk c] @
   x[chunk c]`` to ``hp[s, c, :]`` (at most :data:`MAX_CHUNKS` chunks of a multiple of 256 input features);
 * :func:`_row_lora_kernel`: the row kernel's loop (:func:`vllm_ext.nvfp4_gemv._row_dot`, ``decode_tile(n, k,
-  lora=True)``'s tiles, split-K's fixed-order sum of partials); the program that finishes an output block rounds the base result
-  (bias included) to the output dtype, sums its slice's partials of ``h`` in a fixed order, applies ``scale`` and
-  the token's slot, rounds ``h`` to the dtype, takes the float32 dot with its rows of ``B``, rounds, adds in float32
-  and stores once. The rows of ``B`` are loaded before the main loop (without split-K), so their latency hides
-  behind it. On Hopper it is a programmatic dependent launch: it starts while the shrink runs and waits for that grid
-  (``griddepcontrol.wait``) only before it reads the partials, after its main loop (without PDL the partials load
-  before the loop too).
+  lora=True)``'s tiles, split-K's fixed-order sum of partials); the program that finishes an output block rounds the
+  base result (bias included) to the output dtype, sums its slice's partials of ``h`` in a fixed order, applies
+  ``scale`` and the token's slot, rounds ``h`` to the dtype, takes the float32 dot with its rows of ``B``, rounds,
+  adds in float32 and stores once. The rows of ``B`` are loaded before the main loop (without split-K), so their
+  latency hides behind it. On Hopper it is a programmatic dependent launch: it starts while the shrink runs and waits
+  for that grid (``griddepcontrol.wait``) only before it reads the partials, after its main loop (without PDL the
+  partials load before the loop too).
 
 Per 7B decode step at batch 1 on an H200 (§4m lease 4): 2.229 ms, against 2.774 ms for the row kernel followed by
 the LoRA kernel and 1.877 ms for the row kernel alone; in the engine, batch-1 decode 16.2 % faster. On an H100 with
@@ -206,8 +206,9 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
     ``bias`` ``[N]`` in natural order; ``lora_a[s]`` ``[1, 1, R, K]``, ``lora_b[s]`` ``[1, 1, n_s, R]``. Two
     launches (shrink, then the row kernel with the expand); ``pdl`` (default: where :func:`pdl_supported`): the row
     kernel as a programmatic dependent launch, so it starts while the shrink runs and waits for it only before
-    reading ``h``; ``pdl_first`` (default: ``pdl`` and :func:`~vllm_ext.nvfp4_gemv.pdl_first_allowed`): the shrink too, waiting for the kernel
-    before it. Raises :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported` where :func:`supports` says no."""
+    reading ``h``; ``pdl_first`` (default: ``pdl`` and :func:`~vllm_ext.nvfp4_gemv.pdl_first_allowed`): the shrink
+    too, waiting for the kernel before it. Raises :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported` where
+    :func:`supports` says no."""
     why = supports(x, packed, lora_a, lora_b, tuple(output_slices))
     if why is not None:
         raise lora_fused.FusedLoRAUnsupported(why)

@@ -47,10 +47,10 @@ if gluon is not None:
 
     @gluon.constexpr_function
     def _scale3_layout(k8, warps):
-        """``[16 * warps, k8, 8]``: the scales of 8 consecutive K (``[:, j, :]`` share one) laid out as mma.sync's weight
-        operand ``[16 * warps, 8 * k8]`` with 8 consecutive K per thread: those 8 in registers; K/8 bits 0-1 in the
-        lane's low bits and the rest in registers; row bits 0-2 in the lane's high bits, bit 3 in a register, the rest
-        in warps. Sliced along its last dimension it holds each scale once per thread."""
+        """``[16 * warps, k8, 8]``: the scales of 8 consecutive K (``[:, j, :]`` share one) laid out as mma.sync's
+        weight operand ``[16 * warps, 8 * k8]`` with 8 consecutive K per thread: those 8 in registers; K/8 bits 0-1
+        in the lane's low bits and the rest in registers; row bits 0-2 in the lane's high bits, bit 3 in a register,
+        the rest in warps. Sliced along its last dimension it holds each scale once per thread."""
         regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]] + [[0, 1 << b, 0] for b in range(2, k8.bit_length() - 1)]
         lanes = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
         warp_bases = [[16 << b, 0, 0] for b in range(warps.bit_length() - 1)]

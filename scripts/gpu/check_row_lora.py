@@ -53,7 +53,6 @@ VARIANTS = ("row", "row+fused", "row||fused", "row_lora", "row_lora_pdl", "row_n
 OLD_VARIANTS = ("row_s0", "row_lora_pdl_s0")
 
 
-
 def compare(a: dict, b: dict) -> tuple[float, str]:
     """How much faster ``a`` is than ``b`` (ms per step, medians) and the verdict: 'faster' / 'slower' where the
     medians differ by more than both spreads, else 'equal'."""

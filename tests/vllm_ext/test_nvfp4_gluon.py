@@ -51,8 +51,8 @@ def _compile_sm90(block_m: int, block_k: int, warps: int):
 @pytest.mark.parametrize("block_m,block_k,warps", [(16, 128, 1), (16, 256, 2), (64, 128, 4)])
 def test_compiles_for_sm90_with_operands_in_registers_only(block_m, block_k, warps):
     """The point of the kernel: compiled for Hopper, every operand of its tensor-core instructions stays in registers
-    (no shared memory at all, no conversion through it or between lanes), with no spills; its SASS has the mma.sync instructions
-    (HMMA) of one K tile per loop."""
+    (no shared memory at all, no conversion through it or between lanes), with no spills; its SASS has the mma.sync
+    instructions (HMMA) of one K tile per loop."""
     import re
     import shutil
     import subprocess
