@@ -46,63 +46,114 @@ else:
 if gluon is not None:
 
     @gluon.constexpr_function
-    def _scale3_layout(k8, warps):
-        """``[16 * warps, k8, 8]``: the scales of 8 consecutive K (``[:, j, :]`` share one) laid out as mma.sync's
-        weight operand ``[16 * warps, 8 * k8]`` with 8 consecutive K per thread: those 8 in registers; K/8 bits 0-1
-        in the lane's low bits and the rest in registers; row bits 0-2 in the lane's high bits, bit 3 in a register,
-        the rest in warps. Sliced along its last dimension it holds each scale once per thread."""
+    def _scale3_layout(k8, warps, nrep):
+        """``[16 * warps * nrep, k8, 8]``: the scales of 8 consecutive K (``[:, j, :]`` share one) laid out as
+        mma.sync's weight operand ``[16 * warps * nrep, 8 * k8]`` with 8 consecutive K per thread: those 8 in
+        registers; K/8 bits 0-1 in the lane's low bits and the rest in registers; row bits 0-2 in the lane's high
+        bits, bit 3 in a register, the warps' bits next, and the ``nrep`` repeats of the warps' rows in registers last
+        (the order Triton's ``to_linear_layout`` gives the operand). Sliced along its last dimension it holds each
+        scale once per thread."""
         regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]] + [[0, 1 << b, 0] for b in range(2, k8.bit_length() - 1)]
+        regs += [[(16 * warps) << b, 0, 0] for b in range(nrep.bit_length() - 1)]
         lanes = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
         warp_bases = [[16 << b, 0, 0] for b in range(warps.bit_length() - 1)]
-        return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [16 * warps, k8, 8])
+        return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [16 * warps * nrep, k8, 8])
 
     @gluon.jit
-    def _gluon_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, M, N, K,
-                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr):
-        """``y^T[n, m] = sum_k W[n, k] x[m, k]`` for ``16 * WARPS`` rows of W per program, all of K."""
-        BLOCK_N: gl.constexpr = 16 * WARPS
+    def _load_tile(x_ptr, sxm, w_ptr, s_ptr, K, k0, rn_p, n_ok_p, rb_p, rn_s, n_ok_s, rk_s, rm_b, m_ok_b, rk_b, ok):
+        """One K tile's packed codes, FP8 scales and ``x^T``, each in the layout its use takes (nothing is loaded
+        where ``ok`` is false: the prefetch past the last tile)."""
+        wb = gl.load(w_ptr + rn_p[:, None] * (K // 2) + (k0 // 2 + rb_p)[None, :], mask=n_ok_p & ok, other=0)
+        sc8 = gl.load(s_ptr + rn_s[:, None] * (K // 16) + (k0 // 16 + rk_s // 2)[None, :], mask=n_ok_s & ok,
+                      other=0.0)
+        xb = gl.load(x_ptr + rm_b[None, :] * sxm + (k0 + rk_b)[:, None], mask=m_ok_b & ok, other=0.0)
+        return wb, sc8, xb
+
+    @gluon.jit
+    def _mma_tile(wb, sc8, xb, acc, a_l: gl.constexpr, s3_l: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr):
+        """``acc += W_tile x_tile^T`` on the tensor cores, both operands from registers."""
+        a = gl.convert_layout(gl.fp4_to_fp(wb, gl.bfloat16, 1), a_l)  # E2M1 values, exact
+        # one scale per thread per 8 consecutive K (they share a group), broadcast into the operand's 8-wide dimension
+        sc = gl.reshape(gl.expand_dims(sc8.to(gl.bfloat16), 2) + gl.full([BLOCK_N, BLOCK_K // 8, 8], 0, gl.bfloat16,
+                                                                          s3_l), [BLOCK_N, BLOCK_K])
+        a = a * gl.convert_layout(sc, a_l)  # exact: at most 6 significant bits
+        return mma_v2(a, xb.to(gl.bfloat16), acc)
+
+    @gluon.jit
+    def _gluon_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K,
+                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
+                      SPLIT_K: gl.constexpr, PREFETCH: gl.constexpr):
+        """``y^T[n, m] = sum_k W[n, k] x[m, k]`` for ``16 * WARPS * NREP`` rows of W per program, over K tiles
+        ``pid_k, pid_k + SPLIT_K, ...``; with ``PREFETCH`` the next tile's loads are issued before this tile's
+        tensor-core work (two tiles in flight per warp). With split-K each program stores its float32 partial in the
+        workspace ``[SPLIT_K, BLOCK_M, N]`` and counts itself in at ``cnt_ptr[pid_n]``; the last to arrive sums the
+        partials in a fixed order (bit-reproducible), stores the output and resets the counter."""
+        BLOCK_N: gl.constexpr = 16 * WARPS * NREP
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)  # the decoded weight
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)  # its packed bytes
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)  # x^T
+        s3_l: gl.constexpr = _scale3_layout(BLOCK_K // 8, WARPS, NREP)
+        s_l: gl.constexpr = gl.SliceLayout(2, s3_l)
         pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
         rn_p = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, p_l))
         rb_p = gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, p_l))
-        s3_l: gl.constexpr = _scale3_layout(BLOCK_K // 8, WARPS)
-        s_l: gl.constexpr = gl.SliceLayout(2, s3_l)
         rn_s = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_l))
         rk_s = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, s_l))
-        n_ok_s = (rn_s < N)[:, None]
         rk_b = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, b_l))
         rm_b = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_l))
         n_ok_p = (rn_p < N)[:, None]
+        n_ok_s = (rn_s < N)[:, None]
         m_ok_b = (rm_b < M)[None, :]
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-        for k0 in range(0, K, BLOCK_K):
-            wb = gl.load(w_ptr + rn_p[:, None] * (K // 2) + (k0 // 2 + rb_p)[None, :], mask=n_ok_p, other=0)
-            a = gl.convert_layout(gl.fp4_to_fp(wb, gl.bfloat16, 1), a_l)  # E2M1 values, exact
-            # one scale per thread per 8 consecutive K (they share a group): loaded in the weight operand's layout
-            # without its 8-wide register dimension, then broadcast into it
-            sc8 = gl.load(s_ptr + rn_s[:, None] * (K // 16) + (k0 // 16 + rk_s // 2)[None, :], mask=n_ok_s, other=0.0)
-            sc8 = sc8.to(gl.bfloat16)
-            sc = gl.reshape(gl.expand_dims(sc8, 2) + gl.full([BLOCK_N, BLOCK_K // 8, 8], 0, gl.bfloat16, s3_l),
-                            [BLOCK_N, BLOCK_K])
-            a = a * gl.convert_layout(sc, a_l)  # exact: at most 6 significant bits
-            xb = gl.load(x_ptr + rm_b[None, :] * sxm + (k0 + rk_b)[:, None], mask=m_ok_b, other=0.0)
-            acc = mma_v2(a, xb.to(gl.bfloat16), acc)
-        out = acc * (1.0 / gl.load(g_ptr))
+        n_tiles = K // BLOCK_K
+        if PREFETCH:
+            wb, sc8, xb = _load_tile(x_ptr, sxm, w_ptr, s_ptr, K, pid_k * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s, n_ok_s,
+                                     rk_s, rm_b, m_ok_b, rk_b, True)
+            for t in range(pid_k + SPLIT_K, n_tiles + SPLIT_K, SPLIT_K):
+                wb2, sc2, xb2 = _load_tile(x_ptr, sxm, w_ptr, s_ptr, K, t * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s,
+                                           n_ok_s, rk_s, rm_b, m_ok_b, rk_b, t < n_tiles)
+                acc = _mma_tile(wb, sc8, xb, acc, a_l, s3_l, BLOCK_N, BLOCK_K)
+                wb = wb2
+                sc8 = sc2
+                xb = xb2
+        else:
+            for t in range(pid_k, n_tiles, SPLIT_K):
+                wb, sc8, xb = _load_tile(x_ptr, sxm, w_ptr, s_ptr, K, t * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s, n_ok_s,
+                                         rk_s, rm_b, m_ok_b, rk_b, True)
+                acc = _mma_tile(wb, sc8, xb, acc, a_l, s3_l, BLOCK_N, BLOCK_K)
+        gmul = 1.0 / gl.load(g_ptr)
         rn_o = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         rm_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
         ok = (rn_o < N)[:, None] & (rm_o < M)[None, :]
-        gl.store(y_ptr + rm_o[None, :] * sym + rn_o[:, None], out.to(y_ptr.dtype.element_ty), mask=ok)
+        y_ptrs = y_ptr + rm_o[None, :] * sym + rn_o[:, None]
+        if SPLIT_K == 1:
+            gl.store(y_ptrs, (acc * gmul).to(y_ptr.dtype.element_ty), mask=ok)
+        else:
+            ws_ptrs = ws_ptr + rm_o[None, :] * N + rn_o[:, None]
+            gl.store(ws_ptrs + pid_k * (BLOCK_M * N), acc, mask=ok)
+            gl.thread_barrier()  # every warp's partial is stored before the one arrival below releases them
+            arrived = gl.atomic_add(cnt_ptr + pid, 1)  # acq_rel at GPU scope
+            if arrived == SPLIT_K - 1:
+                tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+                for s in gl.static_range(SPLIT_K):  # a fixed order, whatever order the programs arrived in
+                    tot += gl.load(ws_ptrs + s * (BLOCK_M * N), mask=ok, other=0.0, cache_modifier=".cg")
+                gl.store(y_ptrs, (tot * gmul).to(y_ptr.dtype.element_ty), mask=ok)
+                gl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next call (and the next CUDA-graph replay)
 
 
 def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-                     block_k: int = 128, warps: int = 1) -> torch.Tensor:
+                     block_k: int = 128, warps: int = 1, nrep: int = 1, split_k: int = 1,
+                     prefetch: bool = False) -> torch.Tensor:
     """``x @ W.T`` for bfloat16 ``x`` ``[..., K]`` (at most :data:`MAX_TOKENS` rows) and ``W`` as the NVFP4 triple
     (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor);
     returns ``[..., N]`` in bfloat16. ``block_k``: input features per step (a multiple of 64 dividing K); ``warps``:
-    16 output features per warp, one program per ``16 * warps`` features. CUDA only (Gluon has no interpreter)."""
+    warps per program, 16 output features each, ``nrep`` times (one program per ``16 * warps * nrep`` features);
+    ``split_k``: programs per output block over disjoint K tiles (one launch; the last to finish sums the partials in
+    a fixed order); ``prefetch``: load the next K tile before this one's tensor-core work. CUDA only (Gluon has no
+    interpreter)."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"nvfp4_gluon_gemm needs Triton's Gluon ({GLUON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -117,6 +168,10 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"K={k} and block_k={block_k}: block_k must be a multiple of 64 that divides K")
     if warps not in (1, 2, 4, 8):
         problems.append(f"warps={warps} (1, 2, 4 or 8)")
+    if nrep not in (1, 2, 4):
+        problems.append(f"nrep={nrep} (1, 2 or 4)")
+    if not 1 <= split_k <= 16:
+        problems.append(f"split_k={split_k} (1 to 16)")
     if tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8:
         problems.append(f"packed {packed.dtype} {tuple(packed.shape)}, expected uint8 ({n}, {k // 2})")
     if tuple(scale.shape) != (n, k // 16) or scale.dtype != torch.float8_e4m3fn:
@@ -130,9 +185,19 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
-    block_m = max(16, triton.next_power_of_2(m))
-    _gluon_kernel[(triton.cdiv(n, 16 * warps),)](
+    block_m = max(8, triton.next_power_of_2(m))
+    blocks = triton.cdiv(n, 16 * warps * nrep)
+    split_k = min(split_k, k // block_k)
+    if split_k > 1:  # float32 partials [split_k, block_m, N] and the blocks' arrival counters
+        from vllm_ext.nvfp4_gemv import _counters
+
+        ws = torch.empty(split_k, block_m, n, device=x.device, dtype=torch.float32)
+        cnt = _counters(x.device, blocks)
+    else:
+        ws = cnt = out  # not read
+    _gluon_kernel[(blocks, split_k)](
         x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
-        out.stride(0), m, n, k, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, num_warps=warps,
+        out.stride(0), ws, cnt, m, n, k, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=nrep, SPLIT_K=split_k,
+        PREFETCH=bool(prefetch), num_warps=warps,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

@@ -97,6 +97,7 @@ def tile_name(t: dict[str, Any]) -> str:
     name += "X" if t.get("xvec") else ""
     name += "M" if t.get("mma") else ""  # the few-row tensor-core kernel on words
     name += "L" if t.get("gluon") else ""  # vllm_ext.nvfp4_gluon (explicit layouts)
+    name += "R" if t.get("prefetch") else ""  # vllm_ext.nvfp4_gluon loading the next K tile ahead
     return name + (f"S{t['stages']}" if t.get("stages") else "")  # a software-pipelined loop
 
 

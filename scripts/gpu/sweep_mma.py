@@ -47,10 +47,12 @@ def sweep_tiles(block_ns: list[int], block_ks: list[int], splits: list[int], sta
             for st, bn, bk, sk, w in itertools.product(stages, block_ns, block_ks, splits, warps)]
 
 
-def gluon_tiles(block_ks: list[int], warps: list[int]) -> list[dict[str, Any]]:
-    """vllm_ext.nvfp4_gluon's tiles tried: 16 output features per warp, all of K per program."""
-    return [dict(block_n=16 * w, block_k=bk, split_k=1, num_warps=w, gluon=True)
-            for bk, w in itertools.product(block_ks, warps)]
+def gluon_tiles(block_ks: list[int], warps: list[int], nreps: list[int] = (1,), splits: list[int] = (1,),
+                prefetch: list[int] = (0,)) -> list[dict[str, Any]]:
+    """vllm_ext.nvfp4_gluon's tiles tried: ``16 * warps * nrep`` output features per program, ``split_k`` programs
+    per output block, the next K tile loaded ahead or not."""
+    return [dict(block_n=16 * w * r, block_k=bk, split_k=sk, num_warps=w, gluon=True, prefetch=bool(pf))
+            for pf, bk, w, r, sk in itertools.product(prefetch, block_ks, warps, nreps, splits)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="mma: nvfp4_small_gemm(mma=True) over --block-n/--split-k/--stages/--warps (default); gluon: "
                    "vllm_ext.nvfp4_gluon over --block-k and --gluon-warps")
     p.add_argument("--gluon-warps", default="1,2,4,8", help="warps per program for --kernel gluon (default 1,2,4,8)")
+    p.add_argument("--gluon-nrep", default="1", help="16-feature row blocks per warp for --kernel gluon (default 1)")
+    p.add_argument("--gluon-split-k", default="1", help="programs per output block for --kernel gluon (default 1)")
+    p.add_argument("--gluon-prefetch", default="0", help="1: load the next K tile ahead, 0: not (default 0)")
     p.add_argument("--block-k", default="128,256,512", help="input features per K tile (default 128,256,512)")
     add_sweep_args(p, shapes="7B", block_n="64,128", warps="4,8")
     args = p.parse_args(argv)
@@ -84,13 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         marlin_linear, marlin_why = None, f"{type(exc).__name__}: {exc}"[:300]
 
     if args.kernel == "gluon":
-        tiles = gluon_tiles(ints(args.block_k), ints(args.gluon_warps))
+        tiles = gluon_tiles(ints(args.block_k), ints(args.gluon_warps), ints(args.gluon_nrep),
+                            ints(args.gluon_split_k), ints(args.gluon_prefetch))
     else:
         tiles = sweep_tiles(ints(args.block_n), ints(args.block_k), ints(args.split_k), ints(args.stages),
                             ints(args.warps))
     rows_list = ints(args.rows)
     if args.jobs > 1:
-        for rows in sorted({max(16, 1 << (r - 1).bit_length()) for r in rows_list}):
+        low = 8 if args.kernel == "gluon" else 16  # the smallest row block each kernel pads x to
+        for rows in sorted({max(low, 1 << (r - 1).bit_length()) for r in rows_list}):
             precompile(tiles, args.jobs, rows=rows)  # one kernel per row block (16, 32, 64)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
