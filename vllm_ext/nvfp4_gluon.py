@@ -59,12 +59,90 @@ if gluon is not None:
         warp_bases = [[16 << b, 0, 0] for b in range(warps.bit_length() - 1)]
         return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [16 * warps * nrep, k8, 8])
 
+    @gluon.constexpr_function
+    def _wide_w_layout(block_k, warps, nrep):
+        """``[16 * warps * nrep, 4, block_k / 8]`` packed bytes, loaded wide: lane bits 0-1 pick one of four
+        contiguous quarters of the tile's bytes in a row, the thread's registers hold that quarter (``block_k / 8``
+        contiguous bytes, so 8- or 16-byte loads). Viewed as ``[rows, 4, block_k / 32, 4]``, permuted to ``[rows,
+        block_k / 32, 4, 4]`` and flattened, it is the weight operand's byte layout with its registers reordered: the
+        operand's K positions are a fixed permutation of the tile's, which ``x`` is loaded with too."""
+        c = block_k // 8
+        regs = [[0, 0, 1 << b] for b in range(c.bit_length() - 1)] + [[8, 0, 0]]
+        regs += [[(16 * warps) << b, 0, 0] for b in range(nrep.bit_length() - 1)]
+        lanes = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+        warp_bases = [[16 << b, 0, 0] for b in range(warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [16 * warps * nrep, 4, c])
+
+    @gluon.constexpr_function
+    def _wide_x_layout(block_k, block_m, warps):
+        """``[4, block_k / 4, block_m]`` of ``x^T`` for the wide weight load: the thread whose lane bits 0-1 are ``j``
+        holds ``x``'s K range ``j * block_k / 4 ...`` (contiguous, 16-byte loads) for the columns of its lane's high
+        bits (and registers past 8); every warp holds all of it."""
+        regs = [[0, 1 << b, 0] for b in range((block_k // 4).bit_length() - 1)]
+        regs += [[0, 0, 8 << b] for b in range(max(block_m // 8, 1).bit_length() - 1)]
+        lanes = [[1, 0, 0], [2, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]]
+        warp_bases = [[0, 0, 0] for _ in range(warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [4, block_k // 4, block_m])
+
+    @gluon.constexpr_function
+    def _wide_s_layout(block_k, warps, nrep):
+        """``[16 * warps * nrep, 4, block_k / 64, 2]``: the FP8 scales for the wide weight load. The thread whose lane
+        bits 0-1 are ``j`` holds the ``block_k / 64`` contiguous groups of its quarter of the tile; the last dimension
+        (in a register) is a broadcast, since two operand chunks of 8 K share each group of 16."""
+        g = max(block_k // 64, 1)
+        regs = [[0, 0, 1 << b, 0] for b in range(g.bit_length() - 1)] + [[0, 0, 0, 1], [8, 0, 0, 0]]
+        regs += [[(16 * warps) << b, 0, 0, 0] for b in range(nrep.bit_length() - 1)]
+        lanes = [[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
+        warp_bases = [[16 << b, 0, 0, 0] for b in range(warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [16 * warps * nrep, 4, g, 2])
+
     @gluon.jit
-    def _load_tile(x_ptr, sxm, w_ptr, s_ptr, K, k0, rn_p, n_ok_p, rb_p, rn_s, n_ok_s, rk_s, rm_b, m_ok_b, rk_b, ok):
+    def _load_tile_wide(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, k0, n0, ok, p_l: gl.constexpr, b_l: gl.constexpr,
+                        s_l: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_M: gl.constexpr,
+                        WARPS: gl.constexpr, NREP: gl.constexpr):
+        """One K tile as :func:`_load_tile` gives it, read with wide loads: the operands' K positions ``c_hi * 32 + j
+        * 8 + k_lo`` (``j``: the lane's bits 0-1) come from the tile's K ``j * block_k / 4 + c_hi * 8 + k_lo``, the
+        same permutation for the weight's codes, its scales and ``x``, so the dot product is unchanged. Each thread
+        loads one contiguous quarter of each operand row (16-byte loads from ``block_k`` = 128)."""
+        w3_l: gl.constexpr = _wide_w_layout(BLOCK_K, WARPS, NREP)
+        rn_w = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w3_l)))
+        rj_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, w3_l)))
+        rc_w = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, w3_l)))
+        wq = gl.load(w_ptr + rn_w[:, None, None] * KB + (k0 // 2 + rj_w[None, :, None] * (BLOCK_K // 8)
+                                                         + rc_w[None, None, :]),
+                     mask=(rn_w < N)[:, None, None] & ok, other=0)
+        wq = gl.reshape(gl.permute(gl.reshape(wq, [BLOCK_N, 4, BLOCK_K // 32, 4]), [0, 2, 1, 3]),
+                        [BLOCK_N, BLOCK_K // 2])
+        wb = gl.convert_layout(wq, p_l)
+        # operand chunk kk (8 K) = c_hi * 4 + j comes from the tile's K j * block_k / 4 + c_hi * 8, in group j * G +
+        # c_hi // 2 (G = block_k / 64 groups per quarter): each thread loads its G contiguous groups and repeats each
+        s4_l: gl.constexpr = _wide_s_layout(BLOCK_K, WARPS, NREP)
+        G: gl.constexpr = BLOCK_K // 64
+        rn_g = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s4_l))))
+        rj_g = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, s4_l))))
+        rg_g = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, s4_l))))
+        sg = gl.load(s_ptr + rn_g[:, None, None] * KS + (k0 // 16 + rj_g[None, :, None] * G + rg_g[None, None, :]),
+                     mask=(rn_g < N)[:, None, None] & ok, other=0.0).to(gl.bfloat16)
+        sg = gl.expand_dims(sg, 3) + gl.full([BLOCK_N, 4, G, 2], 0, gl.bfloat16, s4_l)
+        sg = gl.reshape(gl.permute(gl.reshape(sg, [BLOCK_N, 4, 2 * G]), [0, 2, 1]), [BLOCK_N, BLOCK_K // 8])
+        sc8 = gl.convert_layout(sg, s_l)
+        x3_l: gl.constexpr = _wide_x_layout(BLOCK_K, BLOCK_M, WARPS)
+        rj_x = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, x3_l)))
+        rc_x = gl.arange(0, BLOCK_K // 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x3_l)))
+        rm_x = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(1, x3_l)))
+        xq = gl.load(x_ptr + rm_x[None, None, :] * sxm + (k0 + rj_x[:, None, None] * (BLOCK_K // 4)
+                                                         + rc_x[None, :, None]),
+                     mask=(rm_x < M)[None, None, :] & ok, other=0.0)
+        xq = gl.reshape(gl.permute(gl.reshape(xq, [4, BLOCK_K // 32, 8, BLOCK_M]), [1, 0, 2, 3]), [BLOCK_K, BLOCK_M])
+        xb = gl.convert_layout(xq, b_l)
+        return wb, sc8, xb
+
+    @gluon.jit
+    def _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, k0, rn_p, n_ok_p, rb_p, rn_s, n_ok_s, rk_s, rm_b, m_ok_b, rk_b, ok):
         """One K tile's packed codes, FP8 scales and ``x^T``, each in the layout its use takes (nothing is loaded
         where ``ok`` is false: the prefetch past the last tile)."""
-        wb = gl.load(w_ptr + rn_p[:, None] * (K // 2) + (k0 // 2 + rb_p)[None, :], mask=n_ok_p & ok, other=0)
-        sc8 = gl.load(s_ptr + rn_s[:, None] * (K // 16) + (k0 // 16 + rk_s // 2)[None, :], mask=n_ok_s & ok,
+        wb = gl.load(w_ptr + rn_p[:, None] * KB + (k0 // 2 + rb_p)[None, :], mask=n_ok_p & ok, other=0)
+        sc8 = gl.load(s_ptr + rn_s[:, None] * KS + (k0 // 16 + rk_s // 2)[None, :], mask=n_ok_s & ok,
                       other=0.0)
         xb = gl.load(x_ptr + rm_b[None, :] * sxm + (k0 + rk_b)[:, None], mask=m_ok_b & ok, other=0.0)
         return wb, sc8, xb
@@ -81,9 +159,9 @@ if gluon is not None:
         return mma_v2(a, xb.to(gl.bfloat16), acc)
 
     @gluon.jit
-    def _gluon_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K,
+    def _gluon_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
-                      SPLIT_K: gl.constexpr, PREFETCH: gl.constexpr):
+                      SPLIT_K: gl.constexpr, PREFETCH: gl.constexpr, WIDE: gl.constexpr):
         """``y^T[n, m] = sum_k W[n, k] x[m, k]`` for ``16 * WARPS * NREP`` rows of W per program, over K tiles
         ``pid_k, pid_k + SPLIT_K, ...``; with ``PREFETCH`` the next tile's loads are issued before this tile's
         tensor-core work (two tiles in flight per warp). With split-K each program stores its float32 partial in the
@@ -109,11 +187,28 @@ if gluon is not None:
         m_ok_b = (rm_b < M)[None, :]
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         n_tiles = K // BLOCK_K
-        if PREFETCH:
-            wb, sc8, xb = _load_tile(x_ptr, sxm, w_ptr, s_ptr, K, pid_k * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s, n_ok_s,
+        if WIDE:
+            n0 = pid * BLOCK_N
+            if PREFETCH:
+                wb, sc8, xb = _load_tile_wide(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, pid_k * BLOCK_K, n0, True, p_l,
+                                              b_l, s_l, BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP)
+                for t in range(pid_k + SPLIT_K, n_tiles + SPLIT_K, SPLIT_K):
+                    wb2, sc2, xb2 = _load_tile_wide(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, t * BLOCK_K, n0,
+                                                    t < n_tiles, p_l, b_l, s_l, BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP)
+                    acc = _mma_tile(wb, sc8, xb, acc, a_l, s3_l, BLOCK_N, BLOCK_K)
+                    wb = wb2
+                    sc8 = sc2
+                    xb = xb2
+            else:
+                for t in range(pid_k, n_tiles, SPLIT_K):
+                    wb, sc8, xb = _load_tile_wide(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, t * BLOCK_K, n0, True, p_l,
+                                                  b_l, s_l, BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP)
+                    acc = _mma_tile(wb, sc8, xb, acc, a_l, s3_l, BLOCK_N, BLOCK_K)
+        elif PREFETCH:
+            wb, sc8, xb = _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, pid_k * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s, n_ok_s,
                                      rk_s, rm_b, m_ok_b, rk_b, True)
             for t in range(pid_k + SPLIT_K, n_tiles + SPLIT_K, SPLIT_K):
-                wb2, sc2, xb2 = _load_tile(x_ptr, sxm, w_ptr, s_ptr, K, t * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s,
+                wb2, sc2, xb2 = _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, t * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s,
                                            n_ok_s, rk_s, rm_b, m_ok_b, rk_b, t < n_tiles)
                 acc = _mma_tile(wb, sc8, xb, acc, a_l, s3_l, BLOCK_N, BLOCK_K)
                 wb = wb2
@@ -121,7 +216,7 @@ if gluon is not None:
                 xb = xb2
         else:
             for t in range(pid_k, n_tiles, SPLIT_K):
-                wb, sc8, xb = _load_tile(x_ptr, sxm, w_ptr, s_ptr, K, t * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s, n_ok_s,
+                wb, sc8, xb = _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, t * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s, n_ok_s,
                                          rk_s, rm_b, m_ok_b, rk_b, True)
                 acc = _mma_tile(wb, sc8, xb, acc, a_l, s3_l, BLOCK_N, BLOCK_K)
         gmul = 1.0 / gl.load(g_ptr)
@@ -146,14 +241,15 @@ if gluon is not None:
 
 def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      block_k: int = 128, warps: int = 1, nrep: int = 1, split_k: int = 1,
-                     prefetch: bool = False) -> torch.Tensor:
+                     prefetch: bool = False, wide: bool = False) -> torch.Tensor:
     """``x @ W.T`` for bfloat16 ``x`` ``[..., K]`` (at most :data:`MAX_TOKENS` rows) and ``W`` as the NVFP4 triple
     (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor);
     returns ``[..., N]`` in bfloat16. ``block_k``: input features per step (a multiple of 64 dividing K); ``warps``:
     warps per program, 16 output features each, ``nrep`` times (one program per ``16 * warps * nrep`` features);
     ``split_k``: programs per output block over disjoint K tiles (one launch; the last to finish sums the partials in
-    a fixed order); ``prefetch``: load the next K tile before this one's tensor-core work. CUDA only (Gluon has no
-    interpreter)."""
+    a fixed order); ``prefetch``: load the next K tile before this one's tensor-core work; ``wide``: each thread
+    loads contiguous quarters of the tile's rows (16-byte loads; the operands' K order is permuted alike). CUDA only
+    (Gluon has no interpreter)."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"nvfp4_gluon_gemm needs Triton's Gluon ({GLUON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -197,7 +293,7 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         ws = cnt = out  # not read
     _gluon_kernel[(blocks, split_k)](
         x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
-        out.stride(0), ws, cnt, m, n, k, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=nrep, SPLIT_K=split_k,
-        PREFETCH=bool(prefetch), num_warps=warps,
+        out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=nrep, SPLIT_K=split_k,
+        PREFETCH=bool(prefetch), WIDE=bool(wide), num_warps=warps,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

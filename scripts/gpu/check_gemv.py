@@ -98,6 +98,7 @@ def tile_name(t: dict[str, Any]) -> str:
     name += "M" if t.get("mma") else ""  # the few-row tensor-core kernel on words
     name += "L" if t.get("gluon") else ""  # vllm_ext.nvfp4_gluon (explicit layouts)
     name += "R" if t.get("prefetch") else ""  # vllm_ext.nvfp4_gluon loading the next K tile ahead
+    name += "V" if t.get("wide") else ""  # vllm_ext.nvfp4_gluon's wide (16-byte) loads
     return name + (f"S{t['stages']}" if t.get("stages") else "")  # a software-pipelined loop
 
 

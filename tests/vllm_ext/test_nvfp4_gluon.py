@@ -40,32 +40,52 @@ def test_refusals_name_the_bad_input():
         ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, split_k=0)
 
 
-def _compile_sm90(block_m: int, block_k: int, warps: int, nrep: int = 1, split_k: int = 1, prefetch: bool = False):
+@pytest.mark.parametrize("block_k", [64, 128, 256])
+def test_wide_loads_are_16_byte_loads(block_k):
+    """The point of ``wide``: at 8 rows each thread reads its quarter of a weight row with one 16-byte load per 32
+    bytes (8-byte loads at block_k 64), its scales as one load of its groups, and ``x`` in 16-byte loads; no byte-wise
+    loads are left (the narrow loads read 4 bytes of codes and 1 of scales at a time)."""
+    _, _, ops = _compiled_sass(8, block_k, 1, 1, 1, False, True)
+    loads = [op for op in ops if op.startswith("LDG")]
+    code_bytes, x_bytes = 2 * block_k // 8, block_k // 4 * 2  # per thread per tile: 2 weight rows, 8 x columns
+    vec = 16 if block_k >= 128 else 8
+    wide = loads.count("LDG.E.128") + (loads.count("LDG.E.64") if vec == 8 else 0)
+    assert wide >= code_bytes // vec + x_bytes // 16
+    assert "LDG.E.U8" not in loads or block_k == 64  # one scale group per quarter at 64: a byte
+    _, _, narrow = _compiled_sass(8, block_k, 1, 1, 1, False, False)
+    assert len(loads) < len([op for op in narrow if op.startswith("LDG")])
+
+
+def _compile_sm90(block_m: int, block_k: int, warps: int, nrep: int = 1, split_k: int = 1, prefetch: bool = False,
+                  wide: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k,
-              "PREFETCH": prefetch}
+              "PREFETCH": prefetch, "WIDE": wide}
     sig = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16",
-           "sym": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+           "sym": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "KB": "i32", "KS": "i32",
            **{name: "constexpr" for name in consts}}
     src = GluonASTSource(fn=ng._gluon_kernel, signature=sig, constexprs=consts,
-                         attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 11)})
+                         attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 11, 12, 13)})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-@pytest.mark.parametrize("block_m,block_k,warps,nrep,prefetch", [(16, 128, 1, 1, False), (16, 256, 2, 1, False),
-                                                                  (64, 128, 4, 1, False), (8, 256, 1, 1, True),
-                                                                  (8, 128, 2, 2, True), (64, 64, 1, 4, True)])
-def test_compiles_for_sm90_with_operands_in_registers_only(block_m, block_k, warps, nrep, prefetch):
+@pytest.mark.parametrize("block_m,block_k,warps,nrep,prefetch,wide", [
+    (16, 128, 1, 1, False, False), (16, 256, 2, 1, False, False), (64, 128, 4, 1, False, False),
+    (8, 256, 1, 1, True, False), (8, 128, 2, 2, True, False), (64, 64, 1, 4, True, False),
+    (8, 64, 1, 1, False, True), (8, 128, 1, 1, False, True), (16, 256, 2, 2, True, True), (64, 128, 1, 2, False, True)])
+def test_compiles_for_sm90_with_operands_in_registers_only(block_m, block_k, warps, nrep, prefetch, wide):
     """The point of the kernel: compiled for Hopper, every operand of its tensor-core instructions stays in registers
     (no shared memory at all, no conversion through it or between lanes), with no spills; its SASS has the mma.sync
-    instructions (HMMA) of one K tile per loop. Also with the next tile prefetched and several row blocks per warp."""
-    ck, usage, ops = _compiled_sass(block_m, block_k, warps, nrep, 1, prefetch)
+    instructions (HMMA) of one K tile per loop. Also with the next tile prefetched, several row blocks per warp, and
+    the wide loads (whose reshapes, permutes and conversions only rename registers)."""
+    ck, usage, ops = _compiled_sass(block_m, block_k, warps, nrep, 1, prefetch, wide)
     assert ck.metadata.shared == 0
     assert re.search(r"LOCAL:0\b", usage), usage  # no spills
-    assert "HMMA" in ops and not {"STS", "LDS", "LDSM", "SHFL"} & set(ops)  # no conversion through memory or lanes
+    base = {op.split(".")[0] for op in ops}
+    assert "HMMA" in base and not {"STS", "LDS", "LDSM", "SHFL"} & base  # no conversion through memory or lanes
 
 
 @pytest.mark.parametrize("block_m,block_k,warps,nrep,split_k", [(8, 512, 1, 1, 4), (16, 256, 2, 2, 8)])
@@ -75,11 +95,12 @@ def test_split_k_adds_only_the_arrival_broadcast(block_m, block_k, warps, nrep, 
     ck, usage, ops = _compiled_sass(block_m, block_k, warps, nrep, split_k, True)
     assert ck.metadata.shared <= 16
     assert re.search(r"LOCAL:0\b", usage), usage
-    assert ops.count("STS") <= 1 and ops.count("LDS") <= 1 and "LDSM" not in ops
-    assert {"ATOMG", "RED"} & set(ops) or "ATOM" in ops  # the arrival count
+    base = [op.split(".")[0] for op in ops]
+    assert base.count("STS") <= 1 and base.count("LDS") <= 1 and "LDSM" not in base
+    assert {"ATOMG", "RED", "ATOM"} & set(base)  # the arrival count
 
 
-def _compiled_sass(block_m, block_k, warps, nrep, split_k, prefetch):  # noqa: ANN001, ANN202
+def _compiled_sass(block_m, block_k, warps, nrep, split_k, prefetch, wide=False):  # noqa: ANN001, ANN202
     """The kernel compiled for sm_90, its resource usage (cuobjdump -res-usage) and its SASS opcodes."""
     import shutil
     import subprocess
@@ -89,7 +110,7 @@ def _compiled_sass(block_m, block_k, warps, nrep, split_k, prefetch):  # noqa: A
     import triton
 
     try:
-        ck = _compile_sm90(block_m, block_k, warps, nrep, split_k, prefetch)
+        ck = _compile_sm90(block_m, block_k, warps, nrep, split_k, prefetch, wide)
     except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
         pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -102,7 +123,7 @@ def _compiled_sass(block_m, block_k, warps, nrep, split_k, prefetch):  # noqa: A
         f.flush()
         usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
-    return ck, usage, re.findall(r"\*/\s+(?:@!?P\d\s+)?([A-Z][A-Z0-9]*)", sass)
+    return ck, usage, re.findall(r"\*/\s+(?:@!?P\d\s+)?([A-Z][A-Z0-9.]*)", sass)
 
 
 @pytest.mark.gpu
@@ -127,17 +148,21 @@ def test_gpu_matches_the_exact_product(rows, n, k, block_k, warps):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Gluon has no interpreter)")
 @pytest.mark.parametrize("rows", [1, 8, 64])
-@pytest.mark.parametrize("n,k,block_k,warps,nrep,split_k,prefetch", [
-    (4608, 3584, 256, 1, 2, 4, True), (3584, 18944, 512, 2, 1, 8, True), (37888, 3584, 128, 1, 4, 1, True),
-    (100, 3584, 64, 1, 2, 3, False), (100, 3584, 512, 2, 2, 16, True)])
-def test_gpu_variants_match_the_exact_product(rows, n, k, block_k, warps, nrep, split_k, prefetch):
-    """Several row blocks per warp, split-K (3 over 56 tiles: unequal shares; 16 over 7 tiles: cut to 7) and the
-    prefetched loop: within the bf16 output's rounding of the float64 product, and the same bits on a second call
-    (which also needs split-K's counters reset by the first)."""
+@pytest.mark.parametrize("n,k,block_k,warps,nrep,split_k,prefetch,wide", [
+    (4608, 3584, 256, 1, 2, 4, True, False), (3584, 18944, 512, 2, 1, 8, True, False),
+    (37888, 3584, 128, 1, 4, 1, True, False), (100, 3584, 64, 1, 2, 3, False, False),
+    (100, 3584, 512, 2, 2, 16, True, False), (4608, 3584, 128, 1, 1, 1, False, True),
+    (3584, 18944, 256, 2, 2, 8, True, True), (100, 3584, 64, 1, 2, 3, False, True),
+    (37888, 3584, 512, 1, 1, 1, True, True)])
+def test_gpu_variants_match_the_exact_product(rows, n, k, block_k, warps, nrep, split_k, prefetch, wide):
+    """Several row blocks per warp, split-K (3 over 56 tiles: unequal shares; 16 over 7 tiles: cut to 7), the
+    prefetched loop and the wide loads (the K order permuted alike in both operands): within the bf16 output's
+    rounding of the float64 product, and the same bits on a second call (which also needs split-K's counters reset by
+    the first)."""
     torch.manual_seed(rows + 10 * split_k)
     q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    opts = dict(block_k=block_k, warps=warps, nrep=nrep, split_k=split_k, prefetch=prefetch)
+    opts = dict(block_k=block_k, warps=warps, nrep=nrep, split_k=split_k, prefetch=prefetch, wide=wide)
     got = ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts)
     exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
