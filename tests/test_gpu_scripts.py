@@ -749,9 +749,9 @@ def test_sweep_mma_gluon_tiles_and_their_call():
     tiles = sweep_mma.gluon_tiles([64, 128, 256, 512], [1, 2, 4, 8])
     assert len(tiles) == 16 and all(t["gluon"] and t["block_n"] == 16 * t["num_warps"] for t in tiles)
     assert sweep_mma.tile_name(tiles[0]) == "n16k64s1w1L"
-    more = sweep_mma.gluon_tiles([256], [1, 2], [1, 2], [1, 4], [0, 1], [0, 1])
-    assert len(more) == 32 and len({sweep_mma.tile_name(t) for t in more}) == 32
-    assert sweep_mma.tile_name(more[-1]) == "n64k256s4w2LRV"  # 16 x 2 warps x nrep 2, split-K 4, prefetched, wide
+    more = sweep_mma.gluon_tiles([256], [1, 2], [1, 2], [1, 4], [0, 1], [0, 1], [0, 1])
+    assert len(more) == 64 and len({sweep_mma.tile_name(t) for t in more}) == 64
+    assert sweep_mma.tile_name(more[-1]) == "n64k256s4w2LRVB"  # 16 x 2 warps x nrep 2, split-K 4, prefetched, wide, bits
     from qerl_plugin import nvfp4
 
     q = nvfp4.quantize(torch.randn(32, 256).to(torch.bfloat16))

@@ -99,18 +99,22 @@ if gluon is not None:
     @gluon.jit
     def _load_tile_wide(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, k0, n0, ok, p_l: gl.constexpr, b_l: gl.constexpr,
                         s_l: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_M: gl.constexpr,
-                        WARPS: gl.constexpr, NREP: gl.constexpr):
+                        WARPS: gl.constexpr, NREP: gl.constexpr, MASK_W: gl.constexpr):
         """One K tile as :func:`_load_tile` gives it, read with wide loads: the operands' K positions ``c_hi * 32 + j
         * 8 + k_lo`` (``j``: the lane's bits 0-1) come from the tile's K ``j * block_k / 4 + c_hi * 8 + k_lo``, the
         same permutation for the weight's codes, its scales and ``x``, so the dot product is unchanged. Each thread
-        loads one contiguous quarter of each operand row (16-byte loads from ``block_k`` = 128)."""
+        loads one contiguous quarter of each operand row (16-byte loads from ``block_k`` = 128). Without ``MASK_W``
+        (N a multiple of the block, no prefetch past the end) the weight's loads carry no mask."""
         w3_l: gl.constexpr = _wide_w_layout(BLOCK_K, WARPS, NREP)
         rn_w = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w3_l)))
         rj_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, w3_l)))
         rc_w = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, w3_l)))
-        wq = gl.load(w_ptr + rn_w[:, None, None] * KB + (k0 // 2 + rj_w[None, :, None] * (BLOCK_K // 8)
-                                                         + rc_w[None, None, :]),
-                     mask=(rn_w < N)[:, None, None] & ok, other=0)
+        w_ptrs = w_ptr + rn_w[:, None, None] * KB + (k0 // 2 + rj_w[None, :, None] * (BLOCK_K // 8)
+                                                     + rc_w[None, None, :])
+        if MASK_W:
+            wq = gl.load(w_ptrs, mask=(rn_w < N)[:, None, None] & ok, other=0)
+        else:
+            wq = gl.load(w_ptrs)
         wq = gl.reshape(gl.permute(gl.reshape(wq, [BLOCK_N, 4, BLOCK_K // 32, 4]), [0, 2, 1, 3]),
                         [BLOCK_N, BLOCK_K // 2])
         wb = gl.convert_layout(wq, p_l)
@@ -121,8 +125,11 @@ if gluon is not None:
         rn_g = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s4_l))))
         rj_g = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, s4_l))))
         rg_g = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, s4_l))))
-        sg = gl.load(s_ptr + rn_g[:, None, None] * KS + (k0 // 16 + rj_g[None, :, None] * G + rg_g[None, None, :]),
-                     mask=(rn_g < N)[:, None, None] & ok, other=0.0).to(gl.bfloat16)
+        s_ptrs = s_ptr + rn_g[:, None, None] * KS + (k0 // 16 + rj_g[None, :, None] * G + rg_g[None, None, :])
+        if MASK_W:
+            sg = gl.load(s_ptrs, mask=(rn_g < N)[:, None, None] & ok, other=0.0).to(gl.bfloat16)
+        else:
+            sg = gl.load(s_ptrs).to(gl.bfloat16)
         sg = gl.expand_dims(sg, 3) + gl.full([BLOCK_N, 4, G, 2], 0, gl.bfloat16, s4_l)
         sg = gl.reshape(gl.permute(gl.reshape(sg, [BLOCK_N, 4, 2 * G]), [0, 2, 1]), [BLOCK_N, BLOCK_K // 8])
         sc8 = gl.convert_layout(sg, s_l)
@@ -138,7 +145,8 @@ if gluon is not None:
         return wb, sc8, xb
 
     @gluon.jit
-    def _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, k0, rn_p, n_ok_p, rb_p, rn_s, n_ok_s, rk_s, rm_b, m_ok_b, rk_b, ok):
+    def _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, k0, rn_p, n_ok_p, rb_p, rn_s, n_ok_s, rk_s, rm_b, m_ok_b, rk_b,
+                   ok):
         """One K tile's packed codes, FP8 scales and ``x^T``, each in the layout its use takes (nothing is loaded
         where ``ok`` is false: the prefetch past the last tile)."""
         wb = gl.load(w_ptr + rn_p[:, None] * KB + (k0 // 2 + rb_p)[None, :], mask=n_ok_p & ok, other=0)
@@ -147,21 +155,67 @@ if gluon is not None:
         xb = gl.load(x_ptr + rm_b[None, :] * sxm + (k0 + rk_b)[:, None], mask=m_ok_b & ok, other=0.0)
         return wb, sc8, xb
 
+    # E2M1 to bfloat16 by moving bits, four packed bytes (eight codes) at a time: the code's sign to the bf16 sign, its
+    # two exponent bits and one mantissa bit to the lowest exponent bits and the top mantissa bit. That is the value
+    # times 2^-126 (the code 0.5 becomes the subnormal 2^-127), which the scales make up. Outputs: the low nibbles of
+    # bytes (0, 1) and (2, 3), then the high nibbles likewise, each pair one bf16x2 register.
+    _DECODE_ASM = gl.constexpr("""{
+    .reg .b32 t, u, v;
+    prmt.b32 t, $4, 0, 0x1404;
+    shl.b32 u, t, 4;
+    and.b32 v, u, 0x70007000;
+    shr.b32 v, v, 6;
+    and.b32 u, u, 0x80008000;
+    or.b32 $0, u, v;
+    and.b32 v, t, 0x70007000;
+    shr.b32 v, v, 6;
+    and.b32 u, t, 0x80008000;
+    or.b32 $2, u, v;
+    prmt.b32 t, $4, 0, 0x3424;
+    shl.b32 u, t, 4;
+    and.b32 v, u, 0x70007000;
+    shr.b32 v, v, 6;
+    and.b32 u, u, 0x80008000;
+    or.b32 $1, u, v;
+    and.b32 v, t, 0x70007000;
+    shr.b32 v, v, 6;
+    and.b32 u, t, 0x80008000;
+    or.b32 $3, u, v;
+    }""")
+
     @gluon.jit
-    def _mma_tile(wb, sc8, xb, acc, a_l: gl.constexpr, s3_l: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_K: gl.constexpr):
-        """``acc += W_tile x_tile^T`` on the tensor cores, both operands from registers."""
-        a = gl.convert_layout(gl.fp4_to_fp(wb, gl.bfloat16, 1), a_l)  # E2M1 values, exact
+    def _mma_tile(wb, sc8, xb, acc, a_l: gl.constexpr, b_l: gl.constexpr, s3_l: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, BITS: gl.constexpr):
+        """``acc += W_tile x_tile^T`` on the tensor cores, both operands from registers. ``BITS``: decode by moving
+        bits (:data:`_DECODE_ASM`), which orders each thread's 8 operand K as the low nibbles of its 4 bytes, then the
+        high ones; ``x`` is permuted alike here. The decoded values are 2^-126 of the codes'; the scales carry 2^118 of
+        that and the kernel's epilogue the last 2^8."""
+        if BITS:
+            lo, hi = gl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,=r,=r,r", [wb], dtype=(gl.bfloat16, gl.bfloat16),
+                                               is_pure=True, pack=4)
+            a = gl.reshape(gl.permute(gl.reshape(gl.join(lo, hi), [BLOCK_N, BLOCK_K // 8, 4, 2]), [0, 1, 3, 2]),
+                           [BLOCK_N, BLOCK_K])
+            a = gl.convert_layout(a, a_l)
+            bm: gl.constexpr = xb.shape[1]
+            xb = gl.reshape(gl.permute(gl.reshape(xb, [BLOCK_K // 8, 4, 2, bm]), [0, 2, 1, 3]), [BLOCK_K, bm])
+            xb = gl.convert_layout(xb, b_l)
+        else:
+            a = gl.convert_layout(gl.fp4_to_fp(wb, gl.bfloat16, 1), a_l)  # E2M1 values, exact
         # one scale per thread per 8 consecutive K (they share a group), broadcast into the operand's 8-wide dimension
-        sc = gl.reshape(gl.expand_dims(sc8.to(gl.bfloat16), 2) + gl.full([BLOCK_N, BLOCK_K // 8, 8], 0, gl.bfloat16,
-                                                                          s3_l), [BLOCK_N, BLOCK_K])
+        sc = sc8.to(gl.float32)
+        if BITS:  # 2^118: the products stay normal and exact in bf16 (2^-18 to 10.5); 2^8 more in the epilogue
+            sc = sc * 332306998946228968225951765070086144.0
+        sc = sc.to(gl.bfloat16)
+        sc = gl.reshape(gl.expand_dims(sc, 2) + gl.full([BLOCK_N, BLOCK_K // 8, 8], 0, gl.bfloat16, s3_l),
+                        [BLOCK_N, BLOCK_K])
         a = a * gl.convert_layout(sc, a_l)  # exact: at most 6 significant bits
         return mma_v2(a, xb.to(gl.bfloat16), acc)
 
     @gluon.jit
     def _gluon_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
-                      SPLIT_K: gl.constexpr, PREFETCH: gl.constexpr, WIDE: gl.constexpr):
+                      SPLIT_K: gl.constexpr, PREFETCH: gl.constexpr, WIDE: gl.constexpr, BITS: gl.constexpr,
+                      EVEN_N: gl.constexpr):
         """``y^T[n, m] = sum_k W[n, k] x[m, k]`` for ``16 * WARPS * NREP`` rows of W per program, over K tiles
         ``pid_k, pid_k + SPLIT_K, ...``; with ``PREFETCH`` the next tile's loads are issued before this tile's
         tensor-core work (two tiles in flight per warp). With split-K each program stores its float32 partial in the
@@ -189,37 +243,39 @@ if gluon is not None:
         n_tiles = K // BLOCK_K
         if WIDE:
             n0 = pid * BLOCK_N
+            MASK_W: gl.constexpr = PREFETCH or not EVEN_N
             if PREFETCH:
                 wb, sc8, xb = _load_tile_wide(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, pid_k * BLOCK_K, n0, True, p_l,
-                                              b_l, s_l, BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP)
+                                              b_l, s_l, BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP, MASK_W)
                 for t in range(pid_k + SPLIT_K, n_tiles + SPLIT_K, SPLIT_K):
                     wb2, sc2, xb2 = _load_tile_wide(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, t * BLOCK_K, n0,
-                                                    t < n_tiles, p_l, b_l, s_l, BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP)
-                    acc = _mma_tile(wb, sc8, xb, acc, a_l, s3_l, BLOCK_N, BLOCK_K)
+                                                    t < n_tiles, p_l, b_l, s_l, BLOCK_N, BLOCK_K, BLOCK_M, WARPS,
+                                                    NREP, MASK_W)
+                    acc = _mma_tile(wb, sc8, xb, acc, a_l, b_l, s3_l, BLOCK_N, BLOCK_K, BITS)
                     wb = wb2
                     sc8 = sc2
                     xb = xb2
             else:
                 for t in range(pid_k, n_tiles, SPLIT_K):
                     wb, sc8, xb = _load_tile_wide(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, t * BLOCK_K, n0, True, p_l,
-                                                  b_l, s_l, BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP)
-                    acc = _mma_tile(wb, sc8, xb, acc, a_l, s3_l, BLOCK_N, BLOCK_K)
+                                                  b_l, s_l, BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP, MASK_W)
+                    acc = _mma_tile(wb, sc8, xb, acc, a_l, b_l, s3_l, BLOCK_N, BLOCK_K, BITS)
         elif PREFETCH:
-            wb, sc8, xb = _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, pid_k * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s, n_ok_s,
-                                     rk_s, rm_b, m_ok_b, rk_b, True)
+            wb, sc8, xb = _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, pid_k * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s,
+                                     n_ok_s, rk_s, rm_b, m_ok_b, rk_b, True)
             for t in range(pid_k + SPLIT_K, n_tiles + SPLIT_K, SPLIT_K):
                 wb2, sc2, xb2 = _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, t * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s,
                                            n_ok_s, rk_s, rm_b, m_ok_b, rk_b, t < n_tiles)
-                acc = _mma_tile(wb, sc8, xb, acc, a_l, s3_l, BLOCK_N, BLOCK_K)
+                acc = _mma_tile(wb, sc8, xb, acc, a_l, b_l, s3_l, BLOCK_N, BLOCK_K, BITS)
                 wb = wb2
                 sc8 = sc2
                 xb = xb2
         else:
             for t in range(pid_k, n_tiles, SPLIT_K):
-                wb, sc8, xb = _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, t * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s, n_ok_s,
-                                         rk_s, rm_b, m_ok_b, rk_b, True)
-                acc = _mma_tile(wb, sc8, xb, acc, a_l, s3_l, BLOCK_N, BLOCK_K)
-        gmul = 1.0 / gl.load(g_ptr)
+                wb, sc8, xb = _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, t * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s,
+                                         n_ok_s, rk_s, rm_b, m_ok_b, rk_b, True)
+                acc = _mma_tile(wb, sc8, xb, acc, a_l, b_l, s3_l, BLOCK_N, BLOCK_K, BITS)
+        gmul = (256.0 if BITS else 1.0) / gl.load(g_ptr)  # 2^-126 * 2^118 * 2^8 = 1 with the bit decode
         rn_o = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         rm_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
         ok = (rn_o < N)[:, None] & (rm_o < M)[None, :]
@@ -241,15 +297,16 @@ if gluon is not None:
 
 def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      block_k: int = 128, warps: int = 1, nrep: int = 1, split_k: int = 1,
-                     prefetch: bool = False, wide: bool = False) -> torch.Tensor:
+                     prefetch: bool = False, wide: bool = False, bits: bool = False) -> torch.Tensor:
     """``x @ W.T`` for bfloat16 ``x`` ``[..., K]`` (at most :data:`MAX_TOKENS` rows) and ``W`` as the NVFP4 triple
     (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor);
     returns ``[..., N]`` in bfloat16. ``block_k``: input features per step (a multiple of 64 dividing K); ``warps``:
     warps per program, 16 output features each, ``nrep`` times (one program per ``16 * warps * nrep`` features);
     ``split_k``: programs per output block over disjoint K tiles (one launch; the last to finish sums the partials in
     a fixed order); ``prefetch``: load the next K tile before this one's tensor-core work; ``wide``: each thread
-    loads contiguous quarters of the tile's rows (16-byte loads; the operands' K order is permuted alike). CUDA only
-    (Gluon has no interpreter)."""
+    loads contiguous quarters of the tile's rows (16-byte loads; the operands' K order is permuted alike); ``bits``:
+    decode E2M1 by moving bits (about 4 instructions per two values instead of table lookups), the scales carrying
+    the power of two that makes the values up. CUDA only (Gluon has no interpreter)."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"nvfp4_gluon_gemm needs Triton's Gluon ({GLUON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -293,7 +350,8 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         ws = cnt = out  # not read
     _gluon_kernel[(blocks, split_k)](
         x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
-        out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=nrep, SPLIT_K=split_k,
-        PREFETCH=bool(prefetch), WIDE=bool(wide), num_warps=warps,
+        out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=nrep,
+        SPLIT_K=split_k, PREFETCH=bool(prefetch), WIDE=bool(wide), BITS=bool(bits),
+        EVEN_N=n % (16 * warps * nrep) == 0, num_warps=warps,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

@@ -99,6 +99,7 @@ def tile_name(t: dict[str, Any]) -> str:
     name += "L" if t.get("gluon") else ""  # vllm_ext.nvfp4_gluon (explicit layouts)
     name += "R" if t.get("prefetch") else ""  # vllm_ext.nvfp4_gluon loading the next K tile ahead
     name += "V" if t.get("wide") else ""  # vllm_ext.nvfp4_gluon's wide (16-byte) loads
+    name += "B" if t.get("bits") else ""  # vllm_ext.nvfp4_gluon's E2M1 decode by moving bits
     return name + (f"S{t['stages']}" if t.get("stages") else "")  # a software-pipelined loop
 
 

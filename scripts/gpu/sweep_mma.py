@@ -48,12 +48,12 @@ def sweep_tiles(block_ns: list[int], block_ks: list[int], splits: list[int], sta
 
 
 def gluon_tiles(block_ks: list[int], warps: list[int], nreps: list[int] = (1,), splits: list[int] = (1,),
-                prefetch: list[int] = (0,), wide: list[int] = (0,)) -> list[dict[str, Any]]:
+                prefetch: list[int] = (0,), wide: list[int] = (0,), bits: list[int] = (0,)) -> list[dict[str, Any]]:
     """vllm_ext.nvfp4_gluon's tiles tried: ``16 * warps * nrep`` output features per program, ``split_k`` programs
-    per output block, the next K tile loaded ahead or not, wide loads or not."""
+    per output block, the next K tile loaded ahead or not, wide loads or not, the bit decode or Triton's."""
     return [dict(block_n=16 * w * r, block_k=bk, split_k=sk, num_warps=w, gluon=True, prefetch=bool(pf),
-                 wide=bool(wd))
-            for wd, pf, bk, w, r, sk in itertools.product(wide, prefetch, block_ks, warps, nreps, splits)]
+                 wide=bool(wd), bits=bool(bt))
+            for bt, wd, pf, bk, w, r, sk in itertools.product(bits, wide, prefetch, block_ks, warps, nreps, splits)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gluon-split-k", default="1", help="programs per output block for --kernel gluon (default 1)")
     p.add_argument("--gluon-prefetch", default="0", help="1: load the next K tile ahead, 0: not (default 0)")
     p.add_argument("--gluon-wide", default="0", help="1: 16-byte loads of permuted K, 0: the operand's own (default 0)")
+    p.add_argument("--gluon-bits", default="0",
+                   help="1: E2M1 decoded by moving bits, 0: by Triton's lookup (default 0)")
     p.add_argument("--block-k", default="128,256,512", help="input features per K tile (default 128,256,512)")
     add_sweep_args(p, shapes="7B", block_n="64,128", warps="4,8")
     args = p.parse_args(argv)
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.kernel == "gluon":
         tiles = gluon_tiles(ints(args.block_k), ints(args.gluon_warps), ints(args.gluon_nrep),
-                            ints(args.gluon_split_k), ints(args.gluon_prefetch), ints(args.gluon_wide))
+                            ints(args.gluon_split_k), ints(args.gluon_prefetch), ints(args.gluon_wide),
+                            ints(args.gluon_bits))
     else:
         tiles = sweep_tiles(ints(args.block_n), ints(args.block_k), ints(args.split_k), ints(args.stages),
                             ints(args.warps))

@@ -57,15 +57,16 @@ def test_wide_loads_are_16_byte_loads(block_k):
 
 
 def _compile_sm90(block_m: int, block_k: int, warps: int, nrep: int = 1, split_k: int = 1, prefetch: bool = False,
-                  wide: bool = False):
+                  wide: bool = False, bits: bool = False, even_n: bool = True):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k,
-              "PREFETCH": prefetch, "WIDE": wide}
+              "PREFETCH": prefetch, "WIDE": wide, "BITS": bits, "EVEN_N": even_n}
     sig = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16",
-           "sym": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "KB": "i32", "KS": "i32",
+           "sym": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "KB": "i32",
+           "KS": "i32",
            **{name: "constexpr" for name in consts}}
     src = GluonASTSource(fn=ng._gluon_kernel, signature=sig, constexprs=consts,
                          attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 11, 12, 13)})
@@ -88,6 +89,49 @@ def test_compiles_for_sm90_with_operands_in_registers_only(block_m, block_k, war
     assert "HMMA" in base and not {"STS", "LDS", "LDSM", "SHFL"} & base  # no conversion through memory or lanes
 
 
+def test_bit_decode_needs_fewer_instructions_than_the_lookup():
+    """``bits``: compiled for sm_90 at 8 rows, block_k 128, wide loads: still no shared memory or spills, and fewer
+    instructions than Triton's table-lookup upcast (which moves its tables into registers for every lookup)."""
+    ck, usage, ops = _compiled_sass(8, 128, 1, 1, 1, False, True, bits=True)
+    _, _, lookup = _compiled_sass(8, 128, 1, 1, 1, False, True, bits=False)
+    assert ck.metadata.shared == 0 and re.search(r"LOCAL:0\b", usage), usage
+    assert len(ops) < 0.9 * len(lookup)
+
+
+def _prmt(a: int, sel: int) -> int:
+    """PTX ``prmt.b32 d, a, 0, sel`` (default mode): byte i of d is byte ``sel``'s nibble i of the 8 bytes (a, 0)."""
+    src = a.to_bytes(4, "little") + bytes(4)
+    return int.from_bytes(bytes(src[(sel >> (4 * i)) & 7] for i in range(4)), "little")
+
+
+def test_bit_decode_arithmetic_gives_every_code_times_2_to_the_minus_126():
+    """The bit decode's arithmetic (:data:`vllm_ext.nvfp4_gluon._DECODE_ASM`, replayed here in Python on 32-bit
+    integers) against the codec's E2M1 table: for every byte value in every byte position, each output half is the
+    bf16 whose value is the code's value times 2^-126, in the order the kernel assumes (low nibbles of bytes 0-1 and
+    2-3, then the high nibbles)."""
+    import struct
+
+    table = [(-1.0 if c & 8 else 1.0) * nvfp4.E2M1_VALUES[c & 7] for c in range(16)]  # sign bit, magnitude
+
+    def bf16(bits: int) -> float:
+        return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+    def pair(t: int) -> tuple[float, float]:
+        r = (t & 0x80008000) | ((t & 0x70007000) >> 6)
+        return bf16(r), bf16(r >> 16)
+
+    rng = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 2**32, (2000,), generator=rng, dtype=torch.int64).tolist()
+    words += [b * 0x01010101 for b in range(256)]
+    for q in words:
+        t0, t1 = _prmt(q, 0x1404), _prmt(q, 0x3424)
+        lo = pair((t0 << 4) & 0xFFFFFFFF) + pair((t1 << 4) & 0xFFFFFFFF)
+        hi = pair(t0) + pair(t1)
+        nib = [(q >> (8 * b)) & 0xF for b in range(4)], [(q >> (8 * b + 4)) & 0xF for b in range(4)]
+        assert [v * 2.0**126 for v in lo] == [table[c] for c in nib[0]], hex(q)
+        assert [v * 2.0**126 for v in hi] == [table[c] for c in nib[1]], hex(q)
+
+
 @pytest.mark.parametrize("block_m,block_k,warps,nrep,split_k", [(8, 512, 1, 1, 4), (16, 256, 2, 2, 8)])
 def test_split_k_adds_only_the_arrival_broadcast(block_m, block_k, warps, nrep, split_k):
     """With split-K, the only shared memory is the epilogue's: the arrival counter's value, broadcast from the one
@@ -100,7 +144,7 @@ def test_split_k_adds_only_the_arrival_broadcast(block_m, block_k, warps, nrep, 
     assert {"ATOMG", "RED", "ATOM"} & set(base)  # the arrival count
 
 
-def _compiled_sass(block_m, block_k, warps, nrep, split_k, prefetch, wide=False):  # noqa: ANN001, ANN202
+def _compiled_sass(block_m, block_k, warps, nrep, split_k, prefetch, wide=False, bits=False):  # noqa: ANN001, ANN202
     """The kernel compiled for sm_90, its resource usage (cuobjdump -res-usage) and its SASS opcodes."""
     import shutil
     import subprocess
@@ -110,7 +154,7 @@ def _compiled_sass(block_m, block_k, warps, nrep, split_k, prefetch, wide=False)
     import triton
 
     try:
-        ck = _compile_sm90(block_m, block_k, warps, nrep, split_k, prefetch, wide)
+        ck = _compile_sm90(block_m, block_k, warps, nrep, split_k, prefetch, wide, bits)
     except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
         pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -148,24 +192,49 @@ def test_gpu_matches_the_exact_product(rows, n, k, block_k, warps):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Gluon has no interpreter)")
 @pytest.mark.parametrize("rows", [1, 8, 64])
-@pytest.mark.parametrize("n,k,block_k,warps,nrep,split_k,prefetch,wide", [
-    (4608, 3584, 256, 1, 2, 4, True, False), (3584, 18944, 512, 2, 1, 8, True, False),
-    (37888, 3584, 128, 1, 4, 1, True, False), (100, 3584, 64, 1, 2, 3, False, False),
-    (100, 3584, 512, 2, 2, 16, True, False), (4608, 3584, 128, 1, 1, 1, False, True),
-    (3584, 18944, 256, 2, 2, 8, True, True), (100, 3584, 64, 1, 2, 3, False, True),
-    (37888, 3584, 512, 1, 1, 1, True, True)])
-def test_gpu_variants_match_the_exact_product(rows, n, k, block_k, warps, nrep, split_k, prefetch, wide):
+@pytest.mark.parametrize("n,k,block_k,warps,nrep,split_k,prefetch,wide,bits", [
+    (4608, 3584, 256, 1, 2, 4, True, False, False), (3584, 18944, 512, 2, 1, 8, True, False, False),
+    (37888, 3584, 128, 1, 4, 1, True, False, False), (100, 3584, 64, 1, 2, 3, False, False, False),
+    (100, 3584, 512, 2, 2, 16, True, False, False), (4608, 3584, 128, 1, 1, 1, False, True, False),
+    (3584, 18944, 256, 2, 2, 8, True, True, False), (100, 3584, 64, 1, 2, 3, False, True, False),
+    (37888, 3584, 512, 1, 1, 1, True, True, False), (4608, 3584, 128, 1, 1, 8, False, True, True),
+    (37888, 3584, 128, 1, 1, 1, False, True, True), (3584, 18944, 256, 2, 2, 8, False, True, True),
+    (100, 3584, 64, 1, 2, 3, True, True, True), (4608, 3584, 256, 2, 1, 2, False, False, True)])
+def test_gpu_variants_match_the_exact_product(rows, n, k, block_k, warps, nrep, split_k, prefetch, wide, bits):
     """Several row blocks per warp, split-K (3 over 56 tiles: unequal shares; 16 over 7 tiles: cut to 7), the
-    prefetched loop and the wide loads (the K order permuted alike in both operands): within the bf16 output's
-    rounding of the float64 product, and the same bits on a second call (which also needs split-K's counters reset by
-    the first)."""
+    prefetched loop, the wide loads (the K order permuted alike in both operands) and the decode by moving bits: within
+    the bf16 output's rounding of the float64 product, and the same bits on a second call (which also needs split-K's
+    counters reset by the first)."""
     torch.manual_seed(rows + 10 * split_k)
     q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    opts = dict(block_k=block_k, warps=warps, nrep=nrep, split_k=split_k, prefetch=prefetch, wide=wide)
+    opts = dict(block_k=block_k, warps=warps, nrep=nrep, split_k=split_k, prefetch=prefetch, wide=wide, bits=bits)
     got = ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts)
     exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
     assert excess <= 1e-4 * exact.abs().max().item()
     assert torch.equal(got, ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Gluon has no interpreter)")
+@pytest.mark.parametrize("wide,bits", [(False, False), (True, False), (False, True), (True, True)])
+def test_gpu_every_code_and_scale_is_decoded_exactly(wide, bits):
+    """Every weight read back exactly: random bytes (all 16 codes in both nibbles) with FP8 scales from the smallest
+    subnormal (2^-9) to the largest (448), global scale 1, and one-hot rows of ``x``, so each output is one weight's
+    value and must equal the codec's dequantized weight bit for bit (every such value has at most 6 significant bits,
+    so it is exact in bf16). This covers the bit decode's subnormal code (0.5) at the smallest scale."""
+    torch.manual_seed(7)
+    n, k = 64, 512
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+    levels = torch.tensor([2.0**-9, 2.0**-6, 0.0234375, 0.5, 1.0, 3.25, 96.0, 448.0])
+    scale = levels[torch.randint(0, len(levels), (n, k // 16))].to(torch.float8_e4m3fn).cuda()
+    gs = torch.ones(1, device="cuda")
+    w = nvfp4.dequantize(packed, scale, gs, dtype=torch.float32)
+    assert torch.equal(w.to(torch.bfloat16).float(), w)
+    for off in range(0, k, 64):
+        x = torch.zeros(64, k, device="cuda", dtype=torch.bfloat16)
+        x[torch.arange(64), off + torch.arange(64)] = 1.0
+        got = ng.nvfp4_gluon_gemm(x, packed, scale, gs, block_k=128, wide=wide, bits=bits)
+        assert torch.equal(got.float(), w[:, off:off + 64].t()), f"columns {off}..{off + 63}"
