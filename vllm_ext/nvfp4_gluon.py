@@ -1,24 +1,28 @@
-"""An experimental few-row NVFP4 GEMM written in Gluon (Triton's explicit-layout dialect), **not yet run on a GPU**.
+"""An experimental few-row NVFP4 GEMM written in Gluon (Triton's explicit-layout dialect). Slower than Marlin per 7B
+decode step on an H100 (docs/benchmarks.md §4r: 2.481 vs 2.360 ms at 8 rows, 6.668 vs 3.893 at 64), faster on the
+q/k/v and o projections at 8 rows; nothing in the engines uses it.
 
-Why: §4o's tensor-core kernel in Triton (``nvfp4_small_gemm(mma=True)``) is 2.4x slower than Marlin at 8 and 64
-rows. Compiled for sm_90 it moves every decoded weight operand through shared memory, because Triton chooses the
-register layouts itself and the decoded codes never land where the tensor-core instruction wants them. In Gluon the
-layouts are stated: the packed bytes are loaded directly in the layout from which Triton's own E2M1 upcast
-(``gl.fp4_to_fp``) yields ``mma.sync``'s weight operand (a dot operand with 8 consecutive K values per thread), the
-FP8 group scales are loaded in that same layout, ``x`` is loaded in the other operand's layout, and ``mma_v2`` takes
-both from registers. Compiled here for sm_90 (Triton 3.6), the kernel uses **no shared memory** and about 6
-instructions per weight in its loop (§4o's kernel: shared memory for every operand, ~10).
+Why: §4o's tensor-core kernel in Triton (``nvfp4_small_gemm(mma=True)``) moves every decoded weight operand through
+shared memory, because Triton chooses the register layouts itself. In Gluon the layouts are stated: the packed bytes
+are loaded in the layout from which Triton's E2M1 upcast (``gl.fp4_to_fp``) yields ``mma.sync``'s weight operand (a
+dot operand with 8 consecutive K values per thread), the FP8 group scales in that same layout, ``x`` in the other
+operand's layout, and ``mma_v2`` takes both from registers. Compiled for sm_90 the kernel's loop uses no shared memory.
+
+Options (``nvfp4_gluon_gemm``): ``nrep`` row blocks of 16 per warp; ``split_k`` (one launch, the last program of a
+block sums the float32 partials in a fixed order); ``prefetch`` (the next tile loaded first); ``wide`` (the operands'
+K order permuted within a tile so that each thread loads one contiguous quarter of each row: 16-byte loads); ``bits``
+(E2M1 decoded by moving bits, the value times 2^-126, made up by 2^118 in the scales and 2^8 in the epilogue).
 
 Numerics: the E2M1 value times its E4M3 scale is exact in bfloat16 (at most 6 significant bits, within range), the
 dots sum in float32, and ``1 / global_scale`` multiplies the sums once, so the result is within the bf16 output's
-rounding of the exact product, as for the other kernels here. Gluon does not run under the Triton interpreter, so
-its only numerics tests are the GPU tests (tests/vllm_ext/test_nvfp4_gluon.py); the CPU tests check the refusals and
-that the kernel still compiles for sm_90 without shared memory. Nothing in the engines uses it;
-``scripts/gpu/sweep_mma.py --kernel gluon`` times it against Marlin.
+rounding of the exact product, as for the other kernels here. Gluon does not run under the Triton interpreter, so its
+numerics tests are GPU tests (tests/vllm_ext/test_nvfp4_gluon.py); the CPU tests check the refusals, the compiled
+kernel's resources and loads, and the bit decode's arithmetic. ``scripts/gpu/sweep_mma.py --kernel gluon`` times it
+against Marlin.
 
 Layout: compressed-tensors' ``weight_packed`` uint8 ``[N, K/2]`` (element 2i in the low nibble of byte i, as
 ``fp4_to_fp`` reads it), ``weight_scale`` float8_e4m3fn ``[N, K/16]``, ``weight_global_scale`` float32 ``[1]`` (the
-divisor). Each program computes ``16 * warps`` output features for all rows of ``x`` over the whole of K (no split-K).
+divisor).
 """
 
 from __future__ import annotations

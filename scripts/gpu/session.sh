@@ -223,10 +223,10 @@ run_step() {
         TAG=-pdl BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4,bf16-lora --variants decode-gemv,decode-gemv+pdl-first-off,punica-lora --runs nvfp4-lora@decode-gemv,nvfp4-lora@decode-gemv+pdl-first-off,nvfp4@decode-gemv,bf16-lora@punica-lora --batches 1 --new-tokens 256 --repeats 7" run_step bench_bg ;;
     sweep_mma)  # the few-row tensor-core kernel (mma=True) against Marlin and BF16 cuBLAS at 8 and 64 rows (§4o); MMA_ARGS adds options
         step sweep_mma 560 python3 scripts/gpu/sweep_mma.py ${MMA_ARGS:-} ;;
-    sweep_gluon)  # vllm_ext.nvfp4_gluon (explicit register layouts) against Marlin and BF16 cuBLAS at 1, 8 and 64 rows (§4q)
-        step sweep_gluon 560 python3 scripts/gpu/sweep_mma.py --kernel gluon --rows 1,8,64 --block-k 64,128,256,512 ${GLUON_ARGS:-} ;;
-    gluon_test)  # vllm_ext.nvfp4_gluon's GPU tests (§4q): its first numerics check
-        step gluon_test 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_gluon.py ;;
+    sweep_gluon)  # vllm_ext.nvfp4_gluon (explicit register layouts, its options) against Marlin and BF16 cuBLAS at 8 and 64 rows (§4r call 4)
+        step sweep_gluon 560 python3 scripts/gpu/sweep_mma.py --kernel gluon --rows 8,64 --block-k 128,256 --gluon-warps 1,2 --gluon-nrep 1,2 --gluon-split-k 1,4,8 --gluon-prefetch 0 --gluon-wide 0,1 --gluon-bits 0,1 ${GLUON_ARGS:-} ;;
+    gluon_test)  # vllm_ext.nvfp4_gluon's GPU tests (§4r: 58 of them, about 60 s)
+        step gluon_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_gluon.py ;;
     mma_test)  # the few-row tensor-core kernel's GPU tests (§4o)
         step mma_test 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_gemv.py -k mma ;;
     bench_row_h100)  # 7B decode at b1 (§4n lease 3): decode_gemv on the overlap default (its one-row calls on row+lora) with
