@@ -40,8 +40,9 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 except Exception as exc:  # noqa: BLE001 (an old or missing Triton: the kernel is simply unavailable)
-    gluon = gl = mma_v2 = None
+    gluon = gl = mma_v2 = fence_async_shared = warpgroup_mma = None
     GLUON_IMPORT_ERROR: str | None = f"{type(exc).__name__}: {exc}" if triton is not None else _TRITON_IMPORT_ERROR
 else:
     GLUON_IMPORT_ERROR = None
@@ -299,9 +300,106 @@ if gluon is not None:
                 gl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next call (and the next CUDA-graph replay)
 
 
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _x_smem_layout(block_m, block_k):
+        return gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
+
+    @gluon.constexpr_function
+    def _x_load_layout(block_k, warps):
+        """``[rows, block_k]`` of ``x``: 8 contiguous K per thread (16-byte loads), a warp across K first."""
+        tk = min(32, block_k // 8)
+        return gl.BlockedLayout([1, 8], [32 // tk, tk], [warps, 1], [1, 0])
+
+    @gluon.jit
+    def _wgmma_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
+                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
+                      SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr):
+        """The Hopper version: ``warpgroup_mma`` (wgmma) with the decoded weight in registers and ``x`` in shared
+        memory, ``16 * WARPS * NREP`` weight rows per program (4 or 8 warps: one or two warpgroups). The weight is
+        read wide and decoded by moving bits as in :func:`_gluon_kernel`; its registers are then renamed into wgmma's
+        register operand (pairs of consecutive K): operand K ``g * 64 + cb * 32 + h * 16 + c1 * 8 + j * 2 + c0``
+        holds the tile's code ``j * block_k / 4 + 16 g + 8 cb + 4 c1 + 2 c0 + h`` (j: the lane's bits 0-1), and ``x``
+        is stored into shared memory in that order. Split-K and the epilogue as in :func:`_gluon_kernel`."""
+        BLOCK_N: gl.constexpr = 16 * WARPS * NREP
+        G: gl.constexpr = BLOCK_K // 64
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+        w3_l: gl.constexpr = _wide_w_layout(BLOCK_K, WARPS, NREP)
+        x_l: gl.constexpr = _x_load_layout(BLOCK_K, WARPS)
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M, BLOCK_K))
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        n0 = pid * BLOCK_N
+        rn_w = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w3_l)))
+        rj_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, w3_l)))
+        rc_w = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, w3_l)))
+        w_offs = rn_w[:, None, None] * KB + rj_w[None, :, None] * (BLOCK_K // 8) + rc_w[None, None, :]
+        w_ok = (rn_w < N)[:, None, None]
+        rm_x = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
+        rk_x = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
+        x_offs = rm_x[:, None] * sxm + rk_x[None, :]
+        x_ok = (rm_x < M)[:, None]
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+        for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+            k0 = t * BLOCK_K
+            if EVEN_N:
+                wq = gl.load(w_ptr + w_offs + k0 // 2)
+            else:
+                wq = gl.load(w_ptr + w_offs + k0 // 2, mask=w_ok, other=0)
+            lo, hi = gl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,=r,=r,r", [wq], dtype=(gl.bfloat16, gl.bfloat16),
+                                               is_pure=True, pack=4)
+            w5 = gl.reshape(gl.join(lo, hi), [BLOCK_N, 4, G, 8, 2])  # [rows, j, g, c % 8, h]
+            l5: gl.constexpr = w5.type.layout
+            s3_l: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, l5))
+            rn_g = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, s3_l)))
+            rj_g = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, s3_l)))
+            rg_g = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, s3_l)))
+            s_ptrs = s_ptr + rn_g[:, None, None] * KS + (k0 // 16 + rj_g[None, :, None] * G + rg_g[None, None, :])
+            if EVEN_N:
+                sg = gl.load(s_ptrs)
+            else:
+                sg = gl.load(s_ptrs, mask=(rn_g < N)[:, None, None], other=0.0)
+            # 2^118, as in _mma_tile: exact, and the scaled weights normal and exact in bf16
+            sg = (sg.to(gl.float32) * 332306998946228968225951765070086144.0).to(gl.bfloat16)
+            w5 = w5 * gl.expand_dims(gl.expand_dims(sg, 3), 4)
+            a = gl.reshape(gl.permute(gl.reshape(w5, [BLOCK_N, 4, G, 2, 2, 2, 2]), [0, 2, 3, 6, 4, 1, 5]),
+                           [BLOCK_N, BLOCK_K])
+            a = gl.convert_layout(a, a_l)
+            xr = gl.load(x_ptr + x_offs + k0, mask=x_ok, other=0.0)
+            xr = gl.reshape(gl.permute(gl.reshape(xr, [BLOCK_M, 4, G, 2, 2, 2, 2]), [0, 2, 3, 6, 4, 1, 5]),
+                            [BLOCK_M, BLOCK_K])
+            gl.thread_barrier()  # every warpgroup's last wgmma has read the tile before it is overwritten
+            x_smem.store(xr)
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+        gmul = 256.0 / gl.load(g_ptr)  # 2^-126 * 2^118 * 2^8 = 1
+        rn_o = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
+        rm_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
+        ok = (rn_o < N)[:, None] & (rm_o < M)[None, :]
+        y_ptrs = y_ptr + rm_o[None, :] * sym + rn_o[:, None]
+        if SPLIT_K == 1:
+            gl.store(y_ptrs, (acc * gmul).to(y_ptr.dtype.element_ty), mask=ok)
+        else:
+            ws_ptrs = ws_ptr + rm_o[None, :] * N + rn_o[:, None]
+            gl.store(ws_ptrs + pid_k * (BLOCK_M * N), acc, mask=ok)
+            gl.thread_barrier()
+            arrived = gl.atomic_add(cnt_ptr + pid, 1)
+            if arrived == SPLIT_K - 1:
+                tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+                for s in gl.static_range(SPLIT_K):
+                    tot += gl.load(ws_ptrs + s * (BLOCK_M * N), mask=ok, other=0.0, cache_modifier=".cg")
+                gl.store(y_ptrs, (tot * gmul).to(y_ptr.dtype.element_ty), mask=ok)
+                gl.atomic_xchg(cnt_ptr + pid, 0)
+
+
 def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      block_k: int = 128, warps: int = 1, nrep: int = 1, split_k: int = 1,
-                     prefetch: bool = False, wide: bool = False, bits: bool = False) -> torch.Tensor:
+                     prefetch: bool = False, wide: bool = False, bits: bool = False,
+                     wgmma: bool = False) -> torch.Tensor:
     """``x @ W.T`` for bfloat16 ``x`` ``[..., K]`` (at most :data:`MAX_TOKENS` rows) and ``W`` as the NVFP4 triple
     (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor);
     returns ``[..., N]`` in bfloat16. ``block_k``: input features per step (a multiple of 64 dividing K); ``warps``:
@@ -310,7 +408,8 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     a fixed order); ``prefetch``: load the next K tile before this one's tensor-core work; ``wide``: each thread
     loads contiguous quarters of the tile's rows (16-byte loads; the operands' K order is permuted alike); ``bits``:
     decode E2M1 by moving bits (about 4 instructions per two values instead of table lookups), the scales carrying
-    the power of two that makes the values up. CUDA only (Gluon has no interpreter)."""
+    the power of two that makes the values up; ``wgmma``: Hopper's warpgroup MMA with ``x`` in shared memory (4 or 8
+    warps; always wide and bit-decoded; ``prefetch`` does not apply). CUDA only (Gluon has no interpreter)."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"nvfp4_gluon_gemm needs Triton's Gluon ({GLUON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -323,8 +422,9 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"{m} rows (1 to {MAX_TOKENS})")
     if block_k % 64 or k % block_k:
         problems.append(f"K={k} and block_k={block_k}: block_k must be a multiple of 64 that divides K")
-    if warps not in (1, 2, 4, 8):
-        problems.append(f"warps={warps} (1, 2, 4 or 8)")
+    if warps not in ((4, 8) if wgmma else (1, 2, 4, 8)):
+        problems.append(f"warps={warps} (4 or 8 with wgmma: one or two warpgroups)" if wgmma
+                        else f"warps={warps} (1, 2, 4 or 8)")
     if nrep not in (1, 2, 4):
         problems.append(f"nrep={nrep} (1, 2 or 4)")
     if not 1 <= split_k <= 16:
@@ -352,6 +452,13 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         cnt = _counters(x.device, blocks)
     else:
         ws = cnt = out  # not read
+    if wgmma:
+        _wgmma_kernel[(blocks, split_k)](
+            x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
+            out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps,
+            NREP=nrep, SPLIT_K=split_k, EVEN_N=n % (16 * warps * nrep) == 0, num_warps=warps,
+        )  # fmt: skip
+        return out.reshape(*x.shape[:-1], n)
     _gluon_kernel[(blocks, split_k)](
         x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
         out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=nrep,

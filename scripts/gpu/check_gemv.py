@@ -100,6 +100,7 @@ def tile_name(t: dict[str, Any]) -> str:
     name += "R" if t.get("prefetch") else ""  # vllm_ext.nvfp4_gluon loading the next K tile ahead
     name += "V" if t.get("wide") else ""  # vllm_ext.nvfp4_gluon's wide (16-byte) loads
     name += "B" if t.get("bits") else ""  # vllm_ext.nvfp4_gluon's E2M1 decode by moving bits
+    name += "H" if t.get("wgmma") else ""  # vllm_ext.nvfp4_gluon's warpgroup-MMA (Hopper) version
     return name + (f"S{t['stages']}" if t.get("stages") else "")  # a software-pipelined loop
 
 

@@ -48,9 +48,14 @@ def sweep_tiles(block_ns: list[int], block_ks: list[int], splits: list[int], sta
 
 
 def gluon_tiles(block_ks: list[int], warps: list[int], nreps: list[int] = (1,), splits: list[int] = (1,),
-                prefetch: list[int] = (0,), wide: list[int] = (0,), bits: list[int] = (0,)) -> list[dict[str, Any]]:
+                prefetch: list[int] = (0,), wide: list[int] = (0,), bits: list[int] = (0,),
+                wgmma: bool = False) -> list[dict[str, Any]]:
     """vllm_ext.nvfp4_gluon's tiles tried: ``16 * warps * nrep`` output features per program, ``split_k`` programs
-    per output block, the next K tile loaded ahead or not, wide loads or not, the bit decode or Triton's."""
+    per output block, the next K tile loaded ahead or not, wide loads or not, the bit decode or Triton's; with
+    ``wgmma``, the warpgroup-MMA version (4 or 8 warps; always wide and bit-decoded, no prefetch)."""
+    if wgmma:
+        return [dict(block_n=16 * w * r, block_k=bk, split_k=sk, num_warps=w, gluon=True, wgmma=True)
+                for bk, w, r, sk in itertools.product(block_ks, warps, nreps, splits)]
     return [dict(block_n=16 * w * r, block_k=bk, split_k=sk, num_warps=w, gluon=True, prefetch=bool(pf),
                  wide=bool(wd), bits=bool(bt))
             for bt, wd, pf, bk, w, r, sk in itertools.product(bits, wide, prefetch, block_ks, warps, nreps, splits)]
@@ -59,9 +64,10 @@ def gluon_tiles(block_ks: list[int], warps: list[int], nreps: list[int] = (1,), 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="8,64", help="rows of x per call (default 8,64)")
-    p.add_argument("--kernel", choices=("mma", "gluon"), default="mma",
+    p.add_argument("--kernel", choices=("mma", "gluon", "wgmma"), default="mma",
                    help="mma: nvfp4_small_gemm(mma=True) over --block-n/--split-k/--stages/--warps (default); gluon: "
-                   "vllm_ext.nvfp4_gluon over --block-k and --gluon-warps")
+                   "vllm_ext.nvfp4_gluon over --block-k and --gluon-*; wgmma: its warpgroup-MMA version (--gluon-warps "
+                   "4,8, --gluon-nrep, --gluon-split-k)")
     p.add_argument("--gluon-warps", default="1,2,4,8", help="warps per program for --kernel gluon (default 1,2,4,8)")
     p.add_argument("--gluon-nrep", default="1", help="16-feature row blocks per warp for --kernel gluon (default 1)")
     p.add_argument("--gluon-split-k", default="1", help="programs per output block for --kernel gluon (default 1)")
@@ -92,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001
         marlin_linear, marlin_why = None, f"{type(exc).__name__}: {exc}"[:300]
 
-    if args.kernel == "gluon":
+    if args.kernel == "wgmma":
+        tiles = gluon_tiles(ints(args.block_k), ints(args.gluon_warps), ints(args.gluon_nrep), ints(args.gluon_split_k),
+                            wgmma=True)
+    elif args.kernel == "gluon":
         tiles = gluon_tiles(ints(args.block_k), ints(args.gluon_warps), ints(args.gluon_nrep),
                             ints(args.gluon_split_k), ints(args.gluon_prefetch), ints(args.gluon_wide),
                             ints(args.gluon_bits))
@@ -101,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                             ints(args.warps))
     rows_list = ints(args.rows)
     if args.jobs > 1:
-        low = 8 if args.kernel == "gluon" else 16  # the smallest row block each kernel pads x to
+        low = 16 if args.kernel == "mma" else 8  # the smallest row block each kernel pads x to
         for rows in sorted({max(low, 1 << (r - 1).bit_length()) for r in rows_list}):
             precompile(tiles, args.jobs, rows=rows)  # one kernel per row block (16, 32, 64)
     dev, bf16 = torch.device("cuda"), torch.bfloat16

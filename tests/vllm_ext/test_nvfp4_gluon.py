@@ -38,6 +38,49 @@ def test_refusals_name_the_bad_input():
         ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, nrep=3)
     with pytest.raises(ValueError, match=r"split_k=0 \(1 to 16\)"):
         ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, split_k=0)
+    with pytest.raises(ValueError, match=r"warps=2 \(4 or 8 with wgmma: one or two warpgroups\)"):
+        ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, warps=2, wgmma=True)
+
+
+@pytest.mark.parametrize("block_m,block_k,warps,nrep,split_k", [(64, 128, 4, 2, 1), (8, 128, 4, 1, 8),
+                                                                (32, 256, 8, 1, 2)])
+def test_wgmma_version_compiles_to_wgmma_with_only_x_in_shared_memory(block_m, block_k, warps, nrep, split_k):
+    """``wgmma``, compiled for sm_90: warpgroup MMAs (HGMMA, block_k / 16 per tile and row block), no spills, and the
+    only shared memory is the ``x`` tile (plus split-K's 4-byte arrival broadcast): the weight stays in registers."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k, "EVEN_N": True}
+    sig = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16",
+           "sym": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "KB": "i32",
+           "KS": "i32", **{name: "constexpr" for name in consts}}
+    src = GluonASTSource(fn=ng._wgmma_kernel, signature=sig, constexprs=consts,
+                         attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 11, 12, 13)})
+    try:
+        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
+        pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
+    assert block_m * block_k * 2 <= ck.metadata.shared <= block_m * block_k * 2 + 16
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        cuobjdump = shutil.which("cuobjdump")
+        if cuobjdump is None:
+            pytest.skip("no cuobjdump to read the SASS with")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
+    assert re.search(r"LOCAL:0\b", usage), usage
+    ops = [op.split(".")[0] for op in re.findall(r"\*/\s+(?:@!?P\d\s+)?([A-Z][A-Z0-9.]*)", sass)]
+    assert ops.count("HGMMA") == block_k // 16 * nrep  # one per 16 K and 64-row block of each warpgroup
+    assert "LDSM" not in ops and ops.count("LDS") <= 1  # the weight is never read back from shared memory
 
 
 @pytest.mark.parametrize("block_k", [64, 128, 256])
@@ -237,4 +280,44 @@ def test_gpu_every_code_and_scale_is_decoded_exactly(wide, bits):
         x = torch.zeros(64, k, device="cuda", dtype=torch.bfloat16)
         x[torch.arange(64), off + torch.arange(64)] = 1.0
         got = ng.nvfp4_gluon_gemm(x, packed, scale, gs, block_k=128, wide=wide, bits=bits)
+        assert torch.equal(got.float(), w[:, off:off + 64].t()), f"columns {off}..{off + 63}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU (wgmma; Gluon has no interpreter)")
+@pytest.mark.parametrize("rows", [1, 8, 33, 64])
+@pytest.mark.parametrize("n,k,block_k,warps,nrep,split_k", [
+    (4608, 3584, 128, 4, 1, 4), (3584, 18944, 256, 8, 1, 8), (37888, 3584, 128, 4, 2, 1), (100, 3584, 64, 4, 2, 3),
+    (4608, 3584, 64, 8, 2, 2)])
+def test_gpu_wgmma_matches_the_exact_product(rows, n, k, block_k, warps, nrep, split_k):
+    """``wgmma``: within the bf16 output's rounding of the float64 product, the same bits on a second call."""
+    torch.manual_seed(rows + 10 * split_k)
+    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    opts = dict(block_k=block_k, warps=warps, nrep=nrep, split_k=split_k, wgmma=True)
+    got = ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts)
+    exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
+    assert excess <= 1e-4 * exact.abs().max().item()
+    assert torch.equal(got, ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU (wgmma; Gluon has no interpreter)")
+def test_gpu_wgmma_decodes_every_code_exactly():
+    """As test_gpu_every_code_and_scale_is_decoded_exactly, through the wgmma version."""
+    torch.manual_seed(7)
+    n, k = 128, 512
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+    levels = torch.tensor([2.0**-9, 2.0**-6, 0.0234375, 0.5, 1.0, 3.25, 96.0, 448.0])
+    scale = levels[torch.randint(0, len(levels), (n, k // 16))].to(torch.float8_e4m3fn).cuda()
+    gs = torch.ones(1, device="cuda")
+    w = nvfp4.dequantize(packed, scale, gs, dtype=torch.float32)
+    for off in range(0, k, 64):
+        x = torch.zeros(64, k, device="cuda", dtype=torch.bfloat16)
+        x[torch.arange(64), off + torch.arange(64)] = 1.0
+        got = ng.nvfp4_gluon_gemm(x, packed, scale, gs, block_k=128, warps=4, wgmma=True)
         assert torch.equal(got.float(), w[:, off:off + 64].t()), f"columns {off}..{off + 63}"
