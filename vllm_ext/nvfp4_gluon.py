@@ -40,9 +40,9 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 except Exception as exc:  # noqa: BLE001 (an old or missing Triton: the kernel is simply unavailable)
-    gluon = gl = mma_v2 = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
+    gluon = gl = mma_v2 = fence_async_shared = warpgroup_mma = None
     GLUON_IMPORT_ERROR: str | None = f"{type(exc).__name__}: {exc}" if triton is not None else _TRITON_IMPORT_ERROR
 else:
     GLUON_IMPORT_ERROR = None
@@ -315,15 +315,13 @@ if gluon is not None:
     @gluon.jit
     def _wgmma_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
-                      SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, ASYNC: gl.constexpr):
+                      SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr):
         """The Hopper version: ``warpgroup_mma`` (wgmma) with the decoded weight in registers and ``x`` in shared
         memory, ``16 * WARPS * NREP`` weight rows per program (4 or 8 warps: one or two warpgroups). The weight is
         read wide and decoded by moving bits as in :func:`_gluon_kernel`; its registers are then renamed into wgmma's
         register operand (pairs of consecutive K): operand K ``g * 64 + cb * 32 + h * 16 + c1 * 8 + j * 2 + c0``
         holds the tile's code ``j * block_k / 4 + 16 g + 8 cb + 4 c1 + 2 c0 + h`` (j: the lane's bits 0-1), and ``x``
-        is stored into shared memory in that order. With ``ASYNC`` the wgmma of one tile runs while the next tile is
-        loaded and decoded (two ``x`` buffers, one wgmma in flight). Split-K and the epilogue as in
-        :func:`_gluon_kernel`."""
+        is stored into shared memory in that order. Split-K and the epilogue as in :func:`_gluon_kernel`."""
         BLOCK_N: gl.constexpr = 16 * WARPS * NREP
         G: gl.constexpr = BLOCK_K // 64
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -331,8 +329,7 @@ if gluon is not None:
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         w3_l: gl.constexpr = _wide_w_layout(BLOCK_K, WARPS, NREP)
         x_l: gl.constexpr = _x_load_layout(BLOCK_K, WARPS)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [2 if ASYNC else 1, BLOCK_M, BLOCK_K],
-                                           _x_smem_layout(BLOCK_M, BLOCK_K))
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M, BLOCK_K))
         pid = gl.program_id(0)
         pid_k = gl.program_id(1)
         n0 = pid * BLOCK_N
@@ -346,7 +343,6 @@ if gluon is not None:
         x_offs = rm_x[:, None] * sxm + rk_x[None, :]
         x_ok = (rm_x < M)[:, None]
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
-        buf = 0
         for t in range(pid_k, K // BLOCK_K, SPLIT_K):
             k0 = t * BLOCK_K
             if EVEN_N:
@@ -375,19 +371,11 @@ if gluon is not None:
             xr = gl.load(x_ptr + x_offs + k0, mask=x_ok, other=0.0)
             xr = gl.reshape(gl.permute(gl.reshape(xr, [BLOCK_M, 4, G, 2, 2, 2, 2]), [0, 2, 3, 6, 4, 1, 5]),
                             [BLOCK_M, BLOCK_K])
-            gl.thread_barrier()  # every warpgroup's wgmma that read this buffer is done before it is overwritten
-            xs = x_smem.index(buf)
-            xs.store(xr)
+            gl.thread_barrier()  # every warpgroup's last wgmma has read the tile before it is overwritten
+            x_smem.store(xr)
             fence_async_shared()
             gl.thread_barrier()
-            if ASYNC:
-                acc = warpgroup_mma(a, xs.permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # the previous tile's wgmma is done
-                buf = 1 - buf
-            else:
-                acc = warpgroup_mma(a, xs.permute((1, 0)), acc)
-        if ASYNC:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
         gmul = 256.0 / gl.load(g_ptr)  # 2^-126 * 2^118 * 2^8 = 1
         rn_o = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
         rm_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
@@ -411,7 +399,7 @@ if gluon is not None:
 def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      block_k: int = 128, warps: int = 1, nrep: int = 1, split_k: int = 1,
                      prefetch: bool = False, wide: bool = False, bits: bool = False,
-                     wgmma: bool = False, overlap: bool = False) -> torch.Tensor:
+                     wgmma: bool = False) -> torch.Tensor:
     """``x @ W.T`` for bfloat16 ``x`` ``[..., K]`` (at most :data:`MAX_TOKENS` rows) and ``W`` as the NVFP4 triple
     (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor);
     returns ``[..., N]`` in bfloat16. ``block_k``: input features per step (a multiple of 64 dividing K); ``warps``:
@@ -421,8 +409,7 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     loads contiguous quarters of the tile's rows (16-byte loads; the operands' K order is permuted alike); ``bits``:
     decode E2M1 by moving bits (about 4 instructions per two values instead of table lookups), the scales carrying
     the power of two that makes the values up; ``wgmma``: Hopper's warpgroup MMA with ``x`` in shared memory (4 or 8
-    warps; always wide and bit-decoded; ``prefetch`` does not apply); ``overlap`` (with ``wgmma``): each tile's wgmma
-    runs while the next tile is loaded and decoded. CUDA only (Gluon has no interpreter)."""
+    warps; always wide and bit-decoded; ``prefetch`` does not apply). CUDA only (Gluon has no interpreter)."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"nvfp4_gluon_gemm needs Triton's Gluon ({GLUON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -469,7 +456,7 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         _wgmma_kernel[(blocks, split_k)](
             x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
             out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps,
-            NREP=nrep, SPLIT_K=split_k, EVEN_N=n % (16 * warps * nrep) == 0, ASYNC=bool(overlap), num_warps=warps,
+            NREP=nrep, SPLIT_K=split_k, EVEN_N=n % (16 * warps * nrep) == 0, num_warps=warps,
         )  # fmt: skip
         return out.reshape(*x.shape[:-1], n)
     _gluon_kernel[(blocks, split_k)](

@@ -60,8 +60,7 @@ def run_tile(x, packed, scale, gscale, t: dict[str, Any]):  # noqa: ANN001, ANN2
         return nvfp4_gluon_gemm(x, packed, scale, gscale, block_k=t["block_k"], warps=t["num_warps"],
                                 nrep=t["block_n"] // (16 * t["num_warps"]), split_k=t["split_k"],
                                 prefetch=t.get("prefetch", False), wide=t.get("wide", False),
-                                bits=t.get("bits", False), wgmma=t.get("wgmma", False),
-                                overlap=t.get("overlap", False))
+                                bits=t.get("bits", False), wgmma=t.get("wgmma", False))
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
     return nvfp4_small_gemm(x, packed, scale, gscale, **t)

@@ -56,8 +56,7 @@ def test_wgmma_version_compiles_to_wgmma_with_only_x_in_shared_memory(block_m, b
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k, "EVEN_N": True,
-              "ASYNC": False}
+    consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k, "EVEN_N": True}
     sig = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16",
            "sym": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "KB": "i32",
            "KS": "i32", **{name: "constexpr" for name in consts}}
@@ -288,17 +287,15 @@ def test_gpu_every_code_and_scale_is_decoded_exactly(wide, bits):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU (wgmma; Gluon has no interpreter)")
 @pytest.mark.parametrize("rows", [1, 8, 33, 64])
-@pytest.mark.parametrize("n,k,block_k,warps,nrep,split_k,overlap", [
-    (4608, 3584, 128, 4, 1, 4, False), (3584, 18944, 256, 8, 1, 8, False), (37888, 3584, 128, 4, 2, 1, False),
-    (100, 3584, 64, 4, 2, 3, False), (4608, 3584, 64, 8, 2, 2, False), (4608, 3584, 128, 4, 1, 4, True),
-    (3584, 18944, 128, 8, 1, 8, True), (37888, 3584, 64, 4, 1, 1, True), (100, 3584, 64, 4, 2, 3, True)])
-def test_gpu_wgmma_matches_the_exact_product(rows, n, k, block_k, warps, nrep, split_k, overlap):
-    """``wgmma`` (and ``overlap``: one wgmma in flight, two ``x`` buffers): within the bf16 output's rounding of the
-    float64 product, the same bits on a second call."""
+@pytest.mark.parametrize("n,k,block_k,warps,nrep,split_k", [
+    (4608, 3584, 128, 4, 1, 4), (3584, 18944, 256, 8, 1, 8), (37888, 3584, 128, 4, 2, 1), (100, 3584, 64, 4, 2, 3),
+    (4608, 3584, 64, 8, 2, 2)])
+def test_gpu_wgmma_matches_the_exact_product(rows, n, k, block_k, warps, nrep, split_k):
+    """``wgmma``: within the bf16 output's rounding of the float64 product, the same bits on a second call."""
     torch.manual_seed(rows + 10 * split_k)
     q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    opts = dict(block_k=block_k, warps=warps, nrep=nrep, split_k=split_k, wgmma=True, overlap=overlap)
+    opts = dict(block_k=block_k, warps=warps, nrep=nrep, split_k=split_k, wgmma=True)
     got = ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts)
     exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
