@@ -166,29 +166,24 @@ if gluon is not None:
     # two exponent bits and one mantissa bit to the lowest exponent bits and the top mantissa bit. That is the value
     # times 2^-126 (the code 0.5 becomes the subnormal 2^-127), which the scales make up. Outputs: the low nibbles of
     # bytes (0, 1) and (2, 3), then the high nibbles likewise, each pair one bf16x2 register.
-    _DECODE_ASM = gl.constexpr("""{
-    .reg .b32 t, u, v;
-    prmt.b32 t, $4, 0, 0x1404;
+    def _decode_word_asm(sel: str, lo: str, hi: str) -> str:
+        """Two bytes of ``$4`` (``prmt`` selector ``sel``) into the bf16x2 registers ``lo`` (their low nibbles) and
+        ``hi`` (their high nibbles): a nibble at bits 12-15 / 28-31 goes to bf16's bits 6-8 / 22-24 and its sign to 15
+        / 31."""
+        return f"""
+    prmt.b32 t, $4, 0, {sel};
     shl.b32 u, t, 4;
     and.b32 v, u, 0x70007000;
     shr.b32 v, v, 6;
     and.b32 u, u, 0x80008000;
-    or.b32 $0, u, v;
+    or.b32 {lo}, u, v;
     and.b32 v, t, 0x70007000;
     shr.b32 v, v, 6;
     and.b32 u, t, 0x80008000;
-    or.b32 $2, u, v;
-    prmt.b32 t, $4, 0, 0x3424;
-    shl.b32 u, t, 4;
-    and.b32 v, u, 0x70007000;
-    shr.b32 v, v, 6;
-    and.b32 u, u, 0x80008000;
-    or.b32 $1, u, v;
-    and.b32 v, t, 0x70007000;
-    shr.b32 v, v, 6;
-    and.b32 u, t, 0x80008000;
-    or.b32 $3, u, v;
-    }""")
+    or.b32 {hi}, u, v;"""
+
+    _DECODE_ASM = gl.constexpr("{\n    .reg .b32 t, u, v;" + _decode_word_asm("0x1404", "$0", "$2")
+                               + _decode_word_asm("0x3424", "$1", "$3") + "\n    }")
 
     @gluon.jit
     def _mma_tile(wb, sc8, xb, acc, a_l: gl.constexpr, b_l: gl.constexpr, s3_l: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -217,6 +212,30 @@ if gluon is not None:
                         [BLOCK_N, BLOCK_K])
         a = a * gl.convert_layout(sc, a_l)  # exact: at most 6 significant bits
         return mma_v2(a, xb.to(gl.bfloat16), acc)
+
+    @gluon.jit
+    def _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr):
+        """``y^T`` block ``pid`` = ``acc * gmul`` in ``y``'s dtype. With split-K each program stores its float32
+        partial in the workspace ``[SPLIT_K, BLOCK_M, N]`` and counts itself in at ``cnt_ptr[pid]``; the last to
+        arrive sums the partials in a fixed order (bit-reproducible), stores the output and resets the counter."""
+        rn_o = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
+        rm_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
+        ok = (rn_o < N)[:, None] & (rm_o < M)[None, :]
+        y_ptrs = y_ptr + rm_o[None, :] * sym + rn_o[:, None]
+        if SPLIT_K == 1:
+            gl.store(y_ptrs, (acc * gmul).to(y_ptr.dtype.element_ty), mask=ok)
+        else:
+            ws_ptrs = ws_ptr + rm_o[None, :] * N + rn_o[:, None]
+            gl.store(ws_ptrs + pid_k * (BLOCK_M * N), acc, mask=ok)
+            gl.thread_barrier()  # every warp's partial is stored before the one arrival below releases them
+            arrived = gl.atomic_add(cnt_ptr + pid, 1)  # acq_rel at GPU scope
+            if arrived == SPLIT_K - 1:
+                tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+                for s in gl.static_range(SPLIT_K):  # a fixed order, whatever order the programs arrived in
+                    tot += gl.load(ws_ptrs + s * (BLOCK_M * N), mask=ok, other=0.0, cache_modifier=".cg")
+                gl.store(y_ptrs, (tot * gmul).to(y_ptr.dtype.element_ty), mask=ok)
+                gl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next call (and the next CUDA-graph replay)
 
     @gluon.jit
     def _gluon_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
@@ -283,23 +302,7 @@ if gluon is not None:
                                          n_ok_s, rk_s, rm_b, m_ok_b, rk_b, True)
                 acc = _mma_tile(wb, sc8, xb, acc, a_l, b_l, s3_l, BLOCK_N, BLOCK_K, BITS)
         gmul = (256.0 if BITS else 1.0) / gl.load(g_ptr)  # 2^-126 * 2^118 * 2^8 = 1 with the bit decode
-        rn_o = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-        rm_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-        ok = (rn_o < N)[:, None] & (rm_o < M)[None, :]
-        y_ptrs = y_ptr + rm_o[None, :] * sym + rn_o[:, None]
-        if SPLIT_K == 1:
-            gl.store(y_ptrs, (acc * gmul).to(y_ptr.dtype.element_ty), mask=ok)
-        else:
-            ws_ptrs = ws_ptr + rm_o[None, :] * N + rn_o[:, None]
-            gl.store(ws_ptrs + pid_k * (BLOCK_M * N), acc, mask=ok)
-            gl.thread_barrier()  # every warp's partial is stored before the one arrival below releases them
-            arrived = gl.atomic_add(cnt_ptr + pid, 1)  # acq_rel at GPU scope
-            if arrived == SPLIT_K - 1:
-                tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-                for s in gl.static_range(SPLIT_K):  # a fixed order, whatever order the programs arrived in
-                    tot += gl.load(ws_ptrs + s * (BLOCK_M * N), mask=ok, other=0.0, cache_modifier=".cg")
-                gl.store(y_ptrs, (tot * gmul).to(y_ptr.dtype.element_ty), mask=ok)
-                gl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next call (and the next CUDA-graph replay)
+        _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, mma, BLOCK_N, BLOCK_M, SPLIT_K)
 
 
 if gluon is not None:
@@ -379,23 +382,7 @@ if gluon is not None:
             gl.thread_barrier()
             acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
         gmul = 256.0 / gl.load(g_ptr)  # 2^-126 * 2^118 * 2^8 = 1
-        rn_o = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
-        rm_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
-        ok = (rn_o < N)[:, None] & (rm_o < M)[None, :]
-        y_ptrs = y_ptr + rm_o[None, :] * sym + rn_o[:, None]
-        if SPLIT_K == 1:
-            gl.store(y_ptrs, (acc * gmul).to(y_ptr.dtype.element_ty), mask=ok)
-        else:
-            ws_ptrs = ws_ptr + rm_o[None, :] * N + rn_o[:, None]
-            gl.store(ws_ptrs + pid_k * (BLOCK_M * N), acc, mask=ok)
-            gl.thread_barrier()
-            arrived = gl.atomic_add(cnt_ptr + pid, 1)
-            if arrived == SPLIT_K - 1:
-                tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
-                for s in gl.static_range(SPLIT_K):
-                    tot += gl.load(ws_ptrs + s * (BLOCK_M * N), mask=ok, other=0.0, cache_modifier=".cg")
-                gl.store(y_ptrs, (tot * gmul).to(y_ptr.dtype.element_ty), mask=ok)
-                gl.atomic_xchg(cnt_ptr + pid, 0)
+        _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l, BLOCK_N, BLOCK_M, SPLIT_K)
 
 
 def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,

@@ -47,38 +47,21 @@ def test_refusals_name_the_bad_input():
 def test_wgmma_version_compiles_to_wgmma_with_only_x_in_shared_memory(block_m, block_k, warps, nrep, split_k):
     """``wgmma``, compiled for sm_90: warpgroup MMAs (HGMMA, block_k / 16 per tile and row block), no spills, and the
     only shared memory is the ``x`` tile (plus split-K's 4-byte arrival broadcast): the weight stays in registers."""
-    import shutil
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k, "EVEN_N": True}
-    sig = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16",
-           "sym": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "KB": "i32",
-           "KS": "i32", **{name: "constexpr" for name in consts}}
-    src = GluonASTSource(fn=ng._wgmma_kernel, signature=sig, constexprs=consts,
-                         attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 11, 12, 13)})
+    sig = {**_SIGNATURE, **{name: "constexpr" for name in consts}}
+    src = GluonASTSource(fn=ng._wgmma_kernel, signature=sig, constexprs=consts, attrs=_DIVISIBLE)
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
         pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
     assert block_m * block_k * 2 <= ck.metadata.shared <= block_m * block_k * 2 + 16
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not cuobjdump.exists():
-        cuobjdump = shutil.which("cuobjdump")
-        if cuobjdump is None:
-            pytest.skip("no cuobjdump to read the SASS with")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
+    usage, ops = _sass(ck)
     assert re.search(r"LOCAL:0\b", usage), usage
-    ops = [op.split(".")[0] for op in re.findall(r"\*/\s+(?:@!?P\d\s+)?([A-Z][A-Z0-9.]*)", sass)]
+    ops = [op.split(".")[0] for op in ops]
     assert ops.count("HGMMA") == block_k // 16 * nrep  # one per 16 K and 64-row block of each warpgroup
     assert "LDSM" not in ops and ops.count("LDS") <= 1  # the weight is never read back from shared memory
 
@@ -99,6 +82,12 @@ def test_wide_loads_are_16_byte_loads(block_k):
     assert len(loads) < len([op for op in narrow if op.startswith("LDG")])
 
 
+_SIGNATURE = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16",
+              "sym": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "KB": "i32",
+              "KS": "i32"}  # the kernels' arguments before their constexprs
+_DIVISIBLE = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 11, 12, 13)}  # as at the 7B shapes
+
+
 def _compile_sm90(block_m: int, block_k: int, warps: int, nrep: int = 1, split_k: int = 1, prefetch: bool = False,
                   wide: bool = False, bits: bool = False, even_n: bool = True):
     import triton
@@ -107,12 +96,8 @@ def _compile_sm90(block_m: int, block_k: int, warps: int, nrep: int = 1, split_k
 
     consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k,
               "PREFETCH": prefetch, "WIDE": wide, "BITS": bits, "EVEN_N": even_n}
-    sig = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16",
-           "sym": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "KB": "i32",
-           "KS": "i32",
-           **{name: "constexpr" for name in consts}}
-    src = GluonASTSource(fn=ng._gluon_kernel, signature=sig, constexprs=consts,
-                         attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 11, 12, 13)})
+    sig = {**_SIGNATURE, **{name: "constexpr" for name in consts}}
+    src = GluonASTSource(fn=ng._gluon_kernel, signature=sig, constexprs=consts, attrs=_DIVISIBLE)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
@@ -189,6 +174,15 @@ def test_split_k_adds_only_the_arrival_broadcast(block_m, block_k, warps, nrep, 
 
 def _compiled_sass(block_m, block_k, warps, nrep, split_k, prefetch, wide=False, bits=False):  # noqa: ANN001, ANN202
     """The kernel compiled for sm_90, its resource usage (cuobjdump -res-usage) and its SASS opcodes."""
+    try:
+        ck = _compile_sm90(block_m, block_k, warps, nrep, split_k, prefetch, wide, bits)
+    except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
+        pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
+    return (ck, *_sass(ck))
+
+
+def _sass(ck) -> tuple[str, list[str]]:  # noqa: ANN001
+    """A compiled kernel's resource usage (cuobjdump -res-usage) and SASS opcodes, with their modifiers."""
     import shutil
     import subprocess
     import tempfile
@@ -196,10 +190,6 @@ def _compiled_sass(block_m, block_k, warps, nrep, split_k, prefetch, wide=False,
 
     import triton
 
-    try:
-        ck = _compile_sm90(block_m, block_k, warps, nrep, split_k, prefetch, wide, bits)
-    except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
-        pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not cuobjdump.exists():
         cuobjdump = shutil.which("cuobjdump")
@@ -210,7 +200,7 @@ def _compiled_sass(block_m, block_k, warps, nrep, split_k, prefetch, wide=False,
         f.flush()
         usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
-    return ck, usage, re.findall(r"\*/\s+(?:@!?P\d\s+)?([A-Z][A-Z0-9.]*)", sass)
+    return usage, re.findall(r"\*/\s+(?:@!?P\d\s+)?([A-Z][A-Z0-9.]*)", sass)
 
 
 @pytest.mark.gpu
