@@ -162,6 +162,19 @@ if gluon is not None:
         xb = gl.load(x_ptr + rm_b[None, :] * sxm + (k0 + rk_b)[:, None], mask=m_ok_b & ok, other=0.0)
         return wb, sc8, xb
 
+    @gluon.jit
+    def _load_either(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, k0, n0, ok, rn_p, n_ok_p, rb_p, rn_s, n_ok_s, rk_s, rm_b,
+                     m_ok_b, rk_b, p_l: gl.constexpr, b_l: gl.constexpr, s_l: gl.constexpr, BLOCK_N: gl.constexpr,
+                     BLOCK_K: gl.constexpr, BLOCK_M: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
+                     MASK_W: gl.constexpr, WIDE: gl.constexpr):
+        """:func:`_load_tile_wide` or :func:`_load_tile`, as ``WIDE`` says."""
+        if WIDE:
+            return _load_tile_wide(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, k0, n0, ok, p_l, b_l, s_l, BLOCK_N, BLOCK_K,
+                                   BLOCK_M, WARPS, NREP, MASK_W)
+        else:
+            return _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, k0, rn_p, n_ok_p, rb_p, rn_s, n_ok_s, rk_s, rm_b,
+                              m_ok_b, rk_b, ok)
+
     # E2M1 to bfloat16 by moving bits, four packed bytes (eight codes) at a time: the code's sign to the bf16 sign, its
     # two exponent bits and one mantissa bit to the lowest exponent bits and the top mantissa bit. That is the value
     # times 2^-126 (the code 0.5 becomes the subnormal 2^-127), which the scales make up. Outputs: the low nibbles of
@@ -267,39 +280,24 @@ if gluon is not None:
         m_ok_b = (rm_b < M)[None, :]
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         n_tiles = K // BLOCK_K
-        if WIDE:
-            n0 = pid * BLOCK_N
-            MASK_W: gl.constexpr = PREFETCH or not EVEN_N
-            if PREFETCH:
-                wb, sc8, xb = _load_tile_wide(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, pid_k * BLOCK_K, n0, True, p_l,
-                                              b_l, s_l, BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP, MASK_W)
-                for t in range(pid_k + SPLIT_K, n_tiles + SPLIT_K, SPLIT_K):
-                    wb2, sc2, xb2 = _load_tile_wide(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, t * BLOCK_K, n0,
-                                                    t < n_tiles, p_l, b_l, s_l, BLOCK_N, BLOCK_K, BLOCK_M, WARPS,
-                                                    NREP, MASK_W)
-                    acc = _mma_tile(wb, sc8, xb, acc, a_l, b_l, s3_l, BLOCK_N, BLOCK_K, BITS)
-                    wb = wb2
-                    sc8 = sc2
-                    xb = xb2
-            else:
-                for t in range(pid_k, n_tiles, SPLIT_K):
-                    wb, sc8, xb = _load_tile_wide(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, t * BLOCK_K, n0, True, p_l,
-                                                  b_l, s_l, BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP, MASK_W)
-                    acc = _mma_tile(wb, sc8, xb, acc, a_l, b_l, s3_l, BLOCK_N, BLOCK_K, BITS)
-        elif PREFETCH:
-            wb, sc8, xb = _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, pid_k * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s,
-                                     n_ok_s, rk_s, rm_b, m_ok_b, rk_b, True)
+        MASK_W: gl.constexpr = PREFETCH or not EVEN_N
+        if PREFETCH:
+            wb, sc8, xb = _load_either(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, pid_k * BLOCK_K, pid * BLOCK_N, True,
+                                       rn_p, n_ok_p, rb_p, rn_s, n_ok_s, rk_s, rm_b, m_ok_b, rk_b, p_l, b_l, s_l,
+                                       BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP, MASK_W, WIDE)
             for t in range(pid_k + SPLIT_K, n_tiles + SPLIT_K, SPLIT_K):
-                wb2, sc2, xb2 = _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, t * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s,
-                                           n_ok_s, rk_s, rm_b, m_ok_b, rk_b, t < n_tiles)
+                wb2, sc2, xb2 = _load_either(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, t * BLOCK_K, pid * BLOCK_N,
+                                             t < n_tiles, rn_p, n_ok_p, rb_p, rn_s, n_ok_s, rk_s, rm_b, m_ok_b, rk_b,
+                                             p_l, b_l, s_l, BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP, MASK_W, WIDE)
                 acc = _mma_tile(wb, sc8, xb, acc, a_l, b_l, s3_l, BLOCK_N, BLOCK_K, BITS)
                 wb = wb2
                 sc8 = sc2
                 xb = xb2
         else:
             for t in range(pid_k, n_tiles, SPLIT_K):
-                wb, sc8, xb = _load_tile(x_ptr, sxm, w_ptr, s_ptr, KB, KS, t * BLOCK_K, rn_p, n_ok_p, rb_p, rn_s,
-                                         n_ok_s, rk_s, rm_b, m_ok_b, rk_b, True)
+                wb, sc8, xb = _load_either(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, t * BLOCK_K, pid * BLOCK_N, True,
+                                           rn_p, n_ok_p, rb_p, rn_s, n_ok_s, rk_s, rm_b, m_ok_b, rk_b, p_l, b_l, s_l,
+                                           BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP, MASK_W, WIDE)
                 acc = _mma_tile(wb, sc8, xb, acc, a_l, b_l, s3_l, BLOCK_N, BLOCK_K, BITS)
         gmul = (256.0 if BITS else 1.0) / gl.load(g_ptr)  # 2^-126 * 2^118 * 2^8 = 1 with the bit decode
         _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, mma, BLOCK_N, BLOCK_M, SPLIT_K)
