@@ -13,7 +13,8 @@ block sums the float32 partials in a fixed order); ``prefetch`` (the next tile l
 K order permuted within a tile so that each thread loads one contiguous quarter of each row: 16-byte loads); ``bits``
 (E2M1 decoded by moving bits, the value times 2^-126, made up by 2^118 in the scales and 2^8 in the epilogue);
 ``wgmma`` (Hopper: warpgroup MMA with the decoded weight as its register operand and ``x`` in shared memory; 8 rows
-2.34 ms and 64 rows 4.21 ms per 7B step on an H100, §4r calls 6-7).
+2.34 ms and 64 rows 4.21 ms per 7B step on an H100, §4r calls 6-7); ``ss`` (with ``wgmma``: the decoded weight in
+shared memory too, one wgmma in flight over the next tile's loads and decode; not yet run on a GPU, §4s).
 
 Numerics: the E2M1 value times its E4M3 scale is exact in bfloat16 (at most 6 significant bits, within range), the
 dots sum in float32, and ``1 / global_scale`` multiplies the sums once, so the result is within the bf16 output's
@@ -42,9 +43,9 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 except Exception as exc:  # noqa: BLE001 (an old or missing Triton: the kernel is simply unavailable)
-    gluon = gl = mma_v2 = fence_async_shared = warpgroup_mma = None
+    gluon = gl = mma_v2 = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
     GLUON_IMPORT_ERROR: str | None = f"{type(exc).__name__}: {exc}" if triton is not None else _TRITON_IMPORT_ERROR
 else:
     GLUON_IMPORT_ERROR = None
@@ -316,15 +317,46 @@ if gluon is not None:
         return gl.BlockedLayout([1, 8], [32 // tk, tk], [warps, 1], [1, 0])
 
     @gluon.jit
+    def _wg_load(x_ptr, w_ptr, s_ptr, N, KS, k0, n0, w_offs, w_ok, x_offs, x_ok, BLOCK_N: gl.constexpr,
+                 BLOCK_K: gl.constexpr, EVEN_N: gl.constexpr):
+        """One K tile for :func:`_wgmma_kernel`: the weight read wide, decoded by moving bits and scaled, as ``[rows, j,
+        g, c % 8, h]`` (the tile's K ``j * block_k / 4 + 16 g + 2 (c % 8) + h``), and ``x``'s tile in its own order."""
+        G: gl.constexpr = BLOCK_K // 64
+        if EVEN_N:
+            wq = gl.load(w_ptr + w_offs + k0 // 2)
+        else:
+            wq = gl.load(w_ptr + w_offs + k0 // 2, mask=w_ok, other=0)
+        lo, hi = gl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,=r,=r,r", [wq], dtype=(gl.bfloat16, gl.bfloat16),
+                                           is_pure=True, pack=4)
+        w5 = gl.reshape(gl.join(lo, hi), [BLOCK_N, 4, G, 8, 2])
+        l5: gl.constexpr = w5.type.layout
+        s3_l: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, l5))
+        rn_g = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, s3_l)))
+        rj_g = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, s3_l)))
+        rg_g = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, s3_l)))
+        s_ptrs = s_ptr + rn_g[:, None, None] * KS + (k0 // 16 + rj_g[None, :, None] * G + rg_g[None, None, :])
+        if EVEN_N:
+            sg = gl.load(s_ptrs)
+        else:
+            sg = gl.load(s_ptrs, mask=(rn_g < N)[:, None, None], other=0.0)
+        # 2^118, as in _mma_tile: exact, and the scaled weights normal and exact in bf16
+        sg = (sg.to(gl.float32) * 332306998946228968225951765070086144.0).to(gl.bfloat16)
+        w5 = w5 * gl.expand_dims(gl.expand_dims(sg, 3), 4)
+        return w5, gl.load(x_ptr + x_offs + k0, mask=x_ok, other=0.0)
+
+    @gluon.jit
     def _wgmma_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
-                      SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr):
+                      SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, SS: gl.constexpr):
         """The Hopper version: ``warpgroup_mma`` (wgmma) with the decoded weight in registers and ``x`` in shared
         memory, ``16 * WARPS * NREP`` weight rows per program (4 or 8 warps: one or two warpgroups). The weight is
         read wide and decoded by moving bits as in :func:`_gluon_kernel`; its registers are then renamed into wgmma's
         register operand (pairs of consecutive K): operand K ``g * 64 + cb * 32 + h * 16 + c1 * 8 + j * 2 + c0``
         holds the tile's code ``j * block_k / 4 + 16 g + 8 cb + 4 c1 + 2 c0 + h`` (j: the lane's bits 0-1), and ``x``
-        is stored into shared memory in that order. Split-K and the epilogue as in :func:`_gluon_kernel`."""
+        is stored into shared memory in that order. With ``SS`` the decoded weight goes to shared memory too, in the
+        tile's own K order (no permutation), in one of two buffers with ``x``: each tile's wgmma is issued without
+        waiting and runs while the next tile is loaded and decoded (the wait lets one stay in flight; a buffer is
+        rewritten only after the wgmma that read it is done). Split-K and the epilogue as in :func:`_gluon_kernel`."""
         BLOCK_N: gl.constexpr = 16 * WARPS * NREP
         G: gl.constexpr = BLOCK_K // 64
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -332,7 +364,11 @@ if gluon is not None:
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         w3_l: gl.constexpr = _wide_w_layout(BLOCK_K, WARPS, NREP)
         x_l: gl.constexpr = _x_load_layout(BLOCK_K, WARPS)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M, BLOCK_K))
+        if SS:
+            x_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M, BLOCK_K))
+            a_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, BLOCK_K], _x_smem_layout(BLOCK_N, BLOCK_K))
+        else:
+            x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M, BLOCK_K))
         pid = gl.program_id(0)
         pid_k = gl.program_id(1)
         n0 = pid * BLOCK_N
@@ -346,39 +382,43 @@ if gluon is not None:
         x_offs = rm_x[:, None] * sxm + rk_x[None, :]
         x_ok = (rm_x < M)[:, None]
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
-        for t in range(pid_k, K // BLOCK_K, SPLIT_K):
-            k0 = t * BLOCK_K
-            if EVEN_N:
-                wq = gl.load(w_ptr + w_offs + k0 // 2)
-            else:
-                wq = gl.load(w_ptr + w_offs + k0 // 2, mask=w_ok, other=0)
-            lo, hi = gl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,=r,=r,r", [wq], dtype=(gl.bfloat16, gl.bfloat16),
-                                               is_pure=True, pack=4)
-            w5 = gl.reshape(gl.join(lo, hi), [BLOCK_N, 4, G, 8, 2])  # [rows, j, g, c % 8, h]
-            l5: gl.constexpr = w5.type.layout
-            s3_l: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, l5))
-            rn_g = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, s3_l)))
-            rj_g = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, s3_l)))
-            rg_g = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, s3_l)))
-            s_ptrs = s_ptr + rn_g[:, None, None] * KS + (k0 // 16 + rj_g[None, :, None] * G + rg_g[None, None, :])
-            if EVEN_N:
-                sg = gl.load(s_ptrs)
-            else:
-                sg = gl.load(s_ptrs, mask=(rn_g < N)[:, None, None], other=0.0)
-            # 2^118, as in _mma_tile: exact, and the scaled weights normal and exact in bf16
-            sg = (sg.to(gl.float32) * 332306998946228968225951765070086144.0).to(gl.bfloat16)
-            w5 = w5 * gl.expand_dims(gl.expand_dims(sg, 3), 4)
-            a = gl.reshape(gl.permute(gl.reshape(w5, [BLOCK_N, 4, G, 2, 2, 2, 2]), [0, 2, 3, 6, 4, 1, 5]),
-                           [BLOCK_N, BLOCK_K])
-            a = gl.convert_layout(a, a_l)
-            xr = gl.load(x_ptr + x_offs + k0, mask=x_ok, other=0.0)
-            xr = gl.reshape(gl.permute(gl.reshape(xr, [BLOCK_M, 4, G, 2, 2, 2, 2]), [0, 2, 3, 6, 4, 1, 5]),
-                            [BLOCK_M, BLOCK_K])
-            gl.thread_barrier()  # every warpgroup's last wgmma has read the tile before it is overwritten
-            x_smem.store(xr)
+        if SS:  # [rows, j, g, c % 8, h] flattened is the tile's own K order: j * block_k / 4 + 16 g + 2 (c % 8) + h
+            w5, xr = _wg_load(x_ptr, w_ptr, s_ptr, N, KS, pid_k * BLOCK_K, n0, w_offs, w_ok, x_offs, x_ok, BLOCK_N,
+                              BLOCK_K, EVEN_N)
+            a_bufs.index(0).store(gl.reshape(w5, [BLOCK_N, BLOCK_K]))
+            x_bufs.index(0).store(xr)
             fence_async_shared()
             gl.thread_barrier()
-            acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+            tok = warpgroup_mma(a_bufs.index(0), x_bufs.index(0).permute((1, 0)), acc, is_async=True)
+            buf = 1
+            for t in range(pid_k + SPLIT_K, K // BLOCK_K, SPLIT_K):
+                w5, xr = _wg_load(x_ptr, w_ptr, s_ptr, N, KS, t * BLOCK_K, n0, w_offs, w_ok, x_offs, x_ok, BLOCK_N,
+                                  BLOCK_K, EVEN_N)
+                gl.thread_barrier()  # every warp is past the wait that retired the wgmma which read this buffer
+                a_bufs.index(buf).store(gl.reshape(w5, [BLOCK_N, BLOCK_K]))
+                x_bufs.index(buf).store(xr)
+                fence_async_shared()
+                gl.thread_barrier()
+                # the previous tile's wgmma ran during this tile's loads, decode and stores; waited for only now, so
+                # no instruction touches its accumulator while it is in flight
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
+                tok = warpgroup_mma(a_bufs.index(buf), x_bufs.index(buf).permute((1, 0)), acc, is_async=True)
+                buf = 1 - buf
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
+        else:
+            for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+                w5, xr = _wg_load(x_ptr, w_ptr, s_ptr, N, KS, t * BLOCK_K, n0, w_offs, w_ok, x_offs, x_ok, BLOCK_N,
+                                  BLOCK_K, EVEN_N)
+                a = gl.reshape(gl.permute(gl.reshape(w5, [BLOCK_N, 4, G, 2, 2, 2, 2]), [0, 2, 3, 6, 4, 1, 5]),
+                               [BLOCK_N, BLOCK_K])
+                a = gl.convert_layout(a, a_l)
+                xr = gl.reshape(gl.permute(gl.reshape(xr, [BLOCK_M, 4, G, 2, 2, 2, 2]), [0, 2, 3, 6, 4, 1, 5]),
+                                [BLOCK_M, BLOCK_K])
+                gl.thread_barrier()  # every warpgroup's last wgmma has read the tile before it is overwritten
+                x_smem.store(xr)
+                fence_async_shared()
+                gl.thread_barrier()
+                acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
         gmul = 256.0 / gl.load(g_ptr)  # 2^-126 * 2^118 * 2^8 = 1
         _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l, BLOCK_N, BLOCK_M, SPLIT_K)
 
@@ -386,7 +426,7 @@ if gluon is not None:
 def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      block_k: int = 128, warps: int = 1, nrep: int = 1, split_k: int = 1,
                      prefetch: bool = False, wide: bool = False, bits: bool = False,
-                     wgmma: bool = False) -> torch.Tensor:
+                     wgmma: bool = False, ss: bool = False) -> torch.Tensor:
     """``x @ W.T`` for bfloat16 ``x`` ``[..., K]`` (at most :data:`MAX_TOKENS` rows) and ``W`` as the NVFP4 triple
     (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor);
     returns ``[..., N]`` in bfloat16. ``block_k``: input features per step (a multiple of 64 dividing K); ``warps``:
@@ -396,7 +436,9 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     loads contiguous quarters of the tile's rows (16-byte loads; the operands' K order is permuted alike); ``bits``:
     decode E2M1 by moving bits (about 4 instructions per two values instead of table lookups), the scales carrying
     the power of two that makes the values up; ``wgmma``: Hopper's warpgroup MMA with ``x`` in shared memory (4 or 8
-    warps; always wide and bit-decoded; ``prefetch`` does not apply). CUDA only (Gluon has no interpreter)."""
+    warps; always wide and bit-decoded; ``prefetch`` does not apply); ``ss`` (with ``wgmma``; not yet run on a GPU):
+    the decoded weight goes to shared memory too, and each tile's wgmma runs while the next tile is loaded and
+    decoded. CUDA only (Gluon has no interpreter)."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"nvfp4_gluon_gemm needs Triton's Gluon ({GLUON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -424,6 +466,8 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"global_scale has {global_scale.numel()} values, expected 1")
     if x.device.type != "cuda":
         problems.append(f"x on {x.device} (the kernel runs on CUDA only: Gluon has no interpreter)")
+    if ss and not wgmma:
+        problems.append("ss=True without wgmma=True (ss is an option of the warpgroup-MMA version)")
     if problems:
         raise ValueError("nvfp4_gluon_gemm: " + "; ".join(problems))
     if x2.stride(-1) != 1:
@@ -443,7 +487,7 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         _wgmma_kernel[(blocks, split_k)](
             x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
             out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps,
-            NREP=nrep, SPLIT_K=split_k, EVEN_N=n % (16 * warps * nrep) == 0, num_warps=warps,
+            NREP=nrep, SPLIT_K=split_k, EVEN_N=n % (16 * warps * nrep) == 0, SS=bool(ss), num_warps=warps,
         )  # fmt: skip
         return out.reshape(*x.shape[:-1], n)
     _gluon_kernel[(blocks, split_k)](

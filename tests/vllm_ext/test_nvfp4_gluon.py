@@ -40,6 +40,8 @@ def test_refusals_name_the_bad_input():
         ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, split_k=0)
     with pytest.raises(ValueError, match=r"warps=2 \(4 or 8 with wgmma: one or two warpgroups\)"):
         ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, warps=2, wgmma=True)
+    with pytest.raises(ValueError, match=r"ss=True without wgmma=True"):
+        ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, ss=True)
 
 
 @pytest.mark.parametrize("block_m,block_k,warps,nrep,split_k", [(64, 128, 4, 2, 1), (8, 128, 4, 1, 8),
@@ -51,7 +53,8 @@ def test_wgmma_version_compiles_to_wgmma_with_only_x_in_shared_memory(block_m, b
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k, "EVEN_N": True}
+    consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k, "EVEN_N": True,
+              "SS": False}
     sig = {**_SIGNATURE, **{name: "constexpr" for name in consts}}
     src = GluonASTSource(fn=ng._wgmma_kernel, signature=sig, constexprs=consts, attrs=_DIVISIBLE)
     try:
@@ -64,6 +67,33 @@ def test_wgmma_version_compiles_to_wgmma_with_only_x_in_shared_memory(block_m, b
     ops = [op.split(".")[0] for op in ops]
     assert ops.count("HGMMA") == block_k // 16 * nrep  # one per 16 K and 64-row block of each warpgroup
     assert "LDSM" not in ops and ops.count("LDS") <= 1  # the weight is never read back from shared memory
+
+
+@pytest.mark.parametrize("block_m,block_k,warps,nrep,split_k,even_n", [
+    (64, 128, 4, 1, 1, True), (8, 256, 8, 1, 8, False), (64, 64, 4, 2, 4, True)])
+def test_ss_version_keeps_one_wgmma_in_flight(block_m, block_k, warps, nrep, split_k, even_n):
+    """``ss``: both operands in two shared-memory buffers; compiled for sm_90, ptxas pipelines the wgmmas (one
+    ``WARPGROUP.DEPBAR`` in the loop and one after it, not one per HGMMA, which is what ptxas does when it serialises
+    them), no spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k,
+              "EVEN_N": even_n, "SS": True}
+    src = GluonASTSource(fn=ng._wgmma_kernel, signature={**_SIGNATURE, **{name: "constexpr" for name in consts}},
+                         constexprs=consts, attrs=_DIVISIBLE)
+    try:
+        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
+        pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
+    block_n = 16 * warps * nrep
+    assert 2 * (block_m + block_n) * block_k * 2 <= ck.metadata.shared <= 2 * (block_m + block_n) * block_k * 2 + 16
+    usage, ops = _sass(ck)
+    assert re.search(r"LOCAL:0\b", usage), usage
+    base = [op.split(".")[0] for op in ops]
+    assert base.count("HGMMA") == 2 * block_k // 16 * nrep  # the first tile's, peeled, and the loop's
+    assert sum(op.startswith("WARPGROUP.DEPBAR") for op in ops) == 2  # one wait in the loop, one after it
 
 
 @pytest.mark.parametrize("block_k", [64, 128, 256])
@@ -311,3 +341,25 @@ def test_gpu_wgmma_decodes_every_code_exactly():
         x[torch.arange(64), off + torch.arange(64)] = 1.0
         got = ng.nvfp4_gluon_gemm(x, packed, scale, gs, block_k=128, warps=4, wgmma=True)
         assert torch.equal(got.float(), w[:, off:off + 64].t()), f"columns {off}..{off + 63}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU (wgmma; Gluon has no interpreter)")
+@pytest.mark.parametrize("rows", [1, 8, 33, 64])
+@pytest.mark.parametrize("n,k,block_k,warps,nrep,split_k", [
+    (4608, 3584, 128, 4, 1, 4), (3584, 18944, 256, 8, 1, 8), (37888, 3584, 64, 4, 2, 1), (100, 3584, 64, 4, 2, 3)])
+def test_gpu_ss_matches_the_exact_product(rows, n, k, block_k, warps, nrep, split_k):
+    """``ss`` (one wgmma in flight over two shared-memory buffers): within the bf16 output's rounding of the float64
+    product, the same bits on a second call. Split-K 3 over 56 tiles gives programs one tile more or less than others,
+    and split-K 8 over 28 tiles programs of 3 or 4, so the peeled first tile and the loop's last are both exercised."""
+    torch.manual_seed(rows + 10 * split_k)
+    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    opts = dict(block_k=block_k, warps=warps, nrep=nrep, split_k=split_k, wgmma=True, ss=True)
+    got = ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts)
+    exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
+    assert excess <= 1e-4 * exact.abs().max().item()
+    assert torch.equal(got, ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts))
