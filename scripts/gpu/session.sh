@@ -229,7 +229,7 @@ run_step() {
         step sweep_wgmma 560 python3 scripts/gpu/sweep_mma.py --kernel wgmma --rows 8,64 --block-k 64,128,256 --gluon-warps 4,8 --gluon-nrep 1,2,4 --gluon-split-k 1,2,4,8 ${GLUON_ARGS:-} ;;
     sweep_ss)  # the wgmma version with both operands in shared memory against the register one (and Marlin when installed), §4s
         step sweep_ss 560 python3 scripts/gpu/sweep_mma.py --kernel wgmma --rows 8,64 --block-k 64,128 --gluon-warps 4,8 --gluon-nrep 1,2 --gluon-split-k 1,2,4,8 --gluon-ss 0,1 ${GLUON_ARGS:-} ;;
-    gluon_test)  # vllm_ext.nvfp4_gluon's GPU tests (95 of them since §4s; 79 ran in §4r, about 80 s)
+    gluon_test)  # vllm_ext.nvfp4_gluon's GPU tests (96 of them since §4s; 79 ran in §4r, about 80 s)
         step gluon_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_gluon.py ;;
     mma_test)  # the few-row tensor-core kernel's GPU tests (§4o)
         step mma_test 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_gemv.py -k mma ;;

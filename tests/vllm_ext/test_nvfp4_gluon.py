@@ -241,15 +241,7 @@ def _sass(ck) -> tuple[str, list[str]]:  # noqa: ANN001
 def test_gpu_matches_the_exact_product(rows, n, k, block_k, warps):
     """bfloat16 on the 7B q/k/v, down and gate/up shapes and a ragged N: within the bf16 output's rounding of the
     float64 product with the exact weight, and the same bits on a second call."""
-    torch.manual_seed(rows + warps)
-    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    got = ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, block_k=block_k, warps=warps)
-    exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
-    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
-    excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
-    assert excess <= 1e-4 * exact.abs().max().item()
-    assert torch.equal(got, ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, block_k=block_k, warps=warps))
+    _check_exact_product(rows, n, k, rows + warps, block_k=block_k, warps=warps)
 
 
 @pytest.mark.gpu
@@ -268,16 +260,8 @@ def test_gpu_variants_match_the_exact_product(rows, n, k, block_k, warps, nrep, 
     prefetched loop, the wide loads (the K order permuted alike in both operands) and the decode by moving bits: within
     the bf16 output's rounding of the float64 product, and the same bits on a second call (which also needs split-K's
     counters reset by the first)."""
-    torch.manual_seed(rows + 10 * split_k)
-    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    opts = dict(block_k=block_k, warps=warps, nrep=nrep, split_k=split_k, prefetch=prefetch, wide=wide, bits=bits)
-    got = ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts)
-    exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
-    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
-    excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
-    assert excess <= 1e-4 * exact.abs().max().item()
-    assert torch.equal(got, ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts))
+    _check_exact_product(rows, n, k, rows + 10 * split_k, block_k=block_k, warps=warps, nrep=nrep, split_k=split_k,
+                         prefetch=prefetch, wide=wide, bits=bits)
 
 
 @pytest.mark.gpu
@@ -288,19 +272,7 @@ def test_gpu_every_code_and_scale_is_decoded_exactly(wide, bits):
     subnormal (2^-9) to the largest (448), global scale 1, and one-hot rows of ``x``, so each output is one weight's
     value and must equal the codec's dequantized weight bit for bit (every such value has at most 6 significant bits,
     so it is exact in bf16). This covers the bit decode's subnormal code (0.5) at the smallest scale."""
-    torch.manual_seed(7)
-    n, k = 64, 512
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
-    levels = torch.tensor([2.0**-9, 2.0**-6, 0.0234375, 0.5, 1.0, 3.25, 96.0, 448.0])
-    scale = levels[torch.randint(0, len(levels), (n, k // 16))].to(torch.float8_e4m3fn).cuda()
-    gs = torch.ones(1, device="cuda")
-    w = nvfp4.dequantize(packed, scale, gs, dtype=torch.float32)
-    assert torch.equal(w.to(torch.bfloat16).float(), w)
-    for off in range(0, k, 64):
-        x = torch.zeros(64, k, device="cuda", dtype=torch.bfloat16)
-        x[torch.arange(64), off + torch.arange(64)] = 1.0
-        got = ng.nvfp4_gluon_gemm(x, packed, scale, gs, block_k=128, wide=wide, bits=bits)
-        assert torch.equal(got.float(), w[:, off:off + 64].t()), f"columns {off}..{off + 63}"
+    _check_every_code(64, wide=wide, bits=bits)
 
 
 @pytest.mark.gpu
@@ -312,35 +284,17 @@ def test_gpu_every_code_and_scale_is_decoded_exactly(wide, bits):
     (4608, 3584, 64, 8, 2, 2)])
 def test_gpu_wgmma_matches_the_exact_product(rows, n, k, block_k, warps, nrep, split_k):
     """``wgmma``: within the bf16 output's rounding of the float64 product, the same bits on a second call."""
-    torch.manual_seed(rows + 10 * split_k)
-    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    opts = dict(block_k=block_k, warps=warps, nrep=nrep, split_k=split_k, wgmma=True)
-    got = ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts)
-    exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
-    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
-    excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
-    assert excess <= 1e-4 * exact.abs().max().item()
-    assert torch.equal(got, ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts))
+    _check_exact_product(rows, n, k, rows + 10 * split_k, block_k=block_k, warps=warps, nrep=nrep, split_k=split_k,
+                         wgmma=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU (wgmma; Gluon has no interpreter)")
-def test_gpu_wgmma_decodes_every_code_exactly():
-    """As test_gpu_every_code_and_scale_is_decoded_exactly, through the wgmma version."""
-    torch.manual_seed(7)
-    n, k = 128, 512
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
-    levels = torch.tensor([2.0**-9, 2.0**-6, 0.0234375, 0.5, 1.0, 3.25, 96.0, 448.0])
-    scale = levels[torch.randint(0, len(levels), (n, k // 16))].to(torch.float8_e4m3fn).cuda()
-    gs = torch.ones(1, device="cuda")
-    w = nvfp4.dequantize(packed, scale, gs, dtype=torch.float32)
-    for off in range(0, k, 64):
-        x = torch.zeros(64, k, device="cuda", dtype=torch.bfloat16)
-        x[torch.arange(64), off + torch.arange(64)] = 1.0
-        got = ng.nvfp4_gluon_gemm(x, packed, scale, gs, block_k=128, warps=4, wgmma=True)
-        assert torch.equal(got.float(), w[:, off:off + 64].t()), f"columns {off}..{off + 63}"
+@pytest.mark.parametrize("ss", [False, True])
+def test_gpu_wgmma_decodes_every_code_exactly(ss):
+    """As test_gpu_every_code_and_scale_is_decoded_exactly, through the wgmma version (registers or ``ss``)."""
+    _check_every_code(128, warps=4, wgmma=True, ss=ss)
 
 
 @pytest.mark.gpu
@@ -353,13 +307,38 @@ def test_gpu_ss_matches_the_exact_product(rows, n, k, block_k, warps, nrep, spli
     """``ss`` (one wgmma in flight over two shared-memory buffers): within the bf16 output's rounding of the float64
     product, the same bits on a second call. Split-K 3 over 56 tiles gives programs one tile more or less than others,
     and split-K 8 over 28 tiles programs of 3 or 4, so the peeled first tile and the loop's last are both exercised."""
-    torch.manual_seed(rows + 10 * split_k)
-    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    opts = dict(block_k=block_k, warps=warps, nrep=nrep, split_k=split_k, wgmma=True, ss=True)
+    _check_exact_product(rows, n, k, rows + 10 * split_k, block_k=block_k, warps=warps, nrep=nrep, split_k=split_k,
+                         wgmma=True, ss=True)
+
+
+def _check_exact_product(rows: int, n: int, k: int, seed: int, device: str = "cuda", **opts) -> None:
+    """``nvfp4_gluon_gemm(**opts)`` on a random ``[n, k]`` weight and ``[rows, k]`` ``x``: bfloat16 ``[rows, n]``
+    within the bf16 output's rounding of the float64 product with the exact weight (2^-8 relative, plus 1e-4 of the
+    largest value), and the same bits on a second call."""
+    torch.manual_seed(seed)
+    q = nvfp4.quantize((torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16))
+    x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
     got = ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts)
     exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
     assert excess <= 1e-4 * exact.abs().max().item()
     assert torch.equal(got, ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, **opts))
+
+
+def _check_every_code(n: int, device: str = "cuda", **opts) -> None:
+    """``nvfp4_gluon_gemm(**opts, block_k=128)`` reads back every weight of a random ``[n, 512]`` NVFP4 weight (all
+    codes, scales 2^-9 to 448, global scale 1) bit for bit through one-hot rows of ``x``."""
+    torch.manual_seed(7)
+    k = 512
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
+    levels = torch.tensor([2.0**-9, 2.0**-6, 0.0234375, 0.5, 1.0, 3.25, 96.0, 448.0])
+    scale = levels[torch.randint(0, len(levels), (n, k // 16))].to(torch.float8_e4m3fn).to(device)
+    gs = torch.ones(1, device=device)
+    w = nvfp4.dequantize(packed, scale, gs, dtype=torch.float32)
+    assert torch.equal(w.to(torch.bfloat16).float(), w)
+    for off in range(0, k, 64):
+        x = torch.zeros(64, k, device=device, dtype=torch.bfloat16)
+        x[torch.arange(64), off + torch.arange(64)] = 1.0
+        got = ng.nvfp4_gluon_gemm(x, packed, scale, gs, block_k=128, **opts)
+        assert torch.equal(got.float(), w[:, off:off + 64].t()), f"columns {off}..{off + 63}"
