@@ -198,6 +198,10 @@ if gluon is not None:
 
     _DECODE_ASM = gl.constexpr("{\n    .reg .b32 t, u, v;" + _decode_word_asm("0x1404", "$0", "$2")
                                + _decode_word_asm("0x3424", "$1", "$3") + "\n    }")
+    # the bit decode's 2^-126 made up: 2^118 in the bf16 scales (exact, 2^109 to 2^126.8; the scaled weights normal and
+    # exact, 2^-18 to 10.5), the last 2^8 in the epilogue's float32
+    _SCALE_UP = gl.constexpr(2.0**118)
+    _EPILOGUE_UP = gl.constexpr(2.0**8)
 
     @gluon.jit
     def _mma_tile(wb, sc8, xb, acc, a_l: gl.constexpr, b_l: gl.constexpr, s3_l: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -219,8 +223,8 @@ if gluon is not None:
             a = gl.convert_layout(gl.fp4_to_fp(wb, gl.bfloat16, 1), a_l)  # E2M1 values, exact
         # one scale per thread per 8 consecutive K (they share a group), broadcast into the operand's 8-wide dimension
         sc = sc8.to(gl.float32)
-        if BITS:  # 2^118: the products stay normal and exact in bf16 (2^-18 to 10.5); 2^8 more in the epilogue
-            sc = sc * 332306998946228968225951765070086144.0
+        if BITS:
+            sc = sc * _SCALE_UP
         sc = sc.to(gl.bfloat16)
         sc = gl.reshape(gl.expand_dims(sc, 2) + gl.full([BLOCK_N, BLOCK_K // 8, 8], 0, gl.bfloat16, s3_l),
                         [BLOCK_N, BLOCK_K])
@@ -300,7 +304,7 @@ if gluon is not None:
                                            rn_p, n_ok_p, rb_p, rn_s, n_ok_s, rk_s, rm_b, m_ok_b, rk_b, p_l, b_l, s_l,
                                            BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP, MASK_W, WIDE)
                 acc = _mma_tile(wb, sc8, xb, acc, a_l, b_l, s3_l, BLOCK_N, BLOCK_K, BITS)
-        gmul = (256.0 if BITS else 1.0) / gl.load(g_ptr)  # 2^-126 * 2^118 * 2^8 = 1 with the bit decode
+        gmul = (_EPILOGUE_UP if BITS else 1.0) / gl.load(g_ptr)
         _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, mma, BLOCK_N, BLOCK_M, SPLIT_K)
 
 
@@ -339,8 +343,7 @@ if gluon is not None:
             sg = gl.load(s_ptrs)
         else:
             sg = gl.load(s_ptrs, mask=(rn_g < N)[:, None, None], other=0.0)
-        # 2^118, as in _mma_tile: exact, and the scaled weights normal and exact in bf16
-        sg = (sg.to(gl.float32) * 332306998946228968225951765070086144.0).to(gl.bfloat16)
+        sg = (sg.to(gl.float32) * _SCALE_UP).to(gl.bfloat16)
         w5 = w5 * gl.expand_dims(gl.expand_dims(sg, 3), 4)
         return w5, gl.load(x_ptr + x_offs + k0, mask=x_ok, other=0.0)
 
@@ -419,7 +422,7 @@ if gluon is not None:
                 fence_async_shared()
                 gl.thread_barrier()
                 acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
-        gmul = 256.0 / gl.load(g_ptr)  # 2^-126 * 2^118 * 2^8 = 1
+        gmul = _EPILOGUE_UP / gl.load(g_ptr)
         _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l, BLOCK_N, BLOCK_M, SPLIT_K)
 
 
@@ -483,17 +486,11 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         cnt = _counters(x.device, blocks)
     else:
         ws = cnt = out  # not read
-    if wgmma:
-        _wgmma_kernel[(blocks, split_k)](
-            x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
-            out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps,
-            NREP=nrep, SPLIT_K=split_k, EVEN_N=n % (16 * warps * nrep) == 0, SS=bool(ss), num_warps=warps,
-        )  # fmt: skip
-        return out.reshape(*x.shape[:-1], n)
-    _gluon_kernel[(blocks, split_k)](
+    kernel, options = ((_wgmma_kernel, dict(SS=bool(ss))) if wgmma else
+                       (_gluon_kernel, dict(PREFETCH=bool(prefetch), WIDE=bool(wide), BITS=bool(bits))))
+    kernel[(blocks, split_k)](
         x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
         out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=nrep,
-        SPLIT_K=split_k, PREFETCH=bool(prefetch), WIDE=bool(wide), BITS=bool(bits),
-        EVEN_N=n % (16 * warps * nrep) == 0, num_warps=warps,
+        SPLIT_K=split_k, EVEN_N=n % (16 * warps * nrep) == 0, num_warps=warps, **options,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
