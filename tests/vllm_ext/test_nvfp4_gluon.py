@@ -49,18 +49,9 @@ def test_refusals_name_the_bad_input():
 def test_wgmma_version_compiles_to_wgmma_with_only_x_in_shared_memory(block_m, block_k, warps, nrep, split_k):
     """``wgmma``, compiled for sm_90: warpgroup MMAs (HGMMA, block_k / 16 per tile and row block), no spills, and the
     only shared memory is the ``x`` tile (plus split-K's 4-byte arrival broadcast): the weight stays in registers."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k, "EVEN_N": True,
               "SS": False}
-    sig = {**_SIGNATURE, **{name: "constexpr" for name in consts}}
-    src = GluonASTSource(fn=ng._wgmma_kernel, signature=sig, constexprs=consts, attrs=_DIVISIBLE)
-    try:
-        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
-        pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
+    ck = _compile_or_skip(ng._wgmma_kernel, consts, warps)
     assert block_m * block_k * 2 <= ck.metadata.shared <= block_m * block_k * 2 + 16
     usage, ops = _sass(ck)
     assert re.search(r"LOCAL:0\b", usage), usage
@@ -75,18 +66,9 @@ def test_ss_version_keeps_one_wgmma_in_flight(block_m, block_k, warps, nrep, spl
     """``ss``: both operands in two shared-memory buffers; compiled for sm_90, ptxas pipelines the wgmmas (one
     ``WARPGROUP.DEPBAR`` in the loop and one after it, not one per HGMMA, which is what ptxas does when it serialises
     them), no spills."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k,
               "EVEN_N": even_n, "SS": True}
-    src = GluonASTSource(fn=ng._wgmma_kernel, signature={**_SIGNATURE, **{name: "constexpr" for name in consts}},
-                         constexprs=consts, attrs=_DIVISIBLE)
-    try:
-        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
-        pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
+    ck = _compile_or_skip(ng._wgmma_kernel, consts, warps)
     block_n = 16 * warps * nrep
     assert 2 * (block_m + block_n) * block_k * 2 <= ck.metadata.shared <= 2 * (block_m + block_n) * block_k * 2 + 16
     usage, ops = _sass(ck)
@@ -118,17 +100,23 @@ _SIGNATURE = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv
 _DIVISIBLE = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 11, 12, 13)}  # as at the 7B shapes
 
 
-def _compile_sm90(block_m: int, block_k: int, warps: int, nrep: int = 1, split_k: int = 1, prefetch: bool = False,
-                  wide: bool = False, bits: bool = False, even_n: bool = True):
+def _compile(fn, consts: dict, warps: int):  # noqa: ANN001, ANN202
+    """``fn`` (one of the module's kernels) compiled for sm_90 with Triton's own ptxas, its arguments specialised as at
+    the 7B shapes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k,
-              "PREFETCH": prefetch, "WIDE": wide, "BITS": bits, "EVEN_N": even_n}
-    sig = {**_SIGNATURE, **{name: "constexpr" for name in consts}}
-    src = GluonASTSource(fn=ng._gluon_kernel, signature=sig, constexprs=consts, attrs=_DIVISIBLE)
+    src = GluonASTSource(fn=fn, signature={**_SIGNATURE, **{name: "constexpr" for name in consts}}, constexprs=consts,
+                         attrs=_DIVISIBLE)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def _compile_or_skip(fn, consts: dict, warps: int):  # noqa: ANN001, ANN202
+    try:
+        return _compile(fn, consts, warps)
+    except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
+        pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
 
 
 @pytest.mark.parametrize("block_m,block_k,warps,nrep,prefetch,wide", [
@@ -204,10 +192,9 @@ def test_split_k_adds_only_the_arrival_broadcast(block_m, block_k, warps, nrep, 
 
 def _compiled_sass(block_m, block_k, warps, nrep, split_k, prefetch, wide=False, bits=False):  # noqa: ANN001, ANN202
     """The kernel compiled for sm_90, its resource usage (cuobjdump -res-usage) and its SASS opcodes."""
-    try:
-        ck = _compile_sm90(block_m, block_k, warps, nrep, split_k, prefetch, wide, bits)
-    except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
-        pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
+    consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k,
+              "PREFETCH": prefetch, "WIDE": wide, "BITS": bits, "EVEN_N": True}
+    ck = _compile_or_skip(ng._gluon_kernel, consts, warps)
     return (ck, *_sass(ck))
 
 
