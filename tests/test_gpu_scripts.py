@@ -642,6 +642,26 @@ def test_v7_session_steps_take_the_shape():
         assert '--shape "$v7_shape" --out "$v7_dir"' in steps[name], name
 
 
+def test_streamed_weight_is_the_sweeps_seeded_weight_with_its_copies():
+    """check_gemv.streamed_weight, shared by check_gemv.py, sweep_row.py and sweep_mma.py: the N(0, 0.02) weight drawn
+    after seed 0, its NVFP4 triple (the codec's own), its byte count, copies reading >= cold_mib MiB, and the generator
+    left where the inline code those scripts had left it (their ``x`` is drawn next)."""
+    import torch
+
+    from qerl_plugin import nvfp4
+
+    cg = _import_script("check_gemv")
+    w, q, raw_bytes, raws = cg.streamed_weight(64, 256, 0.05, torch.device("cpu"))
+    next_draw = torch.randn(3)
+    torch.manual_seed(0)
+    w_ref = (torch.randn(64, 256) * 0.02).to(torch.bfloat16)
+    assert torch.equal(w, w_ref) and torch.equal(torch.randn(3), next_draw)
+    ref = nvfp4.quantize(w_ref)
+    assert torch.equal(q.packed, ref.packed) and torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8))
+    assert raw_bytes == 64 * 128 + 64 * 16 and len(raws) == cg.copies_for(raw_bytes, 0.05) == 6
+    assert all(torch.equal(p, q.packed) and p.data_ptr() != q.packed.data_ptr() for p, _ in raws)  # copies, not views
+
+
 def test_gemv_check_sweep_cold_copies_and_verdict():
     """check_gemv.py: the tiles it sweeps are ones the kernel accepts, its copy count makes one graph pass read past the
     H100's 50 MB L2, and its verdict needs the medians apart by more than both spreads."""

@@ -120,6 +120,22 @@ def copies_for(nbytes: int, cold_mib: float, cap: int = 64) -> int:
     return max(1, min(cap, math.ceil(cold_mib * 2**20 / max(nbytes, 1))))
 
 
+def streamed_weight(n: int, k: int, cold_mib: float, device):  # noqa: ANN001, ANN201
+    """The weight every GPU sweep here times: ``[n, k]`` bfloat16, N(0, 0.02) after ``torch.manual_seed(0)``; its
+    NVFP4 triple; its NVFP4 bytes (codes + FP8 scales); and :func:`copies_for` copies of ``(packed, scale)``, so that
+    one pass over them reads at least ``cold_mib`` MiB (from HBM, not the L2). Draws nothing else from the generator,
+    so what a caller draws next is as before."""
+    import torch
+
+    from qerl_plugin import nvfp4
+
+    torch.manual_seed(0)
+    w = (torch.randn(n, k, device=device) * 0.02).to(torch.bfloat16)
+    q = nvfp4.quantize(w)
+    raw_bytes = q.packed.numel() + q.scale.numel()
+    return w, q, raw_bytes, [(q.packed.clone(), q.scale.clone()) for _ in range(copies_for(raw_bytes, cold_mib))]
+
+
 def summarize(times_us: list[float]) -> dict[str, float]:
     return {"median_us": round(statistics.median(times_us), 2), "spread_us": round(max(times_us) - min(times_us), 2),
             "runs_us": [round(t, 2) for t in times_us]}
@@ -202,14 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = 0
     for lname in args.linears.split(","):
         k, n = LINEARS[args.shape][lname]
-        torch.manual_seed(0)
-        w = (torch.randn(n, k, device=dev) * 0.02).to(bf16)
-        q = nvfp4.quantize(w)
+        w, q, raw_bytes, raws = streamed_weight(n, k, args.cold_mib, dev)
         w_deq = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32)
-        raw_bytes = q.packed.numel() + q.scale.numel()
-        c_raw = copies_for(raw_bytes, args.cold_mib)
+        c_raw = len(raws)
         c_bf16 = copies_for(2 * n * k, args.cold_mib)
-        raws = [(q.packed.clone(), q.scale.clone()) for _ in range(c_raw)]
         marlins = [marlin_linear(q.packed, q.scale, q.global_scale, bf16) for _ in range(c_raw)]
         bf16s = [w.clone() for _ in range(c_bf16)]
         record({"what": "linear", "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes, "copies": c_raw,

@@ -36,7 +36,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, copies_for, jsonl_recorder, per_step_ms, summarize, tile_name, verdict)
+    LAYERS, LINEARS, copies_for, jsonl_recorder, per_step_ms, streamed_weight, summarize, tile_name, verdict)
 from sweep_row import add_sweep_args, ints, precompile, run_tile, try_tiles  # noqa: E402
 
 
@@ -124,13 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         for lname in args.linears.split(","):
             k, n = LINEARS[shape][lname]
-            torch.manual_seed(0)
-            w = (torch.randn(n, k, device=dev) * 0.02).to(bf16)
-            q = nvfp4.quantize(w)
+            w, q, raw_bytes, raws = streamed_weight(n, k, args.cold_mib, dev)
             w_exact = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double()
-            raw_bytes = q.packed.numel() + q.scale.numel()
-            copies = copies_for(raw_bytes, args.cold_mib)
-            raws = [(q.packed.clone(), q.scale.clone()) for _ in range(copies)]
+            copies = len(raws)
             marlins = [] if marlin_linear is None else [marlin_linear(p_, s_, q.global_scale, bf16) for p_, s_ in raws]
             c_bf16 = copies_for(2 * n * k, args.cold_mib)
             bf16s = [w.clone() for _ in range(c_bf16)]

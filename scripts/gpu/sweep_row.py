@@ -36,7 +36,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_timing_args, copies_for, jsonl_recorder, per_step_ms, summarize, tile_4m, tile_name,
+    LAYERS, LINEARS, add_timing_args, jsonl_recorder, per_step_ms, streamed_weight, summarize, tile_4m, tile_name,
     verdict)
 
 
@@ -171,13 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         for lname in args.linears.split(","):
             k, n = LINEARS[shape][lname]
-            torch.manual_seed(0)
-            q = nvfp4.quantize((torch.randn(n, k, device=dev) * 0.02).to(bf16))
+            _, q, raw_bytes, raws = streamed_weight(n, k, args.cold_mib, dev)
             x = torch.randn(1, k, device=dev, dtype=bf16)
             exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
-            raw_bytes = q.packed.numel() + q.scale.numel()
-            copies = copies_for(raw_bytes, args.cold_mib)
-            raws = [(q.packed.clone(), q.scale.clone()) for _ in range(copies)]
+            copies = len(raws)
             iters = max(args.iters, copies)
             record({"what": "linear", "shape": shape, "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes,
                     "copies": copies})
