@@ -89,16 +89,35 @@ if triton is not None:
         )  # fmt: skip
 
     @triton.jit
-    def _prefetch(plan_ptr, pid, programs, NPF: tl.constexpr, THREADS: tl.constexpr):
+    def _bulk_prefetch_once(addr, nbytes):
+        """One ``cp.async.bulk.prefetch.L2.global`` from the program's thread 0 only (the operands are the same in
+        every thread)."""
+        return tl.inline_asm_elementwise(
+            asm="{\n.reg .pred p;\n.reg .b32 t;\nmov.u32 t, %tid.x;\nsetp.eq.u32 p, t, 0;\n"
+                "@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;\n}",
+            constraints="=r,l,r", args=[addr, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @triton.jit
+    def _prefetch(plan_ptr, pid, programs, NPF: tl.constexpr, THREADS: tl.constexpr, ONE: tl.constexpr = False):
         """This program's share of the plan at ``plan_ptr`` (``NPF`` regions; see the module docstring): ``THREADS``
         must be the program's thread count, so that each thread issues one request per round. Lanes past a region's
-        end repeat its last unit (a second request for the same lines is harmless and keeps the asm unmasked)."""
+        end repeat its last unit (a second request for the same lines is harmless and keeps the asm unmasked).
+        ``ONE``: instead, one request per program and region, from thread 0: the program's contiguous share of the
+        region (its bytes / programs, rounded up to 16), which needs no loop over the lanes' distinct operands."""
         lane = tl.arange(0, THREADS)
         for r in tl.static_range(NPF):
             addr = tl.load(plan_ptr + 2 * r)
             nbytes = tl.load(plan_ptr + 2 * r + 1)
-            n_units = (nbytes + 4095) // 4096
-            for base in range(pid * THREADS, n_units, programs * THREADS):
-                u = tl.minimum(base + lane, n_units - 1)
-                size = tl.minimum(nbytes - u * 4096, 4096).to(tl.int32)
-                _bulk_prefetch(addr + u * 4096, size)
+            if ONE:
+                share = (nbytes + 16 * programs - 1) // (16 * programs) * 16
+                start = pid * share
+                size = tl.minimum(nbytes - start, share)
+                if size > 0:
+                    _bulk_prefetch_once(addr + start + lane * 0, (size + lane * 0).to(tl.int32))
+            else:
+                n_units = (nbytes + 4095) // 4096
+                for base in range(pid * THREADS, n_units, programs * THREADS):
+                    u = tl.minimum(base + lane, n_units - 1)
+                    size = tl.minimum(nbytes - u * 4096, 4096).to(tl.int32)
+                    _bulk_prefetch(addr + u * 4096, size)

@@ -287,7 +287,7 @@ if triton is not None:
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, b_ptr, pf_ptr, N, K,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
         XVEC: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-        NPF: tl.constexpr = 0, THREADS: tl.constexpr = 32,
+        NPF: tl.constexpr = 0, THREADS: tl.constexpr = 32, PF_ONE: tl.constexpr = False,
     ):  # fmt: skip
         """One row: ``y[n] = sum_k x[k] W[n, k]`` on the CUDA cores, the weight read as int32 words of 8 codes.
         ``XVEC``: ``x`` loaded as one 16-byte run per word (8 values) and the 8 decoded codes joined in registers to
@@ -300,7 +300,7 @@ if triton is not None:
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         if NPF > 0:
-            _prefetch(pf_ptr, pid_n * SPLIT_K + pid_k, tl.num_programs(0) * SPLIT_K, NPF, THREADS)
+            _prefetch(pf_ptr, pid_n * SPLIT_K + pid_k, tl.num_programs(0) * SPLIT_K, NPF, THREADS, PF_ONE)
         if PDL:
             gdc_wait()
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -377,7 +377,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                      num_stages: int | None = None, fma: bool = False, group_scales: bool = False,
                      words: bool = False, asm: bool | None = None, xvec: bool = False,
                      bias: torch.Tensor | None = None, stages: int = 0, mma: bool = False,
-                     pdl: bool = False, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                     pdl: bool = False, prefetch: torch.Tensor | None = None, prefetch_one: bool = False) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[..., K]`` (bfloat16/float16, at most :data:`MAX_TOKENS` rows) and ``W`` given as
     the NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the
     float32 divisor ``[1]``); returns ``[..., N]`` in ``x``'s dtype. ``block_n`` output features per program (16,
@@ -393,7 +393,8 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     (:func:`_mma_kernel`; block_n 64 or 128, block_k a multiple of 128); ``pdl``: with ``words``, a programmatic
     dependent launch (Hopper, see :func:`pdl_supported`) whose programs wait for the previous kernel first;
     ``prefetch``: with ``words``, an L2 prefetch plan (:func:`vllm_ext.l2_prefetch.prefetch_plan`, e.g. the next
-    linear's weights) whose bytes the programs request before their own work (Hopper; the result is unchanged)."""
+    linear's weights) whose bytes the programs request before their own work (Hopper; the result is unchanged);
+    ``prefetch_one``: one request per program and region (its contiguous share) instead of 4 KB per thread."""
     if triton is None:
         raise RuntimeError(f"nvfp4_small_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -461,7 +462,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](
             x2, packed.view(torch.int32), scale, g, out, ws, cnt, b, out if npf == 0 else prefetch, n, k,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm,
-            XVEC=xvec, HAS_BIAS=bias is not None, STAGES=stages, PDL=pdl, NPF=npf, THREADS=32 * num_warps,
+            XVEC=xvec, HAS_BIAS=bias is not None, STAGES=stages, PDL=pdl, NPF=npf, THREADS=32 * num_warps, PF_ONE=prefetch_one,
             num_warps=num_warps, launch_pdl=pdl, **extra,
         )  # fmt: skip
         return out.reshape(*x.shape[:-1], n)

@@ -62,14 +62,16 @@ if triton is not None:
                                             is_pure=False, pack=1)
 
 
-def variants(gu_mb: list[int]) -> dict[str, dict[str, tuple[str, ...]]]:
+def variants(gu_mb: list[int], one: bool) -> dict[str, dict[str, tuple[str, ...]]]:
     """Variant name -> {linear: the targets it prefetches}; a target is 'o', 'qkv+' (the next layer's qkv) or
-    'guX' (X MB of gate_up)."""
+    'guX' (X MB of gate_up). ``one``: each also with one request per program (name suffix '/1')."""
     out: dict[str, dict[str, tuple[str, ...]]] = {"none": {}, "o": {"qkv": ("o",)}, "qkv": {"down": ("qkv+",)}}
     for mb in gu_mb:
         out[f"o+gu{mb}"] = {"qkv": ("o", f"gu{mb}")}
         out[f"o,gu:{mb}"] = {"qkv": ("o",), "o": (f"gu{mb}",)}
         out[f"o+gu{mb},qkv"] = {"qkv": ("o", f"gu{mb}"), "down": ("qkv+",)}
+    if one:
+        out.update({f"{name}/1": spec for name, spec in out.items() if spec})
     return out
 
 
@@ -88,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small-us", type=float, default=3.0, help="norm / activation stand-ins, microseconds")
     p.add_argument("--gu-mb", default="8,16,24", help="MB of gate_up to prefetch, a list")
     p.add_argument("--layers", type=int, default=LAYERS)
+    p.add_argument("--one", action="store_true", help="also each variant with one request per program ('/1')")
+    p.add_argument("--diag", action="store_true",
+                   help="also: o and qkv with weights hot in L2 against streamed, and q/k/v's cost of asking")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     tiny = torch.zeros(1, device=dev, dtype=torch.int32)
     gu_mb = [int(v) for v in args.gu_mb.split(",") if v]
     attn_list = [float(v) for v in args.attn_us.split(",")]
-    table = variants(gu_mb)
+    table = variants(gu_mb, args.one)
 
     def regions(li: int, target: str) -> list:
         if target == "o":
@@ -139,13 +144,13 @@ def main(argv: list[str] | None = None) -> int:
             per_layer.append(d)
         plans[vname] = per_layer
 
-    def linear(li: int, name: str, plan):
+    def linear(li: int, name: str, plan, one: bool = False):
         packed, scale, g = layers[li][name]
         k = packed.shape[1] * 2
         x = xs[k]
         bias = biases[li] if name == "qkv" else None
         return nvfp4_small_gemm(x, packed, scale, g, words=True, xvec=True, bias=bias, pdl=pdl, prefetch=plan,
-                                **decode_tile(packed.shape[0], k))
+                                prefetch_one=one, **decode_tile(packed.shape[0], k))
 
     def spin(us: float):
         _spin[(1,)](tiny, NS=int(us * 1000), num_warps=1)
@@ -157,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                               ("down", args.small_us)):
                 plan = plans[vname][li].get(name)
 
-                def call(li=li, name=name, plan=plan):
-                    y = linear(li, name, plan)
+                def call(li=li, name=name, plan=plan, one=vname.endswith("/1")):
+                    y = linear(li, name, plan, one)
                     if outs is not None:
                         outs.append(y)
                 calls.append(call)
@@ -195,6 +200,30 @@ def main(argv: list[str] | None = None) -> int:
         gaps = [lambda: spin(attn_us)] + [lambda: spin(args.small_us)] * 3
         gaps = gaps * args.layers
         graphs["gaps only"] = capture_graph(gaps, len(gaps), warmups=1)
+        if args.diag:  # per layer one kernel (or two) and the attention stand-in
+            o_plans = plans["o"]
+            diag = {
+                "d:o streamed": lambda li: [lambda: linear(li, "o", None)],
+                "d:o hot": lambda li: [lambda: linear(0, "o", None)],
+                "d:qkv streamed": lambda li: [lambda: linear(li, "qkv", None)],
+                "d:qkv hot": lambda li: [lambda: linear(0, "qkv", None)],
+                "d:qkv asks o": lambda li: [lambda: linear(li, "qkv", o_plans[li]["qkv"])],
+                "d:qkv asks o/1": lambda li: [lambda: linear(li, "qkv", o_plans[li]["qkv"], True)],
+                "d:qkv,o": lambda li: [lambda: linear(li, "qkv", None), None, lambda: linear(li, "o", None)],
+                "d:qkv asks o,o": lambda li: [lambda: linear(li, "qkv", o_plans[li]["qkv"]), None,
+                                              lambda: linear(li, "o", None)],
+                "d:qkv asks o/1,o": lambda li: [lambda: linear(li, "qkv", o_plans[li]["qkv"], True), None,
+                                                lambda: linear(li, "o", None)],
+            }
+            for dname, make in diag.items():
+                calls = []
+                for li in range(args.layers):
+                    seq = make(li)
+                    calls += [c if c is not None else (lambda: spin(attn_us)) for c in seq]
+                    if seq[-1] is not None:
+                        calls.append(lambda: spin(attn_us))
+                graphs[dname] = capture_graph(calls, len(calls), warmups=2)
+            graphs["d:attn gaps only"] = capture_graph([lambda: spin(attn_us)], args.layers, warmups=1)
         times: dict[str, list[float]] = {v: [] for v in graphs}
         for _ in range(2):
             for g in graphs.values():
@@ -221,6 +250,16 @@ def main(argv: list[str] | None = None) -> int:
             r = rows[v]
             print(f"  {v:<14} {r['median_ms']:.4f} ({r['spread_ms']:.4f})  linears ~{r['median_ms'] - gap_ms:.4f}  "
                   f"vs none {r['vs_none_ms']:+.4f} ms -> {r['verdict']}")
+        if args.diag:
+            g1 = rows["d:attn gaps only"]["median_ms"]
+            print(f"  diagnostics: {args.layers} x (kernels, one attention stand-in); us per layer after the gaps' "
+                  f"{g1 * 1000 / args.layers:.2f}")
+            for v in rows:
+                if v.startswith("d:") and v != "d:attn gaps only":
+                    r = rows[v]
+                    gaps_here = 2 if v.endswith(",o") else 1
+                    per = (r["median_ms"] - gaps_here * g1) * 1000 / args.layers
+                    print(f"    {v[2:]:<18} {r['median_ms']:.4f} ms ({r['spread_ms']:.4f})  ~{per:.2f} us per layer")
     (out_dir / "check_prefetch.json").write_text(json.dumps(result, indent=1))
     ok = all(check.values())
     print("same bits as without prefetch:", "all" if ok else [v for v, c in check.items() if not c])
