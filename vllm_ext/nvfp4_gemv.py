@@ -49,7 +49,6 @@ import os
 import torch
 
 from qerl_plugin.options import parse_bool
-from vllm_ext.l2_prefetch import prefetch_supported
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
@@ -88,8 +87,6 @@ def pdl_supported(device: torch.device) -> bool:
 
 if triton is not None:
     from triton.language.extra.cuda import gdc_wait
-
-    from vllm_ext.l2_prefetch import _prefetch
 
     @triton.jit
     def _finish(y_ptrs, ws_ptrs, ws_step, part, ok, gmul, cnt_ptr, pid_k, SPLIT_K: tl.constexpr, b_ptrs,
@@ -284,25 +281,20 @@ if triton is not None:
 
     @triton.jit
     def _nvfp4_row_kernel(
-        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, b_ptr, pf_ptr, N, K,
+        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, b_ptr, N, K,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
         XVEC: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-        NPF: tl.constexpr = 0, THREADS: tl.constexpr = 32, PF_ONE: tl.constexpr = False,
     ):  # fmt: skip
         """One row: ``y[n] = sum_k x[k] W[n, k]`` on the CUDA cores, the weight read as int32 words of 8 codes.
         ``XVEC``: ``x`` loaded as one 16-byte run per word (8 values) and the 8 decoded codes joined in registers to
         meet it, instead of 8 strided 2-byte loads per word, and one scale load per group (Nsight Compute, §4j
         lease 6: the strided loads kept the L1 86 % busy). ``PDL``: launched as a programmatic dependent launch, so
         its programs may be placed before the previous kernel has finished; they wait for it
-        (``griddepcontrol.wait``) before any load or store. ``NPF`` > 0: first, before that wait (the plan's bytes are
-        weights, which no kernel writes), the program asks for its share of the ``NPF``-region L2 prefetch plan at
-        ``pf_ptr`` (:mod:`vllm_ext.l2_prefetch`; ``THREADS`` = the program's threads)."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        if NPF > 0:
-            _prefetch(pf_ptr, pid_n * SPLIT_K + pid_k, tl.num_programs(0) * SPLIT_K, NPF, THREADS, PF_ONE)
+        (``griddepcontrol.wait``) before any load or store."""
         if PDL:
             gdc_wait()
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, XVEC, STAGES)
@@ -377,7 +369,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                      num_stages: int | None = None, fma: bool = False, group_scales: bool = False,
                      words: bool = False, asm: bool | None = None, xvec: bool = False,
                      bias: torch.Tensor | None = None, stages: int = 0, mma: bool = False,
-                     pdl: bool = False, prefetch: torch.Tensor | None = None, prefetch_one: bool = False) -> torch.Tensor:
+                     pdl: bool = False) -> torch.Tensor:
     """``x @ W.T`` for ``x`` ``[..., K]`` (bfloat16/float16, at most :data:`MAX_TOKENS` rows) and ``W`` given as
     the NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the
     float32 divisor ``[1]``); returns ``[..., N]`` in ``x``'s dtype. ``block_n`` output features per program (16,
@@ -391,10 +383,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     loop software-pipelined that many stages deep (0: not pipelined; needs K a multiple of 128, see
     :func:`_row_dot`), or with ``mma``; ``mma``: the few-row tensor-core kernel on int32 words
     (:func:`_mma_kernel`; block_n 64 or 128, block_k a multiple of 128); ``pdl``: with ``words``, a programmatic
-    dependent launch (Hopper, see :func:`pdl_supported`) whose programs wait for the previous kernel first;
-    ``prefetch``: with ``words``, an L2 prefetch plan (:func:`vllm_ext.l2_prefetch.prefetch_plan`, e.g. the next
-    linear's weights) whose bytes the programs request before their own work (Hopper; the result is unchanged);
-    ``prefetch_one``: one request per program and region (its contiguous share) instead of 4 KB per thread."""
+    dependent launch (Hopper, see :func:`pdl_supported`) whose programs wait for the previous kernel first."""
     if triton is None:
         raise RuntimeError(f"nvfp4_small_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -417,12 +406,6 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"split_k={split_k} (>= 1)")
     if pdl and not words:
         problems.append("pdl=True only with words=True")
-    if prefetch is not None and not words:
-        problems.append("prefetch only with words=True")
-    elif prefetch is not None and (prefetch.dtype != torch.int64 or prefetch.dim() != 2 or prefetch.shape[1] != 2
-                                   or prefetch.device != x.device):
-        problems.append(f"prefetch {prefetch.dtype} {tuple(prefetch.shape)} on {prefetch.device}: expected a plan "
-                        f"from vllm_ext.l2_prefetch.prefetch_plan (int64 [regions, 2]) on {x.device}")
     if mma and (words or fma):
         problems.append("mma=True is its own kernel: not with words or fma")
     if mma and (block_n not in (64, 128) or block_k % 128):
@@ -458,11 +441,10 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     b = out if bias is None else bias.contiguous()  # unused without a bias
     global LAST_COMPILED
     if words:
-        npf = 0 if prefetch is None or not prefetch_supported(x.device) else prefetch.shape[0]
         LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](
-            x2, packed.view(torch.int32), scale, g, out, ws, cnt, b, out if npf == 0 else prefetch, n, k,
+            x2, packed.view(torch.int32), scale, g, out, ws, cnt, b, n, k,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm,
-            XVEC=xvec, HAS_BIAS=bias is not None, STAGES=stages, PDL=pdl, NPF=npf, THREADS=32 * num_warps, PF_ONE=prefetch_one,
+            XVEC=xvec, HAS_BIAS=bias is not None, STAGES=stages, PDL=pdl,
             num_warps=num_warps, launch_pdl=pdl, **extra,
         )  # fmt: skip
         return out.reshape(*x.shape[:-1], n)
