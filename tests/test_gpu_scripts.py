@@ -772,8 +772,8 @@ def test_sweep_mma_gluon_tiles_and_their_call():
     more = sweep_mma.gluon_tiles([256], [1, 2], [1, 2], [1, 4], [0, 1], [0, 1], [0, 1])
     assert len(more) == 64 and len({sweep_mma.tile_name(t) for t in more}) == 64
     assert sweep_mma.tile_name(more[-1]) == "n64k256s4w2LRVB"  # 16 x 2 warps x nrep 2, split-K 4, prefetched, wide, bits
-    hopper = sweep_mma.gluon_tiles([128], [4, 8], [1, 2], [1, 8], wgmma=True, ss=[0, 1])
-    assert len(hopper) == 16 and sweep_mma.tile_name(hopper[-1]) == "n256k128s8w8LHQ"
+    hopper = sweep_mma.gluon_tiles([128], [4, 8], [1, 2], [1, 8], wgmma=True)
+    assert len(hopper) == 8 and sweep_mma.tile_name(hopper[-1]) == "n256k128s8w8LH"
     from qerl_plugin import nvfp4
 
     q = nvfp4.quantize(torch.randn(32, 256).to(torch.bfloat16))

@@ -13,8 +13,7 @@ block sums the float32 partials in a fixed order); ``prefetch`` (the next tile l
 K order permuted within a tile so that each thread loads one contiguous quarter of each row: 16-byte loads); ``bits``
 (E2M1 decoded by moving bits, the value times 2^-126, made up by 2^118 in the scales and 2^8 in the epilogue);
 ``wgmma`` (Hopper: warpgroup MMA with the decoded weight as its register operand and ``x`` in shared memory; 8 rows
-2.34 ms and 64 rows 4.21 ms per 7B step on an H100, §4r calls 6-7); ``ss`` (with ``wgmma``: the decoded weight in
-shared memory too, one wgmma in flight over the next tile's loads and decode; not yet run on a GPU, §4s).
+2.34 ms and 64 rows 4.21 ms per 7B step on an H100, §4r calls 6-7).
 
 Numerics: the E2M1 value times its E4M3 scale is exact in bfloat16 (at most 6 significant bits, within range), the
 dots sum in float32, and ``1 / global_scale`` multiplies the sums once, so the result is within the bf16 output's
@@ -350,16 +349,15 @@ if gluon is not None:
     @gluon.jit
     def _wgmma_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
-                      SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, SS: gl.constexpr):
+                      SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr):
         """The Hopper version: ``warpgroup_mma`` (wgmma) with the decoded weight in registers and ``x`` in shared
         memory, ``16 * WARPS * NREP`` weight rows per program (4 or 8 warps: one or two warpgroups). The weight is
         read wide and decoded by moving bits as in :func:`_gluon_kernel`; its registers are then renamed into wgmma's
         register operand (pairs of consecutive K): operand K ``g * 64 + cb * 32 + h * 16 + c1 * 8 + j * 2 + c0``
         holds the tile's code ``j * block_k / 4 + 16 g + 8 cb + 4 c1 + 2 c0 + h`` (j: the lane's bits 0-1), and ``x``
-        is stored into shared memory in that order. With ``SS`` the decoded weight goes to shared memory too, in the
-        tile's own K order (no permutation), in one of two buffers with ``x``: each tile's wgmma is issued without
-        waiting and runs while the next tile is loaded and decoded (the wait lets one stay in flight; a buffer is
-        rewritten only after the wgmma that read it is done). Split-K and the epilogue as in :func:`_gluon_kernel`."""
+        is stored into shared memory in that order. Split-K and the epilogue as in :func:`_gluon_kernel`. (A version
+        with the decoded weight in shared memory too, two buffers and one wgmma in flight, was 15-46 % slower on
+        every 7B linear at 8 and 64 rows, §4s results, and is removed.)"""
         BLOCK_N: gl.constexpr = 16 * WARPS * NREP
         G: gl.constexpr = BLOCK_K // 64
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -367,11 +365,7 @@ if gluon is not None:
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         w3_l: gl.constexpr = _wide_w_layout(BLOCK_K, WARPS, NREP)
         x_l: gl.constexpr = _x_load_layout(BLOCK_K, WARPS)
-        if SS:
-            x_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M, BLOCK_K))
-            a_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, BLOCK_K], _x_smem_layout(BLOCK_N, BLOCK_K))
-        else:
-            x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M, BLOCK_K))
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M, BLOCK_K))
         pid = gl.program_id(0)
         pid_k = gl.program_id(1)
         n0 = pid * BLOCK_N
@@ -385,43 +379,19 @@ if gluon is not None:
         x_offs = rm_x[:, None] * sxm + rk_x[None, :]
         x_ok = (rm_x < M)[:, None]
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
-        if SS:  # [rows, j, g, c % 8, h] flattened is the tile's own K order: j * block_k / 4 + 16 g + 2 (c % 8) + h
-            w5, xr = _wg_load(x_ptr, w_ptr, s_ptr, N, KS, pid_k * BLOCK_K, n0, w_offs, w_ok, x_offs, x_ok, BLOCK_N,
+        for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+            w5, xr = _wg_load(x_ptr, w_ptr, s_ptr, N, KS, t * BLOCK_K, n0, w_offs, w_ok, x_offs, x_ok, BLOCK_N,
                               BLOCK_K, EVEN_N)
-            a_bufs.index(0).store(gl.reshape(w5, [BLOCK_N, BLOCK_K]))
-            x_bufs.index(0).store(xr)
+            a = gl.reshape(gl.permute(gl.reshape(w5, [BLOCK_N, 4, G, 2, 2, 2, 2]), [0, 2, 3, 6, 4, 1, 5]),
+                           [BLOCK_N, BLOCK_K])
+            a = gl.convert_layout(a, a_l)
+            xr = gl.reshape(gl.permute(gl.reshape(xr, [BLOCK_M, 4, G, 2, 2, 2, 2]), [0, 2, 3, 6, 4, 1, 5]),
+                            [BLOCK_M, BLOCK_K])
+            gl.thread_barrier()  # every warpgroup's last wgmma has read the tile before it is overwritten
+            x_smem.store(xr)
             fence_async_shared()
             gl.thread_barrier()
-            tok = warpgroup_mma(a_bufs.index(0), x_bufs.index(0).permute((1, 0)), acc, is_async=True)
-            buf = 1
-            for t in range(pid_k + SPLIT_K, K // BLOCK_K, SPLIT_K):
-                w5, xr = _wg_load(x_ptr, w_ptr, s_ptr, N, KS, t * BLOCK_K, n0, w_offs, w_ok, x_offs, x_ok, BLOCK_N,
-                                  BLOCK_K, EVEN_N)
-                gl.thread_barrier()  # every warp is past the wait that retired the wgmma which read this buffer
-                a_bufs.index(buf).store(gl.reshape(w5, [BLOCK_N, BLOCK_K]))
-                x_bufs.index(buf).store(xr)
-                fence_async_shared()
-                gl.thread_barrier()
-                # the previous tile's wgmma ran during this tile's loads, decode and stores; waited for only now, so
-                # no instruction touches its accumulator while it is in flight
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
-                tok = warpgroup_mma(a_bufs.index(buf), x_bufs.index(buf).permute((1, 0)), acc, is_async=True)
-                buf = 1 - buf
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
-        else:
-            for t in range(pid_k, K // BLOCK_K, SPLIT_K):
-                w5, xr = _wg_load(x_ptr, w_ptr, s_ptr, N, KS, t * BLOCK_K, n0, w_offs, w_ok, x_offs, x_ok, BLOCK_N,
-                                  BLOCK_K, EVEN_N)
-                a = gl.reshape(gl.permute(gl.reshape(w5, [BLOCK_N, 4, G, 2, 2, 2, 2]), [0, 2, 3, 6, 4, 1, 5]),
-                               [BLOCK_N, BLOCK_K])
-                a = gl.convert_layout(a, a_l)
-                xr = gl.reshape(gl.permute(gl.reshape(xr, [BLOCK_M, 4, G, 2, 2, 2, 2]), [0, 2, 3, 6, 4, 1, 5]),
-                                [BLOCK_M, BLOCK_K])
-                gl.thread_barrier()  # every warpgroup's last wgmma has read the tile before it is overwritten
-                x_smem.store(xr)
-                fence_async_shared()
-                gl.thread_barrier()
-                acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+            acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
         gmul = _EPILOGUE_UP / gl.load(g_ptr)
         _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l, BLOCK_N, BLOCK_M, SPLIT_K)
 
@@ -429,7 +399,7 @@ if gluon is not None:
 def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      block_k: int = 128, warps: int = 1, nrep: int = 1, split_k: int = 1,
                      prefetch: bool = False, wide: bool = False, bits: bool = False,
-                     wgmma: bool = False, ss: bool = False) -> torch.Tensor:
+                     wgmma: bool = False) -> torch.Tensor:
     """``x @ W.T`` for bfloat16 ``x`` ``[..., K]`` (at most :data:`MAX_TOKENS` rows) and ``W`` as the NVFP4 triple
     (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor);
     returns ``[..., N]`` in bfloat16. ``block_k``: input features per step (a multiple of 64 dividing K); ``warps``:
@@ -439,9 +409,7 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     loads contiguous quarters of the tile's rows (16-byte loads; the operands' K order is permuted alike); ``bits``:
     decode E2M1 by moving bits (about 4 instructions per two values instead of table lookups), the scales carrying
     the power of two that makes the values up; ``wgmma``: Hopper's warpgroup MMA with ``x`` in shared memory (4 or 8
-    warps; always wide and bit-decoded; ``prefetch`` does not apply); ``ss`` (with ``wgmma``; not yet run on a GPU):
-    the decoded weight goes to shared memory too, and each tile's wgmma runs while the next tile is loaded and
-    decoded. CUDA only (Gluon has no interpreter)."""
+    warps; always wide and bit-decoded; ``prefetch`` does not apply). CUDA only (Gluon has no interpreter)."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"nvfp4_gluon_gemm needs Triton's Gluon ({GLUON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -469,8 +437,6 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"global_scale has {global_scale.numel()} values, expected 1")
     if x.device.type != "cuda":
         problems.append(f"x on {x.device} (the kernel runs on CUDA only: Gluon has no interpreter)")
-    if ss and not wgmma:
-        problems.append("ss=True without wgmma=True (ss is an option of the warpgroup-MMA version)")
     if problems:
         raise ValueError("nvfp4_gluon_gemm: " + "; ".join(problems))
     if x2.stride(-1) != 1:
@@ -486,7 +452,7 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         cnt = _counters(x.device, blocks)
     else:
         ws = cnt = out  # not read
-    kernel, options = ((_wgmma_kernel, dict(SS=bool(ss))) if wgmma else
+    kernel, options = ((_wgmma_kernel, {}) if wgmma else
                        (_gluon_kernel, dict(PREFETCH=bool(prefetch), WIDE=bool(wide), BITS=bool(bits))))
     kernel[(blocks, split_k)](
         x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,

@@ -227,8 +227,6 @@ run_step() {
         step sweep_gluon 560 python3 scripts/gpu/sweep_mma.py --kernel gluon --rows 8,64 --block-k 128,256 --gluon-warps 1,2 --gluon-nrep 1,2 --gluon-split-k 1,4,8 --gluon-prefetch 0 --gluon-wide 0,1 --gluon-bits 0,1 ${GLUON_ARGS:-} ;;
     sweep_wgmma)  # vllm_ext.nvfp4_gluon's warpgroup-MMA version against Marlin and BF16 cuBLAS at 8 and 64 rows (§4r call 6)
         step sweep_wgmma 560 python3 scripts/gpu/sweep_mma.py --kernel wgmma --rows 8,64 --block-k 64,128,256 --gluon-warps 4,8 --gluon-nrep 1,2,4 --gluon-split-k 1,2,4,8 ${GLUON_ARGS:-} ;;
-    sweep_ss)  # the wgmma version with both operands in shared memory against the register one (and Marlin when installed), §4s
-        step sweep_ss 560 python3 scripts/gpu/sweep_mma.py --kernel wgmma --rows 8,64 --block-k 64,128 --gluon-warps 4,8 --gluon-nrep 1,2 --gluon-split-k 1,2,4,8 --gluon-ss 0,1 ${GLUON_ARGS:-} ;;
     gluon_test)  # vllm_ext.nvfp4_gluon's GPU tests (96 of them since §4s; 79 ran in §4r, about 80 s)
         step gluon_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_gluon.py ;;
     mma_test)  # the few-row tensor-core kernel's GPU tests (§4o)

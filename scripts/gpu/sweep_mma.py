@@ -49,14 +49,13 @@ def sweep_tiles(block_ns: list[int], block_ks: list[int], splits: list[int], sta
 
 def gluon_tiles(block_ks: list[int], warps: list[int], nreps: list[int] = (1,), splits: list[int] = (1,),
                 prefetch: list[int] = (0,), wide: list[int] = (0,), bits: list[int] = (0,),
-                wgmma: bool = False, ss: list[int] = (0,)) -> list[dict[str, Any]]:
+                wgmma: bool = False) -> list[dict[str, Any]]:
     """vllm_ext.nvfp4_gluon's tiles tried: ``16 * warps * nrep`` output features per program, ``split_k`` programs
     per output block, the next K tile loaded ahead or not, wide loads or not, the bit decode or Triton's; with
-    ``wgmma``, the warpgroup-MMA version (4 or 8 warps; always wide and bit-decoded, no prefetch; ``ss``: both
-    operands in shared memory, one wgmma in flight)."""
+    ``wgmma``, the warpgroup-MMA version (4 or 8 warps; always wide and bit-decoded, no prefetch)."""
     if wgmma:
-        return [dict(block_n=16 * w * r, block_k=bk, split_k=sk, num_warps=w, gluon=True, wgmma=True, ss=bool(q))
-                for q, bk, w, r, sk in itertools.product(ss, block_ks, warps, nreps, splits)]
+        return [dict(block_n=16 * w * r, block_k=bk, split_k=sk, num_warps=w, gluon=True, wgmma=True)
+                for bk, w, r, sk in itertools.product(block_ks, warps, nreps, splits)]
     return [dict(block_n=16 * w * r, block_k=bk, split_k=sk, num_warps=w, gluon=True, prefetch=bool(pf),
                  wide=bool(wd), bits=bool(bt))
             for bt, wd, pf, bk, w, r, sk in itertools.product(bits, wide, prefetch, block_ks, warps, nreps, splits)]
@@ -74,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gluon-split-k", default="1", help="programs per output block for --kernel gluon (default 1)")
     p.add_argument("--gluon-prefetch", default="0", help="1: load the next K tile ahead, 0: not (default 0)")
     p.add_argument("--gluon-wide", default="0", help="1: 16-byte loads of permuted K, 0: the operand's own (default 0)")
-    p.add_argument("--gluon-ss", default="0", help="--kernel wgmma: 1: both operands in shared memory (default 0)")
     p.add_argument("--gluon-bits", default="0",
                    help="1: E2M1 decoded by moving bits, 0: by Triton's lookup (default 0)")
     p.add_argument("--block-k", default="128,256,512", help="input features per K tile (default 128,256,512)")
@@ -102,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.kernel == "wgmma":
         tiles = gluon_tiles(ints(args.block_k), ints(args.gluon_warps), ints(args.gluon_nrep), ints(args.gluon_split_k),
-                            wgmma=True, ss=ints(args.gluon_ss))
+                            wgmma=True)
     elif args.kernel == "gluon":
         tiles = gluon_tiles(ints(args.block_k), ints(args.gluon_warps), ints(args.gluon_nrep),
                             ints(args.gluon_split_k), ints(args.gluon_prefetch), ints(args.gluon_wide),

@@ -52,7 +52,7 @@ def ints(text: str) -> list[int]:
 
 def run_tile(x, packed, scale, gscale, t: dict[str, Any]):  # noqa: ANN001, ANN201
     """One call of the kernel a sweep tile names: vllm_ext.nvfp4_gluon's (``gluon`` set: ``block_k``, ``num_warps``,
-    ``split_k``, ``prefetch``, ``wide``, ``bits``, ``wgmma``, ``ss`` and ``block_n`` = 16 x warps x its ``nrep``) or
+    ``split_k``, ``prefetch``, ``wide``, ``bits``, ``wgmma`` and ``block_n`` = 16 x warps x its ``nrep``) or
     ``nvfp4_small_gemm`` with the tile's options."""
     if t.get("gluon"):
         from vllm_ext.nvfp4_gluon import nvfp4_gluon_gemm
@@ -60,8 +60,7 @@ def run_tile(x, packed, scale, gscale, t: dict[str, Any]):  # noqa: ANN001, ANN2
         return nvfp4_gluon_gemm(x, packed, scale, gscale, block_k=t["block_k"], warps=t["num_warps"],
                                 nrep=t["block_n"] // (16 * t["num_warps"]), split_k=t["split_k"],
                                 prefetch=t.get("prefetch", False), wide=t.get("wide", False),
-                                bits=t.get("bits", False), wgmma=t.get("wgmma", False),
-                                ss=t.get("ss", False))
+                                bits=t.get("bits", False), wgmma=t.get("wgmma", False))
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
     return nvfp4_small_gemm(x, packed, scale, gscale, **t)
