@@ -180,20 +180,11 @@ if triton is not None:
 # Five integer operations per two codes (ptxas merges the and/or pairs), one conversion per code.
 
 
-def _decode8_ptx(imad: bool = False) -> str:
-    """``imad``: the six left shifts as multiplications by registers ``$9``-``$14`` holding 2^9, 2^12, 2^5, 2^8, 2^1,
-    2^4 (in that order), which ptxas cannot turn back into shifts: they run as IMAD on the FMA pipe instead of SHF on
-    the integer ALU, which the one-row kernel saturates (Nsight Compute, §4t call 5: ALU 64.8 % of the gate/up call's
-    cycles, the highest pipe)."""
-    operand = iter(range(9, 15))
-
+def _decode8_ptx() -> str:
     def masked(reg: str, by: int, mask: str) -> list[str]:  # reg = (word shifted left by `by`, right if < 0) & mask
         if by == 0:
             return [f"and.b32 {reg}, $8, {mask};"]
-        if by > 0 and imad:
-            op = f"mul.lo.u32 {reg}, $8, ${next(operand)};"
-        else:
-            op = f"shl.b32 {reg}, $8, {by};" if by > 0 else f"shr.b32 {reg}, $8, {-by};"
+        op = f"shl.b32 {reg}, $8, {by};" if by > 0 else f"shr.b32 {reg}, $8, {-by};"
         return [op, f"and.b32 {reg}, {reg}, {mask};"]
 
     lines = ["{", ".reg .b32 t, u, h0, h1, h2, h3;", ".reg .b16 l0, l1, l2, l3, l4, l5, l6, l7;"]
@@ -206,18 +197,6 @@ def _decode8_ptx(imad: bool = False) -> str:
 
 _DECODE8_PTX_TEXT = _decode8_ptx()
 _DECODE8_PTX = tl.constexpr(_DECODE8_PTX_TEXT) if tl is not None else None  # a global a kernel may read
-_DECODE8_IMAD_TEXT = _decode8_ptx(imad=True)
-_DECODE8_IMAD = tl.constexpr(_DECODE8_IMAD_TEXT) if tl is not None else None
-_IMAD_MULTIPLIERS = (1 << 9, 1 << 12, 1 << 5, 1 << 8, 1 << 1, 1 << 4)  # $9-$14 of _DECODE8_IMAD, in order
-_MULTIPLIERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _multipliers(device: torch.device) -> torch.Tensor:
-    """The int32 multipliers of the ``asm=2`` decode on ``device`` (kept per device)."""
-    have = _MULTIPLIERS.get(device)
-    if have is None:
-        have = _MULTIPLIERS[device] = torch.tensor(_IMAD_MULTIPLIERS, dtype=torch.int32, device=device)
-    return have
 
 
 if triton is not None:
@@ -234,7 +213,7 @@ if triton is not None:
 
     @triton.jit
     def _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-                  ASM: tl.constexpr, XVEC: tl.constexpr, MULS):
+                  ASM: tl.constexpr, XVEC: tl.constexpr):
         """K tile ``t`` of :func:`_row_dot`: ``[BLOCK_N, WORDS]`` float32 sums of each word's 8 products, times its
         group's scale."""
         cw = t * WORDS + tl.arange(0, WORDS)  # this tile's words: codes 8*cw .. 8*cw + 7, code j in bits 4j .. 4j + 3
@@ -247,15 +226,7 @@ if triton is not None:
             sc = tl.load(s_ptr + rn[:, None] * kg + (cw // 2)[None, :], mask=n_ok[:, None], other=0.0)
             sc = sc.to(tl.float32)
         part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-        if ASM == 2:  # the PTX decode with its left shifts as multiplications by the registers MULS
-            codes = tl.inline_asm_elementwise(
-                asm=_DECODE8_IMAD, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r",
-                args=[wv, MULS[0], MULS[1], MULS[2], MULS[3], MULS[4], MULS[5]],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
-                       tl.float32),
-                is_pure=True, pack=1,
-            )  # fmt: skip
-        elif ASM:  # the same decode in PTX (the interpreter cannot run it; the GPU tests check it)
+        if ASM:  # the same decode in PTX (the interpreter cannot run it; the GPU tests check it)
             codes = tl.inline_asm_elementwise(
                 asm=_DECODE8_PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wv],
                 dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
@@ -284,7 +255,7 @@ if triton is not None:
 
     @triton.jit
     def _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, STAGES: tl.constexpr, MULS=None):
+                 SPLIT_K: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, STAGES: tl.constexpr):
         """The one-row kernel's main loop: ``sum_k x[k] W[n, k]`` in float32 for the rows ``rn`` (``n_ok``: inside
         N) over K tiles ``pid_k, pid_k + SPLIT_K, ...``, before the global scale. Shared with
         :mod:`vllm_ext.nvfp4_gemv_lora`'s kernel.
@@ -302,16 +273,15 @@ if triton is not None:
             kw = tl.multiple_of(K // 8, 16)
             kg = tl.multiple_of(K // 16, 8)
             for t in tl.range(pid_k, K // BLOCK_K, SPLIT_K, num_stages=STAGES):
-                acc += _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N, WORDS, ASM, XVEC, MULS)
+                acc += _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N, WORDS, ASM, XVEC)
         else:
             for t in range(pid_k, K // BLOCK_K, SPLIT_K):
-                acc += _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, K // 8, K // 16, BLOCK_N, WORDS, ASM, XVEC,
-                                 MULS)
+                acc += _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, K // 8, K // 16, BLOCK_N, WORDS, ASM, XVEC)
         return tl.sum(acc, axis=1)
 
     @triton.jit
     def _nvfp4_row_kernel(
-        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, b_ptr, m_ptr, N, K,
+        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, b_ptr, N, K,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
         XVEC: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
@@ -327,11 +297,7 @@ if triton is not None:
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-        muls = None
-        if ASM == 2:  # the decode's multipliers, loaded (so that nothing can fold them back into shifts)
-            muls = (tl.load(m_ptr), tl.load(m_ptr + 1), tl.load(m_ptr + 2), tl.load(m_ptr + 3), tl.load(m_ptr + 4),
-                    tl.load(m_ptr + 5))
-        part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, XVEC, STAGES, muls)
+        part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, XVEC, STAGES)
         # workspace [SPLIT_K, N] float32 for split-K's partials
         _finish(y_ptr + rn, ws_ptr + rn, N, part, n_ok, 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k,
                 SPLIT_K, b_ptr + rn, HAS_BIAS)
@@ -411,8 +377,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     last to finish sums the float32 partials in a fixed order). ``fma``: one row only, products on the CUDA cores
     instead of a tensor-core dot; ``group_scales``: one scale load per group instead of one per byte; ``words``:
     one row on the CUDA cores with the weight read as int32 words and two codes decoded per integer operation
-    (:func:`_nvfp4_row_kernel`); ``asm``: that decode in PTX (default: on CUDA, not under the interpreter; ``2``: with
-    its left shifts as multiplications, on the FMA pipe, see :func:`_decode8_ptx`);
+    (:func:`_nvfp4_row_kernel`); ``asm``: that decode in PTX (default: on CUDA, not under the interpreter);
     ``xvec``: that kernel with ``x`` and the scales loaded once per word and group; ``bias`` ``[N]``: added to the
     float32 result in the epilogue, before the one rounding to ``x``'s dtype; ``stages``: with ``words``, the main
     loop software-pipelined that many stages deep (0: not pipelined; needs K a multiple of 128, see
@@ -476,10 +441,9 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     b = out if bias is None else bias.contiguous()  # unused without a bias
     global LAST_COMPILED
     if words:
-        asm = (not _interpreting()) if asm is None else asm
         LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](
-            x2, packed.view(torch.int32), scale, g, out, ws, cnt, b, _multipliers(x.device) if asm == 2 else out, n, k,
-            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=int(asm),
+            x2, packed.view(torch.int32), scale, g, out, ws, cnt, b, n, k,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm,
             XVEC=xvec, HAS_BIAS=bias is not None, STAGES=stages, PDL=pdl,
             num_warps=num_warps, launch_pdl=pdl, **extra,
         )  # fmt: skip

@@ -93,7 +93,7 @@ def tile_name(t: dict[str, Any]) -> str:
     if t.get("num_stages") is not None:
         name += f"p{t['num_stages']}"
     name += ("F" if t.get("fma") else "") + ("G" if t.get("group_scales") else "") + ("W" if t.get("words") else "")
-    name += {True: "A", False: "I", 2: "D"}.get(t.get("asm"), "")  # PTX decode / Triton integer / PTX with IMAD shifts
+    name += {True: "A", False: "I"}.get(t.get("asm"), "")  # PTX decode / Triton integer decode
     name += "X" if t.get("xvec") else ""
     name += "M" if t.get("mma") else ""  # the few-row tensor-core kernel on words
     name += "L" if t.get("gluon") else ""  # vllm_ext.nvfp4_gluon (explicit layouts)

@@ -15,8 +15,6 @@ graph with every layer's own weights (so the 4-bit weights stream from HBM, as i
                shrink waits for the kernel before it, then lets the row kernel start, which waits for the shrink only
                before reading its result
   row_lora_pdl1 only the row kernel a dependent launch (§4m-§4n's row+lora)
-  row_imad     the row kernel with its decode's left shifts as multiplications (asm=2, on the FMA pipe instead of the
-               integer ALU; §4t), dependent launch and tiles as shipped: same bits as row
   row_s0, row_lora_pdl_s0
                row and row_lora_pdl with §4m's tiles and an unpipelined loop (stages 0), when decode_tile's tiles
                differ from them: the kernels before §4n, in the same run
@@ -51,7 +49,7 @@ SHAPES = {  # hidden, intermediate, q features, kv features, layers (Qwen2.5)
     "7B": (3584, 18944, 3584, 512, 28),
     "32B": (5120, 27648, 5120, 1024, 64),
 }
-VARIANTS = ("row", "row+fused", "row||fused", "row_lora", "row_lora_pdl", "row_nopdl", "row_lora_pdl1", "row_imad")
+VARIANTS = ("row", "row+fused", "row||fused", "row_lora", "row_lora_pdl", "row_nopdl", "row_lora_pdl1")
 OLD_VARIANTS = ("row_s0", "row_lora_pdl_s0")
 
 
@@ -80,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_ext import lora_fused
     from vllm_ext import nvfp4_gemv_lora as rl
     from vllm_ext.bench.kernels import capture_graph
-    from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_gemv_row, nvfp4_small_gemm, pdl_supported
+    from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_gemv_row, nvfp4_small_gemm
 
     out_dir = Path(args.out or os.environ.get("OUT") or ".out").expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -138,10 +136,6 @@ def main(argv: list[str] | None = None) -> int:
         return nvfp4_small_gemm(L[1], L[2], L[3], L[4], bias=L[5], words=True, xvec=True, pdl=False,
                                 **decode_tile(L[2].shape[0], L[1].shape[-1]))
 
-    def row_imad(L):
-        return nvfp4_small_gemm(L[1], L[2], L[3], L[4], bias=L[5], words=True, xvec=True, asm=2,
-                                pdl=pdl_supported(L[1].device), **decode_tile(L[2].shape[0], L[1].shape[-1]))
-
     def row_s0(L):
         return nvfp4_small_gemm(L[1], L[2], L[3], L[4], bias=L[5], words=True, xvec=True,
                                 **tile_4m(L[2].shape[0], L[1].shape[-1]))
@@ -151,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                                    tile=tile_4m(L[2].shape[0], L[1].shape[-1]), pdl_first=False)
 
     fns = {"row": row, "row+fused": row_fused, "row||fused": row_beside, "row_lora": one, "row_lora_pdl": one_pdl,
-           "row_s0": row_s0, "row_lora_pdl_s0": one_pdl_s0, "row_nopdl": row_nopdl, "row_lora_pdl1": one_pdl1,
-           "row_imad": row_imad}
+           "row_s0": row_s0, "row_lora_pdl_s0": one_pdl_s0, "row_nopdl": row_nopdl, "row_lora_pdl1": one_pdl1}
     variants = VARIANTS
     if any({**tile_4m(sum(sl), k), "stages": 0} != {"stages": 0, **decode_tile(sum(sl), k, lora=lora)}
            for k, sl, _ in groups.values() for lora in (False, True)):
@@ -182,14 +175,13 @@ def main(argv: list[str] | None = None) -> int:
                                  "pdl_identical": torch.equal(got, got_pdl),
                                  "pdl1_identical": torch.equal(got, one_pdl1(L)),
                                  "row_pdl_identical": torch.equal(row(L), row_nopdl(L)),
-                                 "row_imad_identical": torch.equal(row(L), row_imad(L)),
                                  "pdl_max_ulps": ((got_pdl.double() - want.double()).abs() / ulp).max().item(),
                                  "no_adapter_max_ulps_vs_row": ((plain.double() - alone.double()).abs()
                                                                 / ulp_alone).max().item(),
                                  "no_adapter_differing": (plain != alone).double().mean().item()}
     torch.cuda.synchronize()
     ok = all(c["max_ulps"] <= 1.0 and c["repeat_identical"] and c["pdl_max_ulps"] <= 1.0
-             and c["pdl_identical"] and c["pdl1_identical"] and c["row_pdl_identical"] and c["row_imad_identical"]
+             and c["pdl_identical"] and c["pdl1_identical"] and c["row_pdl_identical"]
              and c["no_adapter_max_ulps_vs_row"] <= 1.0
              for c in result["check"].values())
     result["check_ok"] = ok
@@ -225,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     result["pdl_vs_row_lora_ms"] = round(pdiff, 4)
     result["lora_cost_ms"] = {name: round(rows[name]["median_ms"] - rows["row"]["median_ms"], 4)
                               for name in ("row+fused", "row||fused", "row_lora", "row_lora_pdl", "row_lora_pdl1")}
-    for new, old in (("row", "row_nopdl"), ("row_lora_pdl", "row_lora_pdl1"),  # §4p: the first launch dependent too
-                     ("row_imad", "row")):  # §4t: the decode's shifts as multiplications
+    for new, old in (("row", "row_nopdl"), ("row_lora_pdl", "row_lora_pdl1")):  # §4p: the first launch dependent too
         d, v = compare(rows[new], rows[old])
         result[f"{new}_vs_{old}"] = {"ms": round(d, 4), "verdict": v}
     if "row_s0" in rows:  # §4n's verdicts: the shipped tiles against §4m's, same run
@@ -242,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:<11} {rows[name]['median_ms']:.4f} ms ({rows[name]['spread_ms']:.4f}){extra}")
     print(f"row kernel alone: {result['row_tb_s']} TB/s; row_lora vs row+fused: {diff:+.4f} ms -> {result['verdict']}; "
           f"row_lora_pdl vs row_lora: {pdiff:+.4f} ms -> {result['pdl_verdict']}; check {'ok' if ok else 'FAILED'}")
-    for key in ("row_vs_row_s0", "row_lora_pdl_vs_row_lora_pdl_s0", "row_vs_row_nopdl", "row_lora_pdl_vs_row_lora_pdl1",
-                "row_imad_vs_row"):
+    for key in ("row_vs_row_s0", "row_lora_pdl_vs_row_lora_pdl_s0", "row_vs_row_nopdl", "row_lora_pdl_vs_row_lora_pdl1"):
         if key in result:
             print(f"{key}: {result[key]['ms']:+.4f} ms -> {result[key]['verdict']}")
     return 0 if ok else 1

@@ -40,13 +40,10 @@ from check_gemv import (  # noqa: E402
     verdict)
 
 
-def sweep_tiles(block_ns: list[int], splits: list[int], warps: list[int], stages: list[int],
-                asms: list[int] = (1,)) -> list[dict[str, Any]]:
-    """The one-row kernel's tiles tried (block_k 512, as every earlier sweep chose); ``asms``: the PTX decode as
-    shipped (1) and/or with its left shifts as multiplications (2, tile names ending in D)."""
-    return [dict(block_n=bn, block_k=512, split_k=sk, num_warps=w, stages=st, words=True,
-                 asm=True if a == 1 else a, xvec=True)
-            for a, st, bn, sk, w in itertools.product(asms, stages, block_ns, splits, warps)]
+def sweep_tiles(block_ns: list[int], splits: list[int], warps: list[int], stages: list[int]) -> list[dict[str, Any]]:
+    """The one-row kernel's tiles tried (block_k 512, as every earlier sweep chose)."""
+    return [dict(block_n=bn, block_k=512, split_k=sk, num_warps=w, stages=st, words=True, asm=True, xvec=True)
+            for st, bn, sk, w in itertools.product(stages, block_ns, splits, warps)]
 
 
 def ints(text: str) -> list[int]:
@@ -148,8 +145,6 @@ def try_tiles(tiles: list[dict[str, Any]], call, exact, time_us, record, base: d
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sweep_args(p, shapes="7B,32B", block_n="4,8,16", warps="1,2,4")
-    p.add_argument("--asm", default="1", help="decodes to sweep: 1 (as shipped), 2 (left shifts as multiplications), "
-                                              "or 1,2; with 2 the shipped tile is also timed with asm=2 (shipped2)")
     args = p.parse_args(argv)
 
     import torch
@@ -163,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     record = jsonl_recorder(args.out, "sweep_row.jsonl")
 
-    tiles = sweep_tiles(ints(args.block_n), ints(args.split_k), ints(args.warps), ints(args.stages), ints(args.asm))
+    tiles = sweep_tiles(ints(args.block_n), ints(args.split_k), ints(args.warps), ints(args.stages))
     if args.jobs > 1:
         precompile(tiles, args.jobs)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
@@ -200,8 +195,6 @@ def main(argv: list[str] | None = None) -> int:
             shipped = dict(decode_tile(n, k), words=True, asm=True, xvec=True)
             before = dict(tile_4m(n, k), words=True, asm=True, xvec=True)  # §4m's kernel, whatever ships now
             variants = {"best": best, "shipped": shipped, "stages0": before}
-            if 2 in ints(args.asm):
-                variants["shipped2"] = dict(shipped, asm=2)
             graphs = {key: graph_of(t) for key, t in variants.items()}
             times: dict[str, list[float]] = {key: [] for key in graphs}
             for _ in range(args.reps):
@@ -213,8 +206,6 @@ def main(argv: list[str] | None = None) -> int:
                                                                         for key, t in variants.items()},
                    **res, "best_vs_stages0": verdict(res["best"], res["stages0"]),
                    "shipped_vs_stages0": verdict(res["shipped"], res["stages0"]),
-                   **({"shipped2_vs_shipped": verdict(res["shipped2"], res["shipped"]),
-                       "best_vs_shipped": verdict(res["best"], res["shipped"])} if "shipped2" in res else {}),
                    "best_gb_s": round(raw_bytes / res["best"]["median_us"] / 1e3, 1),
                    "stages0_gb_s": round(raw_bytes / res["stages0"]["median_us"] / 1e3, 1)}
             record(fin)
@@ -233,19 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         sel = [f for f in finals if f["shape"] == shape]
         if len(sel) == len(args.linears.split(",")):
-            keys = ("best", "shipped", "stages0") + (("shipped2",) if "shipped2" in sel[0] else ())
-            step, spread = per_step_ms(sel, keys, LAYERS[shape])
+            step, spread = per_step_ms(sel, ("best", "shipped", "stages0"), LAYERS[shape])
             record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
             lines.append(f"per {shape} decode step (x{LAYERS[shape]}): best tiles {step['best']:.3f} ms "
                          f"(±{spread['best']:.3f}), shipped {step['shipped']:.3f} (±{spread['shipped']:.3f}), "
-                         f"§4m kernel {step['stages0']:.3f} (±{spread['stages0']:.3f})"
-                         + (f", shipped tile with asm=2 {step['shipped2']:.3f} (±{spread['shipped2']:.3f})"
-                            if "shipped2" in step else ""))
-    for f in finals:
-        if "shipped2" in f:
-            lines.append(f"{f['shape']} {f['linear']}: shipped tile asm=2 {f['shipped2']['median_us']:.2f} vs "
-                         f"{f['shipped']['median_us']:.2f} us -> {f['shipped2_vs_shipped']}; best "
-                         f"{f['best_tile']} vs shipped -> {f['best_vs_shipped']}")
+                         f"§4m kernel {step['stages0']:.3f} (±{spread['stages0']:.3f})")
     lines.append(f"tiles refused (error beyond the bf16 rounding, or not the same bits twice): {bad}")
     print("\n".join(lines), flush=True)
     return 1 if bad else 0

@@ -14,8 +14,6 @@ import subprocess
 import sys
 import textwrap
 
-import random
-
 import pytest
 import torch
 
@@ -154,7 +152,7 @@ def test_gpu_bf16_matches_dequantized_reference_and_marlin(m, split_k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel and vLLM's Marlin FP4 GEMM)")
 @pytest.mark.parametrize("split_k", [1, 4])
-@pytest.mark.parametrize("asm,xvec", [(True, False), (False, False), (True, True), (2, True)])
+@pytest.mark.parametrize("asm,xvec", [(True, False), (False, False), (True, True)])
 def test_gpu_one_row_word_kernel_matches_the_exact_product(split_k, asm, xvec):
     """The one-row CUDA-core path (words=True), with the PTX decode and without, in bf16 on the 7B down projection
     (the longest K): within the bf16 output's rounding of the product with the exact (float64) weight, and the same
@@ -280,27 +278,6 @@ def test_gpu_pipelined_row_kernel_matches_the_exact_product(stages, n, k, block_
     assert ((got.double() - plain).abs() / step).max().item() <= 1.0
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bfloat16 and the PTX decode)")
-@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (7168, 5120),
-                                 (55296, 5120), (5120, 27648)])
-def test_gpu_multiplying_decode_gives_the_same_bits_as_shifts(n, k):
-    """asm=2 (the decode's left shifts as multiplications) with each 7B and 32B linear's decode_tile, bias included:
-    the same bits as the shipped decode (the same values in the same order), and with a dependent launch too."""
-    from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_small_gemm
-
-    torch.manual_seed(n + k)
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
-    scale = (torch.rand(n, k // 16, device="cuda") * 2 + 0.25).to(torch.float8_e4m3fn)
-    g = torch.tensor([2688.0], device="cuda")
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    tile = dict(words=True, xvec=True, bias=bias, **decode_tile(n, k))
-    want = nvfp4_small_gemm(x, packed, scale, g, **tile)
-    assert torch.equal(nvfp4_small_gemm(x, packed, scale, g, asm=2, **tile), want)
-    assert torch.equal(nvfp4_small_gemm(x, packed, scale, g, asm=2, pdl=True, **tile), want)
-
-
 def test_decode_tiles_of_the_7b_and_32b_linears():
     """The tiles the H100 sweeps chose (§4j lease 7, §4k lease 5, §4n lease 1): each linear of the 7B and 32B steps."""
     from vllm_ext.nvfp4_gemv import decode_tile
@@ -389,15 +366,14 @@ def test_decode_gemv_dispatch_adds_the_natural_order_bias():
     assert r["compiled_many_err"] <= 2e-3 * (r["ref_max"] + 1e4)
 
 
-def _run_decode8_ptx(text: str, word: int, operands: tuple[int, ...] = ()) -> list[float]:
-    """A tiny interpreter for the instructions the decode PTX uses (shl/shr/and/or on b32, mul.lo.u32, the b32 -> two
-    b16 split, cvt.f32.f16), so its bit moves are checked on the CPU, where Triton's interpreter cannot run inline
-    PTX. ``operands``: the values of ``$9``, ``$10``, ..."""
+def _run_decode8_ptx(text: str, word: int) -> list[float]:
+    """A tiny interpreter for the instructions the decode PTX uses (shl/shr/and/or on b32, the b32 -> two b16 split,
+    cvt.f32.f16), so its bit moves are checked on the CPU, where Triton's interpreter cannot run inline PTX."""
     import re as _re
 
     import numpy as np
 
-    regs: dict[str, int] = {"$8": word & 0xFFFFFFFF, **{f"${9 + i}": v for i, v in enumerate(operands)}}
+    regs: dict[str, int] = {"$8": word & 0xFFFFFFFF}
     out = [0.0] * 8
     val = lambda a: regs[a] if a in regs else int(a, 0)  # noqa: E731
     for line in text.splitlines():
@@ -410,11 +386,10 @@ def _run_decode8_ptx(text: str, word: int, operands: tuple[int, ...] = ()) -> li
         if m := _re.fullmatch(r"cvt\.f32\.f16 \$(\d), (\w+)", line):
             out[int(m[1])] = float(np.array([regs[m[2]]], dtype=np.uint16).view(np.float16)[0])
             continue
-        op, dst, a, b = _re.fullmatch(r"(\w+(?:\.lo)?)\.[bu]32 (\S+), (\S+), (\S+)", line).groups()
+        op, dst, a, b = _re.fullmatch(r"(\w+)\.b32 (\S+), (\S+), (\S+)", line).groups()
         x, y = val(a), val(b)
-        ops = {"shl": lambda: x << y, "shr": lambda: x >> y, "and": lambda: x & y, "or": lambda: x | y,
-               "mul.lo": lambda: x * y}  # lazily: x << (a 32-bit mask) would build a 30 MB integer
-        regs[dst] = ops[op]() & 0xFFFFFFFF
+        ops = {"shl": lambda: x << y, "shr": lambda: x >> y, "and": lambda: x & y, "or": lambda: x | y}
+        regs[dst] = ops[op]() & 0xFFFFFFFF  # lazily: x << (a 32-bit mask) would build a 30 MB integer
     return out
 
 
@@ -432,69 +407,3 @@ def test_decode8_ptx_moves_every_code_to_its_value():
             assert got[pos] == values[code] * 2.0**-14, (pos, code, got)
     word = 0x76543210  # codes 0..7 at positions 0..7
     assert _run_decode8_ptx(_DECODE8_PTX_TEXT, word) == [v * 2.0**-14 for v in e2m1]
-
-
-def test_decode8_with_multiplications_gives_the_same_values_for_every_word_pattern():
-    """asm=2's decode (the left shifts as multiplications by $9-$14) equals the shift version on every code at every
-    position with every neighbour, and contains no left shift; with other multipliers it would be wrong (the
-    operands matter)."""
-    from vllm_ext.nvfp4_gemv import _DECODE8_IMAD_TEXT, _DECODE8_PTX_TEXT, _IMAD_MULTIPLIERS
-
-    assert "shl" not in _DECODE8_IMAD_TEXT and _DECODE8_IMAD_TEXT.count("mul.lo.u32") == 6
-    rng = random.Random(5)
-    words = [(c << (4 * p)) | (n << (4 * ((p + 1) % 8))) for p in range(8) for c in range(16) for n in range(16)]
-    words += [rng.getrandbits(32) for _ in range(2000)] + [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98]
-    for word in words:
-        assert _run_decode8_ptx(_DECODE8_IMAD_TEXT, word, _IMAD_MULTIPLIERS) == _run_decode8_ptx(_DECODE8_PTX_TEXT, word)
-    assert _run_decode8_ptx(_DECODE8_IMAD_TEXT, 0x76543210, (1,) * 6) != _run_decode8_ptx(_DECODE8_PTX_TEXT, 0x76543210)
-
-
-def _row_kernel_sass(asm: int, block_n: int, split_k: int, warps: int, stages: int) -> list[str]:
-    """The one-row kernel compiled for sm_90 with Triton's own ptxas (skips where it cannot), as SASS opcodes."""
-    import re as _re
-    import shutil
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from vllm_ext.nvfp4_gemv import _nvfp4_row_kernel
-
-    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16",
-           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "b_ptr": "*bf16", "m_ptr": "*i32", "N": "i32", "K": "i32"}
-    consts = dict(BLOCK_N=block_n, BLOCK_K=512, SPLIT_K=split_k, ASM=asm, XVEC=True, HAS_BIAS=False, STAGES=stages,
-                  PDL=True)
-    src = ASTSource(fn=_nvfp4_row_kernel, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in range(11)})
-    try:
-        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": max(stages, 1)})
-    except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
-        pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not cuobjdump.exists():
-        cuobjdump = shutil.which("cuobjdump")
-        if cuobjdump is None:
-            pytest.skip("no cuobjdump to read the SASS with")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
-    return [op.split(".")[0] for op in _re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", sass)]
-
-
-@pytest.mark.parametrize("block_n,split_k,warps,stages", [(8, 1, 1, 3), (8, 4, 2, 0), (4, 1, 1, 4)])
-def test_multiplying_decode_moves_shifts_from_the_alu_to_imad(block_n, split_k, warps, stages):
-    """asm=2 at the 7B gate/up, down and o tiles, compiled for sm_90: ptxas keeps the multiplications by registers
-    as IMAD (the FMA pipe) instead of turning them back into shifts (SHF, the integer ALU the kernel saturates):
-    at least 1.25 SHF fewer per word of a loop iteration (the decode has 6 left shifts per word; ptxas already
-    issues some of them as IMAD.SHL, more at some tiles than others), and the kernel is otherwise about the same
-    size (within 4 %)."""
-    shifts, muls = _row_kernel_sass(1, block_n, split_k, warps, stages), _row_kernel_sass(2, block_n, split_k, warps,
-                                                                                          stages)
-    words = block_n * 512 // 8 // (32 * warps)  # per thread and loop iteration (the loop is not unrolled further)
-    assert shifts.count("SHF") - muls.count("SHF") >= 1.25 * words
-    assert abs(len(muls) - len(shifts)) <= 0.04 * len(shifts)
