@@ -409,7 +409,7 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     loads contiguous quarters of the tile's rows (16-byte loads; the operands' K order is permuted alike); ``bits``:
     decode E2M1 by moving bits (about 4 instructions per two values instead of table lookups), the scales carrying
     the power of two that makes the values up; ``wgmma``: Hopper's warpgroup MMA with ``x`` in shared memory (4 or 8
-    warps; always wide and bit-decoded; ``prefetch`` does not apply). CUDA only (Gluon has no interpreter)."""
+    warps; always wide and bit-decoded; ``prefetch`` is refused with it). CUDA only (Gluon has no interpreter)."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"nvfp4_gluon_gemm needs Triton's Gluon ({GLUON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -435,6 +435,9 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"scale {scale.dtype} {tuple(scale.shape)}, expected float8_e4m3fn ({n}, {k // 16})")
     if global_scale.numel() != 1:
         problems.append(f"global_scale has {global_scale.numel()} values, expected 1")
+    if wgmma and prefetch:
+        problems.append("prefetch=True with wgmma=True (the wgmma version has no prefetch; it is always wide and "
+                        "bit-decoded): drop prefetch")
     if x.device.type != "cuda":
         problems.append(f"x on {x.device} (the kernel runs on CUDA only: Gluon has no interpreter)")
     if problems:

@@ -40,6 +40,8 @@ def test_refusals_name_the_bad_input():
         ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, split_k=0)
     with pytest.raises(ValueError, match=r"warps=2 \(4 or 8 with wgmma: one or two warpgroups\)"):
         ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, warps=2, wgmma=True)
+    with pytest.raises(ValueError, match=r"prefetch=True with wgmma=True .*drop prefetch"):
+        ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, warps=4, wgmma=True, prefetch=True)
 
 
 @pytest.mark.parametrize("block_m,block_k,warps,nrep,split_k", [(64, 128, 4, 2, 1), (8, 128, 4, 1, 8),
