@@ -42,9 +42,9 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 except Exception as exc:  # noqa: BLE001 (an old or missing Triton: the kernel is simply unavailable)
-    gluon = gl = mma_v2 = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
+    gluon = gl = mma_v2 = fence_async_shared = warpgroup_mma = None
     GLUON_IMPORT_ERROR: str | None = f"{type(exc).__name__}: {exc}" if triton is not None else _TRITON_IMPORT_ERROR
 else:
     GLUON_IMPORT_ERROR = None
@@ -104,6 +104,21 @@ if gluon is not None:
         return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [16 * warps * nrep, 4, g, 2])
 
     @gluon.jit
+    def _quarter_scales(s_ptr, N, KS, k0, n0, ok, s3_l: gl.constexpr, BLOCK_N: gl.constexpr, G: gl.constexpr,
+                        MASKED: gl.constexpr):
+        """The FP8 group scales of the K tile at ``k0`` for the wide loads, ``[BLOCK_N, 4, G]`` in layout ``s3_l``:
+        for row ``n0 + r`` and quarter ``j`` of the tile, its ``G`` contiguous groups (the tile's groups ``j * G +
+        g``). ``MASKED``: rows past ``N``, and everything where ``ok`` is false, read as 0."""
+        rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, s3_l)))
+        rj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, s3_l)))
+        rg = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, s3_l)))
+        ptrs = s_ptr + rn[:, None, None] * KS + (k0 // 16 + rj[None, :, None] * G + rg[None, None, :])
+        if MASKED:
+            return gl.load(ptrs, mask=(rn < N)[:, None, None] & ok, other=0.0)
+        else:
+            return gl.load(ptrs)
+
+    @gluon.jit
     def _load_tile_wide(x_ptr, sxm, w_ptr, s_ptr, M, N, KB, KS, k0, n0, ok, p_l: gl.constexpr, b_l: gl.constexpr,
                         s_l: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_M: gl.constexpr,
                         WARPS: gl.constexpr, NREP: gl.constexpr, MASK_W: gl.constexpr):
@@ -129,14 +144,7 @@ if gluon is not None:
         # c_hi // 2 (G = block_k / 64 groups per quarter): each thread loads its G contiguous groups and repeats each
         s4_l: gl.constexpr = _wide_s_layout(BLOCK_K, WARPS, NREP)
         G: gl.constexpr = BLOCK_K // 64
-        rn_g = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s4_l))))
-        rj_g = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, s4_l))))
-        rg_g = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, s4_l))))
-        s_ptrs = s_ptr + rn_g[:, None, None] * KS + (k0 // 16 + rj_g[None, :, None] * G + rg_g[None, None, :])
-        if MASK_W:
-            sg = gl.load(s_ptrs, mask=(rn_g < N)[:, None, None] & ok, other=0.0).to(gl.bfloat16)
-        else:
-            sg = gl.load(s_ptrs).to(gl.bfloat16)
+        sg = _quarter_scales(s_ptr, N, KS, k0, n0, ok, gl.SliceLayout(3, s4_l), BLOCK_N, G, MASK_W).to(gl.bfloat16)
         sg = gl.expand_dims(sg, 3) + gl.full([BLOCK_N, 4, G, 2], 0, gl.bfloat16, s4_l)
         sg = gl.reshape(gl.permute(gl.reshape(sg, [BLOCK_N, 4, 2 * G]), [0, 2, 1]), [BLOCK_N, BLOCK_K // 8])
         sc8 = gl.convert_layout(sg, s_l)
@@ -334,14 +342,7 @@ if gluon is not None:
         w5 = gl.reshape(gl.join(lo, hi), [BLOCK_N, 4, G, 8, 2])
         l5: gl.constexpr = w5.type.layout
         s3_l: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, l5))
-        rn_g = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, s3_l)))
-        rj_g = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, s3_l)))
-        rg_g = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, s3_l)))
-        s_ptrs = s_ptr + rn_g[:, None, None] * KS + (k0 // 16 + rj_g[None, :, None] * G + rg_g[None, None, :])
-        if EVEN_N:
-            sg = gl.load(s_ptrs)
-        else:
-            sg = gl.load(s_ptrs, mask=(rn_g < N)[:, None, None], other=0.0)
+        sg = _quarter_scales(s_ptr, N, KS, k0, n0, True, s3_l, BLOCK_N, G, not EVEN_N)
         sg = (sg.to(gl.float32) * _SCALE_UP).to(gl.bfloat16)
         w5 = w5 * gl.expand_dims(gl.expand_dims(sg, 3), 4)
         return w5, gl.load(x_ptr + x_offs + k0, mask=x_ok, other=0.0)
