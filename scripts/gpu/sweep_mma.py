@@ -2,8 +2,8 @@
 """GPU sweep of a few-row NVFP4 tensor-core kernel against vLLM's Marlin FP4 GEMM and BF16 cuBLAS, at the batch
 sizes of the issue's b8 / b64 decode rows: ``--kernel mma`` (default), ``vllm_ext.nvfp4_gemv``'s ``mma=True`` (the
 weight read as int32 words, eight dots per K tile); ``--kernel gluon``, ``vllm_ext.nvfp4_gluon`` (operands laid out
-in registers as mma.sync takes them). On the
-linears of the 7B (and 32B) decode step, with the weights streamed from HBM.
+in registers as mma.sync takes them); ``--kernel wgmma``, its warpgroup-MMA version. On the linears of the 7B (and
+32B) decode step, with the weights streamed from HBM.
 Run from the repository root on the GPU machine (Marlin needs the installed vLLM; without it the Marlin column is
 left out and said so):
 

@@ -9,6 +9,7 @@ where the kernel is also compared with vLLM's Marlin FP4 GEMM on the same weight
 from __future__ import annotations
 
 import json
+import operator
 import os
 import subprocess
 import sys
@@ -366,6 +367,9 @@ def test_decode_gemv_dispatch_adds_the_natural_order_bias():
     assert r["compiled_many_err"] <= 2e-3 * (r["ref_max"] + 1e4)
 
 
+_PTX_OPS = {"shl": operator.lshift, "shr": operator.rshift, "and": operator.and_, "or": operator.or_}
+
+
 def _run_decode8_ptx(text: str, word: int) -> list[float]:
     """A tiny interpreter for the instructions the decode PTX uses (shl/shr/and/or on b32, the b32 -> two b16 split,
     cvt.f32.f16), so its bit moves are checked on the CPU, where Triton's interpreter cannot run inline PTX."""
@@ -388,8 +392,7 @@ def _run_decode8_ptx(text: str, word: int) -> list[float]:
             continue
         op, dst, a, b = _re.fullmatch(r"(\w+)\.b32 (\S+), (\S+), (\S+)", line).groups()
         x, y = val(a), val(b)
-        ops = {"shl": lambda: x << y, "shr": lambda: x >> y, "and": lambda: x & y, "or": lambda: x | y}
-        regs[dst] = ops[op]() & 0xFFFFFFFF  # lazily: x << (a 32-bit mask) would build a 30 MB integer
+        regs[dst] = _PTX_OPS[op](x, y) & 0xFFFFFFFF
     return out
 
 
