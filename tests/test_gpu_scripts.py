@@ -790,3 +790,33 @@ def test_per_step_ms_sums_medians_and_spreads_over_linears_times_layers():
               {"a": {"median_us": 30.0, "spread_us": 0.25}, "b": {"median_us": 5.0, "spread_us": 0.0}}]
     step, spread = per_step_ms(finals, ("a", "b"), 28)
     assert step == {"a": 1.12, "b": 0.7} and spread == {"a": 0.021, "b": 0.028}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# check_actor_kernels.py: the actor at the same peak memory (docs/benchmarks.md §4u)
+
+
+def _model_row(case, keep, peak, runs):
+    return {"step": "model", "case": case, "keep": keep, "step_peak_GiB": peak, "step_ms_all": runs,
+            "step_ms": sorted(runs)[len(runs) // 2]}
+
+
+def test_actor_same_memory_verdict_takes_the_most_kept_layers_within_bf16s_peak():
+    ck = _import_script("check_actor_kernels")
+    assert ck.parse_model_case("nvfp4+keep12") == ("nvfp4", 12) and ck.parse_model_case("bf16") == ("bf16", 0)
+    for bad in ("nvfp4+keep", "nvfp4+keepx", "fp8", "nvfp4+kep2"):
+        with pytest.raises(ValueError, match="optionally \\+keepN"):
+            ck.parse_model_case(bad)
+    bf16 = _model_row("bf16", 0, 45.7, [2400.0, 2405.0, 2410.0])
+    rows = [bf16, _model_row("nvfp4", 0, 37.0, [2412.0, 2415.0, 2420.0]),
+            _model_row("nvfp4+keep2", 2, 44.0, [2370.0, 2372.0, 2380.0]),
+            _model_row("nvfp4+keep3", 3, 47.5, [2340.0, 2341.0, 2345.0]),  # over BF16's peak: not a same-memory case
+            _model_row("bf16+keep2", 2, 52.0, [2360.0, 2361.0, 2362.0])]
+    text = ck.same_memory_verdict(rows)
+    assert text.startswith("same peak memory: nvfp4+keep2 (44.0 GiB) vs bf16 (45.7 GiB): tokens/s 1.014x")
+    assert text.endswith("faster (ranges apart): PASS")
+    rows[2] = _model_row("nvfp4+keep2", 2, 44.0, [2395.0, 2400.0, 2402.0])
+    assert ck.same_memory_verdict(rows).endswith("ranges overlap: no verdict")
+    assert ck.same_memory_verdict(rows[:2]).endswith("slower (ranges apart): FAIL")
+    assert ck.same_memory_verdict([bf16, rows[3]]) == "same peak memory: no NVFP4 case within BF16's step peak"
+    assert ck.same_memory_verdict(rows[1:]) is None

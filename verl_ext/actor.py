@@ -4,7 +4,9 @@ Three wrappers (:mod:`verl_ext.patches`) put the NVFP4 base into verl's FSDP act
 parses this worker's qerl settings (the engine sees no rollout config); ``FSDPEngine._build_module`` loads an
 NVFP4 checkpoint's bytes into :class:`~verl_ext.nvfp4_linear.NVFP4Linear` layers of a meta-device model
 (:func:`build_from_nvfp4_checkpoint`); ``FSDPEngine._build_lora_module`` quantizes a BF16 checkpoint's
-projections the way vLLM does before PEFT wraps them. Design: docs/design.md, "The actor's NVFP4 base".
+projections the way vLLM does before PEFT wraps them, and then (for any LoRA actor, NVFP4 or not) lets the last
+``custom.qerl.actor.no_recompute_layers`` decoder layers keep their activations (:mod:`verl_ext.recompute`).
+Design: docs/design.md, "The actor's NVFP4 base".
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def wrap_build_lora_module(original, target: str):
     def _build_lora_module(self, module):
         s = current()
         if not s.nvfp4:
-            return original(self, module)
+            return _keep_activations(original(self, module), s)
         from verl_ext.nvfp4_replace import nvfp4_modules, replace_linears_with_nvfp4
 
         if not nvfp4_modules(module):
@@ -128,9 +130,26 @@ def wrap_build_lora_module(original, target: str):
             )
         module = original(self, module)
         check_lora_on_nvfp4(module)
-        return module
+        return _keep_activations(module, s)
 
     return _build_lora_module
+
+
+def _keep_activations(module, s):
+    """The last ``actor.no_recompute_layers`` decoder layers of the LoRA actor stop recomputing (verl_ext.recompute);
+    verl enabled gradient checkpointing on every layer before this, in ``_build_module``."""
+    if not s.no_recompute_layers:
+        return module
+    from verl_ext.config import NO_RECOMPUTE_KEY, QerlConfigError
+    from verl_ext.recompute import keep_activations
+
+    try:
+        names = keep_activations(module, s.no_recompute_layers, key=NO_RECOMPUTE_KEY)
+    except ValueError as e:
+        raise QerlConfigError(str(e)) from None
+    logger.info("qerl: %d decoder layers keep their activations instead of recomputing them: %s", len(names),
+                ", ".join(n.rsplit(".", 1)[-1] for n in names))
+    return module
 
 
 def check_lora_on_nvfp4(module) -> dict:

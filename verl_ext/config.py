@@ -11,6 +11,7 @@ driver, the workers and the vLLM servers)::
           qerl:
             aqn: {enable: true, sigma_start: 1.0e-2, sigma_end: 1.0e-4, num_stages: 10, schedule: exponential,
                   seed: 0, total_steps: null, noise_free_first_stage: true, resample: stage, apply_to_actor: false}
+            actor: {no_recompute_layers: 0}   # the last N decoder layers keep their activations (verl_ext.recompute)
 
 :func:`validate` runs in the driver inside verl's ``validate_config`` and raises :class:`QerlConfigError`
 naming the key and the fix; :mod:`verl_ext.settings` parses the keys. This module imports nothing from verl
@@ -37,9 +38,12 @@ MODEL = "actor_rollout_ref.model"
 ACTOR = "actor_rollout_ref.actor"
 QERL_KEY = f"{ROLLOUT}.custom.qerl"
 AQN_KEY = f"{QERL_KEY}.aqn"
+ACTOR_BLOCK_KEY = f"{QERL_KEY}.actor"
+NO_RECOMPUTE_KEY = f"{ACTOR_BLOCK_KEY}.no_recompute_layers"
 NVFP4 = options.METHOD
 
-QERL_BLOCK_KEYS = ("aqn",)
+QERL_BLOCK_KEYS = ("aqn", "actor")
+ACTOR_BLOCK_KEYS = ("no_recompute_layers",)
 # keys of the aqn block that are ours, not qerl_plugin.aqn.AQNConfig's
 AQN_EXTRA_KEYS = ("enable", "apply_to_actor")
 _NEAR_MISSES = {"fp4", "nvfp4a16", "nvfp4_a16", "w4a16_fp4", "nvfp4-a16", "qerl", "qerl_nvfp4", "nv_fp4"}
@@ -150,6 +154,9 @@ def validate(cfg: Any, normalize: bool = True) -> tuple[QerlSettings, list[str]]
 
     if settings.aqn_enabled:
         _check_aqn(cfg, settings)
+
+    if settings.no_recompute_layers:
+        _check_no_recompute(cfg, settings)
 
     if settings.active:
         _bypass_mode_to_actor(cfg, normalize, notes)
@@ -325,6 +332,22 @@ def _check_aqn(cfg: Any, s: QerlSettings) -> None:
         except ValueError as e:
             where = f"{AQN_KEY}.total_steps" if s.aqn.total_steps else "trainer.total_training_steps"
             raise QerlConfigError(f"{AQN_KEY} with {where}={total}: {str(e).replace('AQNConfig.', '')}") from None
+
+
+def _check_no_recompute(cfg: Any, s: QerlSettings) -> None:
+    """``actor.no_recompute_layers`` turns gradient checkpointing off for layers of a LoRA actor: both must be on."""
+    n = s.no_recompute_layers
+    if not get(cfg, f"{MODEL}.enable_gradient_checkpointing", False):
+        raise QerlConfigError(
+            f"{NO_RECOMPUTE_KEY}={n}, but {MODEL}.enable_gradient_checkpointing is false: no layer recomputes its "
+            f"forward, so every layer keeps its activations already; set enable_gradient_checkpointing=true or "
+            f"drop {NO_RECOMPUTE_KEY}"
+        )
+    if _lora_rank(cfg) <= 0:
+        raise QerlConfigError(
+            f"{NO_RECOMPUTE_KEY}={n} applies to LoRA actors (it is set where verl adds the adapter), but "
+            f"{MODEL}.lora_rank is 0; set lora_rank or drop {NO_RECOMPUTE_KEY}"
+        )
 
 
 # Below this many tokens per actor micro-batch the NVFP4 actor is bound by host time per linear (a decode

@@ -19,13 +19,26 @@ from typing import Any, Iterable, Mapping
 from verl.base_config import BaseConfig
 
 from qerl_plugin import options
-from verl_ext.config import AQN_EXTRA_KEYS, AQN_KEY, NVFP4, QERL_BLOCK_KEYS, QERL_KEY, QerlConfigError, get, to_plain
+from verl_ext.config import (
+    ACTOR_BLOCK_KEY,
+    ACTOR_BLOCK_KEYS,
+    AQN_EXTRA_KEYS,
+    AQN_KEY,
+    NO_RECOMPUTE_KEY,
+    NVFP4,
+    QERL_BLOCK_KEYS,
+    QERL_KEY,
+    QerlConfigError,
+    get,
+    to_plain,
+)
 
 __all__ = [
     "QerlSettings",
     "activate",
     "checkpoint_quantization",
     "current",
+    "parse_actor_block",
     "parse_qerl_block",
     "settings_from",
     "settings_of",
@@ -37,7 +50,8 @@ class QerlSettings(BaseConfig):
     """What one run asked of qerl, read from its verl config; frozen, as verl's ``BaseConfig`` makes it.
 
     ``aqn`` is a :class:`qerl_plugin.aqn.AQNConfig` (without ``total_steps`` until the run knows it) or
-    None when AQN is off.
+    None when AQN is off. ``no_recompute_layers``: how many of the actor's last decoder layers keep their
+    activations under gradient checkpointing (:mod:`verl_ext.recompute`).
     """
 
     quantization: str | None = None
@@ -45,6 +59,7 @@ class QerlSettings(BaseConfig):
     aqn_apply_to_actor: bool = False
     model_path: str | None = None
     model_quant: str = "unknown"  # "bf16" | "nvfp4" | "other:<method>" | "unknown" (remote / unreadable path)
+    no_recompute_layers: int = 0
 
     @property
     def nvfp4(self) -> bool:
@@ -57,7 +72,7 @@ class QerlSettings(BaseConfig):
     @property
     def active(self) -> bool:
         """Whether any qerl behaviour is on (otherwise every wrapper passes straight through to verl)."""
-        return self.nvfp4 or self.aqn_enabled
+        return self.nvfp4 or self.aqn_enabled or self.no_recompute_layers > 0
 
     @property
     def nvfp4_checkpoint(self) -> bool:
@@ -86,7 +101,10 @@ def parse_qerl_block(block: Any) -> tuple[Any, bool]:
     if block is None:
         return None, False
     if not isinstance(block, Mapping):
-        raise QerlConfigError(f"{QERL_KEY}: expected a mapping with the key 'aqn', got {type(block).__name__} {block!r}")
+        raise QerlConfigError(
+            f"{QERL_KEY}: expected a mapping with the keys {' and/or '.join(QERL_BLOCK_KEYS)}, got {type(block).__name__} "
+            f"{block!r}"
+        )
     unknown = [k for k in block if k not in QERL_BLOCK_KEYS]
     if unknown:
         hints = ", ".join(f"{k!r}{_near(str(k), QERL_BLOCK_KEYS)}" for k in unknown)
@@ -114,6 +132,32 @@ def parse_qerl_block(block: Any) -> tuple[Any, bool]:
     if not enable:
         return None, False
     return cfg, apply_to_actor
+
+
+def parse_actor_block(block: Any) -> int:
+    """``no_recompute_layers`` of the ``custom.qerl`` block's ``actor`` mapping (0 when absent); raises
+    QerlConfigError naming the key."""
+    block = to_plain(block)
+    actor = block.get("actor") if isinstance(block, Mapping) else None
+    if actor is None:
+        return 0
+    if not isinstance(actor, Mapping):
+        raise QerlConfigError(
+            f"{ACTOR_BLOCK_KEY}: expected a mapping such as {{no_recompute_layers: 2}}, got {type(actor).__name__} {actor!r}"
+        )
+    unknown = [k for k in actor if k not in ACTOR_BLOCK_KEYS]
+    if unknown:
+        hints = ", ".join(f"{k!r}{_near(str(k), ACTOR_BLOCK_KEYS)}" for k in unknown)
+        raise QerlConfigError(f"{ACTOR_BLOCK_KEY}: unknown key(s) {hints}; it takes only {', '.join(ACTOR_BLOCK_KEYS)}")
+    n = actor.get("no_recompute_layers", 0)
+    if n is None:
+        return 0
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise QerlConfigError(
+            f"{NO_RECOMPUTE_KEY}={n!r}: give a whole number of decoder layers >= 0 (the last N layers keep their "
+            "activations instead of recomputing them; 0 recomputes all, as gradient checkpointing does)"
+        )
+    return n
 
 
 def checkpoint_quantization(model_path: str | None) -> str:
@@ -154,7 +198,9 @@ def settings_from(rollout: Any, model: Any = None) -> QerlSettings:
     """
     quant = get(rollout, "quantization")
     quant = str(quant).strip().lower() if quant is not None else None
-    aqn, apply_to_actor = parse_qerl_block(get(rollout, "custom.qerl"))
+    block = get(rollout, "custom.qerl")
+    aqn, apply_to_actor = parse_qerl_block(block)
+    no_recompute = parse_actor_block(block)
     path = (get(model, "local_path") or get(model, "path")) if model is not None else None
     return QerlSettings(
         quantization=quant,
@@ -162,6 +208,7 @@ def settings_from(rollout: Any, model: Any = None) -> QerlSettings:
         aqn_apply_to_actor=apply_to_actor,
         model_path=str(path) if path is not None else None,
         model_quant=checkpoint_quantization(path) if quant == NVFP4 else "unknown",
+        no_recompute_layers=no_recompute,
     )
 
 

@@ -19,7 +19,8 @@ Steps (each survives the failure of another; results go to $OUT, default ./.out)
            default) and decoded again (QERL_ACTOR_SAVED_WEIGHT_MIB=0)
   model    a 7B-shaped Qwen2 (28 layers) built on the GPU in bf16: weight memory, tokens/s and the peak of one
            LoRA forward+backward step (gradient checkpointing, sdpa; median of 5 after a warm-up), bf16 base vs
-           NVFP4 base (kept weight / decoded again)
+           NVFP4 base (kept weight / decoded again); --model-cases adds +keepN cases (the last N layers keep their
+           activations) and the summary compares NVFP4 and BF16 at the same peak memory (§4u)
 
 Writes $OUT/check_actor_kernels.jsonl (one JSON object per measurement), $OUT/check_actor_kernels.log, and
 prints a summary table last.
@@ -493,7 +494,19 @@ def _qwen2_7b_config(layers: int):
     )
 
 
-def step_model(rec: Recorder, layers: int, tokens: int, rank: int) -> None:
+MODEL_CASES = ("bf16", "nvfp4", "nvfp4_redecode")
+
+
+def parse_model_case(case: str) -> tuple[str, int]:
+    """``bf16`` / ``nvfp4`` / ``nvfp4_redecode``, optionally ``+keepN``: the last N decoder layers keep their
+    activations instead of recomputing them (verl_ext.recompute, verl's ``actor.no_recompute_layers``)."""
+    base, _, keep = case.partition("+keep")
+    if base not in MODEL_CASES or (_ and not keep.isdigit()):
+        raise ValueError(f"model case {case!r}: expected one of {', '.join(MODEL_CASES)}, optionally +keepN (e.g. nvfp4+keep2)")
+    return base, int(keep or 0)
+
+
+def step_model(rec: Recorder, layers: int, tokens: int, rank: int, cases=MODEL_CASES, iters: int = 5) -> None:
     import torch
 
     try:
@@ -501,20 +514,24 @@ def step_model(rec: Recorder, layers: int, tokens: int, rank: int) -> None:
     except ImportError as exc:
         rec.record(step="model", error=f"peft not importable: {exc}")
         return
+    from verl_ext.recompute import keep_activations
 
     cfg = _qwen2_7b_config(layers)
-    for variant in ("bf16", "nvfp4", "nvfp4_redecode"):
+    for case in cases:
+        variant, keep = parse_model_case(case)
         _set_budget("0" if variant == "nvfp4_redecode" else "")
+        train_step = model = None  # the previous case's model goes before this one is built
         _empty_cache()
         _reset_peak()
-        row = {"step": "model", "case": variant, "layers": layers, "tokens": tokens, "rank": rank}
+        row = {"step": "model", "case": case, "keep": keep, "layers": layers, "tokens": tokens, "rank": rank}
         try:
             model = _lora_model(cfg, variant != "bf16", rank, row)
+            row["kept_layers"] = keep_activations(model, keep)
             ids = torch.randint(0, cfg.vocab_size, (1, tokens), device=DEVICE)
             _reset_peak()
             start = _allocated()
             train_step = _train_step(model, ids)
-            times = cuda_times_ms(train_step, warmup=1, iters=5)
+            times = cuda_times_ms(train_step, warmup=1, iters=iters)
             row["step_ms"] = round(statistics.median(times), 1)
             row["step_ms_all"] = [round(t, 1) for t in times]
             row["tokens_per_s"] = round(tokens / (row["step_ms"] / 1e3), 1)
@@ -524,9 +541,31 @@ def step_model(rec: Recorder, layers: int, tokens: int, rank: int) -> None:
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rec.log(traceback.format_exc())
         rec.record(**row)
-        model = None
+        train_step = model = None
         _empty_cache()
     _set_budget("")
+
+
+def same_memory_verdict(rows: list[dict]) -> str | None:
+    """§4u's criterion: NVFP4 (kept weight) with the most kept layers whose step peak is at most BF16's (every layer
+    recomputed) against that BF16 step: tokens/s ratio, and whether the step-time ranges are apart."""
+    ok = [r for r in rows if r.get("step") == "model" and "step_ms" in r]
+    bf16 = next((r for r in ok if r["case"] == "bf16"), None)
+    if bf16 is None:
+        return None
+    fits = [r for r in ok if r["case"].partition("+keep")[0] == "nvfp4" and r["step_peak_GiB"] <= bf16["step_peak_GiB"]]
+    if not fits:
+        return "same peak memory: no NVFP4 case within BF16's step peak"
+    best = max(fits, key=lambda r: (r.get("keep", 0), -r["step_ms"]))
+    ratio = bf16["step_ms"] / best["step_ms"]
+    if max(best["step_ms_all"]) < min(bf16["step_ms_all"]):
+        verdict = "faster (ranges apart): " + ("PASS" if ratio >= 1.0 else "FAIL")
+    elif min(best["step_ms_all"]) > max(bf16["step_ms_all"]):
+        verdict = "slower (ranges apart): FAIL"
+    else:
+        verdict = "ranges overlap: no verdict"
+    return (f"same peak memory: {best['case']} ({best['step_peak_GiB']} GiB) vs bf16 ({bf16['step_peak_GiB']} GiB): "
+            f"tokens/s {ratio:.3f}x, {verdict}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -583,6 +622,9 @@ def summary(rows: list[dict]) -> str:
                 f"{r.get('step_peak_GiB', '-'):>14} {r.get('step_ms', '-'):>9} {str(r.get('step_ms_all', '-')):>30} "
                 f"{ratio:>11}  {r.get('error', '')}"
             )
+        verdict = same_memory_verdict(mod)
+        if verdict:
+            lines.append(verdict)
     errs = [r for r in rows if r.get("step") == "error"]
     for r in errs:
         lines.append(f"step {r['failed']} FAILED: {r['error']}")
@@ -598,6 +640,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32)")
     p.add_argument("--layers", type=int, default=28, help="decoder layers of the model step (default 28 = 7B)")
     p.add_argument("--model-tokens", type=int, default=4096, help="sequence length of the model step (default 4096)")
+    p.add_argument("--model-cases", default=",".join(MODEL_CASES),
+                   help="comma list of the model step's cases: bf16, nvfp4, nvfp4_redecode, each optionally +keepN (the "
+                        f"last N layers keep their activations; e.g. nvfp4+keep2); default {','.join(MODEL_CASES)}")
+    p.add_argument("--model-iters", type=int, default=5, help="timed steps per model case, after one warm-up (default 5)")
     p.add_argument("--out", default=os.environ.get("OUT", "./.out"), help="output folder (default $OUT or ./.out)")
     p.add_argument("--smoke-cpu", action="store_true",
                    help="every step on CPU with the Triton interpreter and toy shapes (checks the script, times nothing)")
@@ -615,6 +661,12 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SHAPES_SMOKE if args.smoke_cpu else SHAPES_QUICK if args.quick else SHAPES_7B
     layers = 2 if (args.quick or args.smoke_cpu) else args.layers
     model_tokens = 32 if args.smoke_cpu else 1024 if args.quick else args.model_tokens
+    try:
+        model_cases = [c.strip() for c in args.model_cases.split(",") if c.strip()]
+        for c in model_cases:
+            parse_model_case(c)
+    except ValueError as e:
+        p.error(str(e))
     if args.quick:
         tokens = [min(t, 2048) for t in tokens]
     if args.smoke_cpu:
@@ -642,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
             elif step == "layer":
                 step_layer(rec, shapes, tokens, args.rank)
             elif step == "model":
-                step_model(rec, layers, model_tokens, args.rank)
+                step_model(rec, layers, model_tokens, args.rank, model_cases, args.model_iters)
             elif step == "tune":
                 step_tune(rec, shapes)
             elif step == "profile":

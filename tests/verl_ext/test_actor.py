@@ -38,12 +38,12 @@ def fsdp_engine():
     return FSDPEngine
 
 
-def _engine(path: Path, model_dtype: str = "fp32"):
+def _engine(path: Path, model_dtype: str = "fp32", checkpointing: bool = False):
     from verl.workers.config import FSDPEngineConfig, HFModelConfig
 
     mc = HFModelConfig(
         path=str(path), lora_rank=8, lora_alpha=16, target_modules="all-linear", use_remove_padding=False,
-        override_config={"attn_implementation": "sdpa"},
+        override_config={"attn_implementation": "sdpa"}, enable_gradient_checkpointing=checkpointing,
     )
     ec = FSDPEngineConfig(model_dtype=model_dtype, strategy="fsdp2")
     rank0 = SimpleNamespace(get_coordinate=lambda: [0])  # verl's _build_module asks the mesh which rank loads weights
@@ -137,6 +137,30 @@ def test_bf16_run_is_untouched(fsdp_engine, tiny_bf16):
     eng = _engine(tiny_bf16)
     module = fsdp_engine._build_lora_module(eng, fsdp_engine._build_module(eng))
     assert not any(isinstance(m, NVFP4Linear) for m in module.modules())
+
+
+@pytest.mark.parametrize("quantization", ["nvfp4", None])
+def test_no_recompute_layers_reach_verls_lora_build(fsdp_engine, tiny_bf16, quantization):
+    from verl_ext.config import QerlConfigError
+    from verl_ext.recompute import checkpointed_layers
+    from verl_ext.settings import activate, settings_from
+
+    def build(n, checkpointing=True):
+        activate(settings_from({"quantization": quantization, "custom": {"qerl": {"actor": {"no_recompute_layers": n}}}},
+                               {"path": str(tiny_bf16)}))
+        eng = _engine(tiny_bf16, checkpointing=checkpointing)
+        return fsdp_engine._build_lora_module(eng, fsdp_engine._build_module(eng))
+
+    try:
+        module = build(1)  # the tiny checkpoint has 2 decoder layers; verl checkpointed both in _build_module
+        assert [n for n, _ in checkpointed_layers(module)] == ["base_model.model.model.layers.0"]
+        assert module.base_model.model.model.layers[1].gradient_checkpointing is False
+        with pytest.raises(QerlConfigError, match=r"no_recompute_layers=3, but .* has 2 checkpointed decoder layers"):
+            build(3)
+        with pytest.raises(QerlConfigError, match=r"gradient checkpointing is off"):
+            build(1, checkpointing=False)
+    finally:
+        activate(None)
 
 
 def test_init_model_wrapper_reads_the_workers_rollout_config(tiny_bf16):

@@ -107,6 +107,21 @@ def test_aqn_off_and_no_quantization_is_a_plain_verl_run(env):
     assert not settings.active and notes == []
 
 
+def test_no_recompute_layers_is_read_for_any_lora_actor(env):
+    cfg = _cfg("+actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layers=2")
+    settings, _ = validate(cfg)
+    assert settings.no_recompute_layers == 2 and settings.nvfp4
+    # without quantization or AQN the setting alone makes qerl active (its wrapper applies it to a BF16-LoRA actor)
+    cfg = _cfg("actor_rollout_ref.rollout.quantization=null", "actor_rollout_ref.rollout.custom.qerl.aqn.enable=false",
+               "+actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layers=1")
+    settings, _ = validate(cfg)
+    assert settings.active and not settings.nvfp4 and settings.no_recompute_layers == 1
+    cfg = _cfg("actor_rollout_ref.rollout.quantization=null", "actor_rollout_ref.rollout.custom.qerl.aqn.enable=false",
+               "+actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layers=1", "actor_rollout_ref.model.lora_rank=0")
+    with pytest.raises(QerlConfigError, match="no_recompute_layers=1 applies to LoRA actors"):
+        validate(cfg)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # bad input: the error names the key and the fix
 
@@ -131,6 +146,14 @@ def test_aqn_off_and_no_quantization_is_a_plain_verl_run(env):
         (["trainer.v1.trainer_mode=colocate_async"], "trainer_mode='colocate_async'", "trainer_mode=sync"),
         (["trainer.total_training_steps=3"], "total_training_steps=3", "lower num_stages"),
         (["actor_rollout_ref.rollout.custom.qerl.aqn.apply_to_actor=maybe"], "aqn.apply_to_actor", "true or false"),
+        (["+actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layer=2"], "custom.qerl.actor",
+         "did you mean 'no_recompute_layers'"),
+        (["+actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layers=-1"], "no_recompute_layers=-1", "whole number"),
+        (["+actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layers=two"], "no_recompute_layers='two'", ">= 0"),
+        (["+actor_rollout_ref.rollout.custom.qerl.actor=2"], "custom.qerl.actor", "{no_recompute_layers: 2}"),
+        (["+actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layers=2",
+          "actor_rollout_ref.model.enable_gradient_checkpointing=false"],
+         "enable_gradient_checkpointing is false", "enable_gradient_checkpointing=true"),
     ],
 )
 def test_bad_config_is_rejected_with_key_and_fix(env, overrides, key, fix):
