@@ -17,6 +17,7 @@ The data path, one concern per module:
 * :mod:`verl_ext.adapter_sync`     actor -> vLLM adapter: extraction by name (the FSDP1 fix), key checks
 * :mod:`verl_ext.actor`            actor build: NVFP4 base (:mod:`verl_ext.nvfp4_linear`) under PEFT LoRA
 * :mod:`verl_ext.nvfp4_linear`     the actor's frozen NVFP4 base linear: decoded per call, input gradient only
+* :mod:`verl_ext.recompute`        ``actor.no_recompute_layers``: the last N decoder layers keep their activations
 * :mod:`verl_ext.nvfp4_replace`    which linears go NVFP4; quantize them in place (the rollout's bytes)
 * :mod:`verl_ext.nvfp4_checkpoint` load an NVFP4 checkpoint's bytes into a model built from its config
 * :mod:`verl_ext.kernels`          the actor's NVFP4 decode: Triton kernel on CUDA, the torch codec elsewhere

@@ -2,15 +2,16 @@
 
 Under gradient checkpointing (verl's ``model.enable_gradient_checkpointing``) every decoder layer keeps only
 its input in the forward and runs its forward a second time in the backward. That second forward is about a
-third of a LoRA layer's training time: the frozen base needs no weight gradient, so its backward is one matmul
-per linear, as its forward is. A layer that keeps its activations skips it, at the cost of holding them from its
-forward to its backward (for the Qwen2.5-7B shape about 3 GiB per layer at 16 384 tokens, measured in
-docs/benchmarks.md §4u).
+quarter of a LoRA layer's training time (the frozen base needs no weight gradient, so its backward is one matmul
+per linear, as its forward is): 15-26 ms per layer of a ~2.4 s 7B step at 16 384 tokens. A layer that keeps its activations skips it, at the cost of holding them from its
+forward to its backward: for the Qwen2.5-7B shape 4.0 / 2.0 / 1.0 GiB per layer at 16 384 / 8 192 / 4 096 tokens
+per micro-batch, about 0.25 MiB per token (measured on an H100, docs/benchmarks.md §4u).
 
-An NVFP4 base holds ~0.56 bytes per weight instead of 2, so the 7B actor has about 9 GiB to spare against a
-BF16 actor's peak: enough for the last two or three layers to keep their activations, which is how the NVFP4
-actor can be faster than the BF16 one at the same peak memory (§4u). The setting is ``custom.qerl.actor.
-no_recompute_layers`` of the rollout block (:mod:`verl_ext.config`). It imports no verl: the GPU bench uses it.
+An NVFP4 base holds ~0.56 bytes per weight instead of 2, so the 7B actor peaks 8.76 GiB below a BF16 actor: enough
+for its last 2 / 4 / 8 layers to keep their activations at those token counts, which makes it 1.01-1.07× the BF16
+actor's tokens/s at the same peak memory (§4u). The setting is ``custom.qerl.actor.no_recompute_layers`` of the
+rollout block (:mod:`verl_ext.config`); it applies to any LoRA actor, BF16 too. This module imports no verl: the
+GPU bench uses it.
 """
 
 from __future__ import annotations
