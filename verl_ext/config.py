@@ -399,6 +399,8 @@ def wrap_validate_config(original, target: str):
                     f"AQN {a.schedule} {a.sigma_start:g}->{a.sigma_end:g} over {a.num_stages} stages"
                     + (" (also on the actor)" if settings.aqn_apply_to_actor else "")
                 )
+            if settings.no_recompute_layers:
+                what.append(f"the actor's last {settings.no_recompute_layers} decoder layers keep their activations")
             print("[qerl] " + "; ".join(what))
             for n in notes:
                 print(f"[qerl] normalised {n}")

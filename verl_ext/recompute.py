@@ -3,9 +3,10 @@
 Under gradient checkpointing (verl's ``model.enable_gradient_checkpointing``) every decoder layer keeps only
 its input in the forward and runs its forward a second time in the backward. That second forward is about a
 quarter of a LoRA layer's training time (the frozen base needs no weight gradient, so its backward is one matmul
-per linear, as its forward is): 15-26 ms per layer of a ~2.4 s 7B step at 16 384 tokens. A layer that keeps its activations skips it, at the cost of holding them from its
-forward to its backward: for the Qwen2.5-7B shape 4.0 / 2.0 / 1.0 GiB per layer at 16 384 / 8 192 / 4 096 tokens
-per micro-batch, about 0.25 MiB per token (measured on an H100, docs/benchmarks.md §4u).
+per linear, as its forward is): 15-26 ms per layer of a ~2.4 s 7B step at 16 384 tokens. A layer that keeps its
+activations skips it, at the cost of holding them from its forward to its backward: for the Qwen2.5-7B shape
+4.0 / 2.0 / 1.0 GiB per layer at 16 384 / 8 192 / 4 096 tokens per micro-batch, about 0.25 MiB per token
+(measured on an H100, docs/benchmarks.md §4u).
 
 An NVFP4 base holds ~0.56 bytes per weight instead of 2, so the 7B actor peaks 8.76 GiB below a BF16 actor: enough
 for its last 2 / 4 / 8 layers to keep their activations at those token counts, which makes it 1.01-1.07× the BF16

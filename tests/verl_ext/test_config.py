@@ -107,10 +107,19 @@ def test_aqn_off_and_no_quantization_is_a_plain_verl_run(env):
     assert not settings.active and notes == []
 
 
-def test_no_recompute_layers_is_read_for_any_lora_actor(env):
+def test_no_recompute_layers_is_read_for_any_lora_actor(env, capsys):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+
+    from verl_ext import patches
+
     cfg = _cfg("+actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layers=2")
     settings, _ = validate(cfg)
     assert settings.no_recompute_layers == 2 and settings.nvfp4
+    patches.apply_all()
+    import verl.utils.config as vc
+
+    vc.validate_config(cfg, need_reference_policy(cfg), need_critic(cfg))
+    assert "the actor's last 2 decoder layers keep their activations" in capsys.readouterr().out
     # without quantization or AQN the setting alone makes qerl active (its wrapper applies it to a BF16-LoRA actor)
     cfg = _cfg("actor_rollout_ref.rollout.quantization=null", "actor_rollout_ref.rollout.custom.qerl.aqn.enable=false",
                "+actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layers=1")
