@@ -17,7 +17,7 @@ Steps (each survives the failure of another; results go to $OUT, default ./.out)
   layer    forward+backward of NVFP4Linear + LoRA vs bf16 nn.Linear + LoRA, 7B layer shapes, tokens 4096 / 16384:
            time, the share spent decoding, peak memory; NVFP4 with the decoded weight kept for backward (the
            default) and decoded again (QERL_ACTOR_SAVED_WEIGHT_MIB=0)
-  model    a 7B-shaped Qwen2 (28 layers) built on the GPU in bf16: weight memory, tokens/s and the peak of one
+  model    a 7B-shaped Qwen2 (28 layers; --shape 32b: 64 layers of the 32B shape) built on the GPU in bf16: weight memory, tokens/s and the peak of one
            LoRA forward+backward step (gradient checkpointing, sdpa; median of 5 after a warm-up), bf16 base vs
            NVFP4 base (kept weight / decoded again); --model-cases adds +keepN cases (the last N layers keep their
            activations) and the summary compares NVFP4 and BF16 at the same peak memory (§4u)
@@ -449,7 +449,7 @@ def step_profile(rec: Recorder, layers: int, tokens: int, rank: int, out: Path) 
     rec.record(**row)
     del w, dense, quant, x
 
-    cfg = _qwen2_7b_config(layers)
+    cfg = _qwen2_config(layers)
     # (the fifth session's run at 88453c8 also had "nvfp4_scratch", an experiment since removed: docs/benchmarks.md §4e)
     for variant in ("bf16", "nvfp4"):
         _empty_cache()
@@ -481,15 +481,20 @@ def step_profile(rec: Recorder, layers: int, tokens: int, rank: int, out: Path) 
         _empty_cache()
 
 
-def _qwen2_7b_config(layers: int):
+# Qwen2.5-7B and -32B: (hidden, intermediate, layers, query heads, kv heads)
+MODEL_SHAPES = {"7b": (3584, 18944, 28, 28, 4), "32b": (5120, 27648, 64, 40, 8)}
+
+
+def _qwen2_config(layers: int, shape: str = "7b"):
     from transformers import Qwen2Config
 
     if DEVICE != "cuda":  # smoke: the same code path on a toy model
         return Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    hidden, inter, _, heads, kv = MODEL_SHAPES[shape]
     return Qwen2Config(
-        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=layers,
-        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6,
+        vocab_size=152064, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768, rope_theta=1e6,
         tie_word_embeddings=False,
     )
 
@@ -506,7 +511,8 @@ def parse_model_case(case: str) -> tuple[str, int]:
     return base, int(keep or 0)
 
 
-def step_model(rec: Recorder, layers: int, tokens: int, rank: int, cases=MODEL_CASES, iters: int = 5) -> None:
+def step_model(rec: Recorder, layers: int, tokens: int, rank: int, cases=MODEL_CASES, iters: int = 5,
+               shape: str = "7b") -> None:
     import torch
 
     try:
@@ -516,14 +522,14 @@ def step_model(rec: Recorder, layers: int, tokens: int, rank: int, cases=MODEL_C
         return
     from verl_ext.recompute import keep_activations
 
-    cfg = _qwen2_7b_config(layers)
+    cfg = _qwen2_config(layers, shape)
     for case in cases:
         variant, keep = parse_model_case(case)
         _set_budget("0" if variant == "nvfp4_redecode" else "")
         train_step = model = None  # the previous case's model goes before this one is built
         _empty_cache()
         _reset_peak()
-        row = {"step": "model", "case": case, "keep": keep, "layers": layers, "tokens": tokens, "rank": rank}
+        row = {"step": "model", "case": case, "keep": keep, "shape": shape, "layers": layers, "tokens": tokens, "rank": rank}
         try:
             model = _lora_model(cfg, variant != "bf16", rank, row)
             row["kept_layers"] = keep_activations(model, keep)
@@ -638,7 +644,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small shapes, 2 model layers, 1024 tokens")
     p.add_argument("--tokens", default="4096,16384", help="token counts for the layer step (default 4096,16384)")
     p.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32)")
-    p.add_argument("--layers", type=int, default=28, help="decoder layers of the model step (default 28 = 7B)")
+    p.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="7b", help="Qwen2.5 shape of the model step (default 7b)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers of the model step (default: the shape's, 28 for 7b, 64 for 32b)")
     p.add_argument("--model-tokens", type=int, default=4096, help="sequence length of the model step (default 4096)")
     p.add_argument("--model-cases", default=",".join(MODEL_CASES),
                    help="comma list of the model step's cases: bf16, nvfp4, nvfp4_redecode, each optionally +keepN (the "
@@ -659,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown step(s) {unknown}; choose from {', '.join(STEPS)}")
     tokens = [int(t) for t in args.tokens.split(",")]
     shapes = SHAPES_SMOKE if args.smoke_cpu else SHAPES_QUICK if args.quick else SHAPES_7B
-    layers = 2 if (args.quick or args.smoke_cpu) else args.layers
+    layers = 2 if (args.quick or args.smoke_cpu) else args.layers or MODEL_SHAPES[args.shape][2]
     model_tokens = 32 if args.smoke_cpu else 1024 if args.quick else args.model_tokens
     try:
         model_cases = [c.strip() for c in args.model_cases.split(",") if c.strip()]
@@ -694,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
             elif step == "layer":
                 step_layer(rec, shapes, tokens, args.rank)
             elif step == "model":
-                step_model(rec, layers, model_tokens, args.rank, model_cases, args.model_iters)
+                step_model(rec, layers, model_tokens, args.rank, model_cases, args.model_iters, args.shape)
             elif step == "tune":
                 step_tune(rec, shapes)
             elif step == "profile":
