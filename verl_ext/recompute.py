@@ -10,7 +10,8 @@ activations skips it, at the cost of holding them from its forward to its backwa
 
 An NVFP4 base holds ~0.56 bytes per weight instead of 2, so the 7B actor peaks 8.76 GiB below a BF16 actor: enough
 for its last 2 / 4 / 8 layers to keep their activations at those token counts, which makes it 1.01-1.07× the BF16
-actor's tokens/s at the same peak memory (§4u). The setting is ``custom.qerl.actor.no_recompute_layers`` of the
+actor's tokens/s at the same peak memory; the 32B shape has 41.8 GiB to spend and gains 1.11-1.12× with 28 of
+its 64 layers kept at 4 096 tokens (§4u). The setting is ``custom.qerl.actor.no_recompute_layers`` of the
 rollout block (:mod:`verl_ext.config`); it applies to any LoRA actor, BF16 too. This module imports no verl: the
 GPU bench uses it.
 """
