@@ -93,3 +93,49 @@ def test_zero_changes_nothing_and_bad_counts_name_the_fix():
         keep_activations(model, 1, key="k")
     with pytest.raises(ValueError, match=r"enable_gradient_checkpointing=true"):
         keep_activations(_model(nvfp4=False, checkpointing=False), 1)
+
+
+FSDP2_CHECK = """
+import os, socket, sys
+import torch, torch.distributed as dist
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from test_recompute import _model, _step
+from verl_ext.recompute import keep_activations
+
+mesh = init_device_mesh("cpu", (1,))
+ids = torch.randint(0, 96, (2, 24))
+grads = {}
+for keep in (0, 2):
+    model = _model(nvfp4=True)
+    keep_activations(model, keep)  # before wrapping, as verl's _build_lora_module is
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    g, calls = _step(model, ids)
+    grads[keep] = {k: v.full_tensor() for k, v in g.items()}
+    print("calls", keep, calls)
+print("equal", all(torch.equal(grads[0][k], grads[2][k]) for k in grads[0]), len(grads[0]))
+dist.destroy_process_group()
+"""
+
+
+def test_kept_layers_under_fsdp2():
+    """verl's fsdp2 strategy wraps each decoder layer with ``fully_shard`` after the LoRA build; the kept layers must
+    still run their forward once and give the same gradients (one process, gloo, CPU)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    out = subprocess.run([sys.executable, "-c", FSDP2_CHECK, str(here), str(here.parents[1])],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "calls 0 [2, 2, 2, 2]" in lines and "calls 2 [2, 2, 1, 1]" in lines, out.stdout
+    assert f"equal True {2 * 7 * LAYERS}" in lines, out.stdout
