@@ -1,6 +1,6 @@
 """Speed at a glance: docs/speed.png from the raw GPU results committed under docs/gpu-runs (no GPU needed).
 
-Four panels, each from one H100 run (one machine per panel):
+Five panels, each from one H100 run (one machine per panel):
 
 1. 7B decode tokens/s at batch 1 / 8 / 64 (docs/benchmarks.md §4j lease 1, random NVFP4A16 checkpoint): BF16 + LoRA
    on vLLM's punica, vLLM's stock NVFP4A16 + LoRA on punica, ours as shipped then (fused LoRA; overlap is the
@@ -11,6 +11,9 @@ Four panels, each from one H100 run (one machine per panel):
 3. Ratios against 16-bit LoRA: the paper's (read from its released figures, §7) next to ours, with the issue's targets.
 4. Against QLoRA (§4l lease 1): 7B decode of ours and of BF16 + LoRA, each over NF4 + LoRA as vLLM serves it (the
    bitsandbytes loader, punica), with the paper's 7B rollout figures against QLoRA as reference lines.
+5. The actor (§4u call 1): a 7B LoRA forward + backward at 16 384 tokens, tokens/s over BF16's (every layer
+   recomputed) against the step's peak memory, as the last N layers keep their activations (N = 0-3 for NVFP4,
+   0 and 2 for BF16); both orders of the run, and BF16's peak as the same-memory line.
 
     python scripts/plot_speed.py                 # writes docs/speed.png
     python scripts/plot_speed.py --out /tmp/s.png --json /tmp/s.json   # and the numbers drawn, as JSON
@@ -30,6 +33,7 @@ DECODE_32B = RUNS / "2026-11-25" / "eleventh" / "lease3" / "bench-gemv32" / "a" 
 STEP_2048 = RUNS / "2026-11-24" / "ninth" / "lease1" / "verl_7b" / "results.jsonl"
 STEP_512 = RUNS / "2026-11-24" / "ninth" / "lease2" / "verl_7b" / "results.jsonl"
 DECODE_QLORA = RUNS / "2026-11-27" / "thirteenth" / "lease1" / "bench-qlora" / "a" / "bench_rollout.json"
+ACTOR_7B = [RUNS / "2026-11-27" / "nineteenth" / "call1" / order / "check_actor_kernels.jsonl" for order in ("order1", "order2")]
 
 # The paper's own figures against vanilla (16-bit) LoRA, from NVlabs/QeRL's README plots (assets/performance.png,
 # assets/rank_speed.png): 7B rollout 2 092 vs 1 641 tokens/s, 7B end to end x1.2 vs x1, 32B rollout at rank 32
@@ -82,6 +86,22 @@ def step_phases(path: Path) -> dict[str, dict]:
     return out
 
 
+def actor_points(paths: list[Path] = ACTOR_7B) -> dict[str, dict]:
+    """``{case: {"peak_GiB", "ratios": [one per run]}}`` of check_actor_kernels' model step: each case's tokens/s
+    over the ``bf16`` case's of the same run."""
+    out: dict[str, dict] = {}
+    for path in paths:
+        rows = [json.loads(line) for line in _read(path).splitlines()]
+        rows = [r for r in rows if r.get("step") == "model" and "step_ms" in r]
+        base = next((r["step_ms"] for r in rows if r["case"] == "bf16"), None)
+        if base is None:
+            raise SpeedDataError(f"{path}: no bf16 model row")
+        for r in rows:
+            point = out.setdefault(r["case"], {"peak_GiB": r["step_peak_GiB"], "keep": r.get("keep", 0), "ratios": []})
+            point["ratios"].append(round(base / r["step_ms"], 3))
+    return out
+
+
 def figure_data() -> dict:
     """Every number the figure draws, read from the raw files."""
     decode = decode_rows(DECODE_7B)
@@ -106,7 +126,8 @@ def figure_data() -> dict:
             "vs_lora": {"paper": {k: round(v, 3) for k, v in PAPER_VS_LORA.items()}, "ours": ours_vs_lora,
                         "targets": TARGETS},
             "vs_qlora": {"decode_tok_s": q, "ours": vs_qlora,
-                         "paper_7b_rollout": {k: round(v, 3) for k, v in PAPER_VS_QLORA.items()}}}
+                         "paper_7b_rollout": {k: round(v, 3) for k, v in PAPER_VS_QLORA.items()}},
+            "actor_7b_16k": actor_points(ACTOR_7B)}
 
 
 def _paired_bars(ax, series: list[tuple[list[float], str, str]]) -> None:  # noqa: ANN001
@@ -125,7 +146,7 @@ def plot(data: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(22, 5.2), gridspec_kw={"width_ratios": [1.25, 1.0, 1.0, 1.0]})
+    fig, axes = plt.subplots(1, 5, figsize=(27, 5.2), gridspec_kw={"width_ratios": [1.25, 1.0, 1.0, 1.0, 1.0]})
     # 1. decode tokens/s, log scale (b1 ~ 100s, b64 ~ 1000s)
     ax = axes[0]
     batches = ["1", "8", "64"]
@@ -209,6 +230,26 @@ def plot(data: dict, out: Path) -> None:
     ax.set_title("Against QLoRA: NF4 + LoRA in vLLM (bitsandbytes), 7B decode\n(one H100 run, random weights; §4l)",
                  fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
+    # 5. the actor: tokens/s over BF16's against peak memory, as layers keep their activations
+    ax = axes[4]
+    pts = data["actor_7b_16k"]
+    for kind, color, label in (("nvfp4", "#c0392b", "NVFP4 + LoRA"), ("bf16", "#9e9e9e", "BF16 + LoRA")):
+        cases = sorted((c for c in pts if c.partition("+keep")[0] == kind), key=lambda c: pts[c]["keep"])
+        xs = [pts[c]["peak_GiB"] for c in cases]
+        ax.plot(xs, [sum(pts[c]["ratios"]) / len(pts[c]["ratios"]) for c in cases], color=color, lw=1.2, label=label)
+        for c in cases:
+            for i, r in enumerate(pts[c]["ratios"]):
+                ax.plot(pts[c]["peak_GiB"], r, marker="os"[i % 2], color=color, ms=5, ls="none")
+            ax.annotate(f"N={pts[c]['keep']}", (pts[c]["peak_GiB"], max(pts[c]["ratios"])), ha="center", va="bottom",
+                        fontsize=8, xytext=(0, 3), textcoords="offset points")
+    ax.axvline(pts["bf16"]["peak_GiB"], color="black", ls="--", lw=1.2, label="BF16's peak (same-memory line)")
+    ax.axhline(1.0, color="black", lw=0.6)
+    ax.plot([], [], marker="o", color="black", ls="none", ms=5, label="order 1 (circle) / order 2 (square)")
+    ax.set_xlabel("step peak memory, GiB (torch max allocated)")
+    ax.set_ylabel("tokens/s ÷ BF16 + LoRA (every layer recomputed)")
+    ax.set_title("Actor forward + backward, 7B shape, 16 384 tokens:\nthe last N layers keep their activations "
+                 "(H100, §4u)", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

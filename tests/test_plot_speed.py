@@ -37,6 +37,11 @@ def test_numbers_are_the_documented_ones():
     assert data["vs_qlora"]["ours"]["nvfp4-lora@default"] == {"1": 1.565, "8": 2.963, "64": 2.391}
     assert data["vs_qlora"]["ours"]["bf16-lora@punica-lora"] == {"1": 0.922, "8": 1.844, "64": 1.988}
     assert data["vs_qlora"]["paper_7b_rollout"] == {"QeRL": 1.536, "LoRA": 1.205}
+    # §4u call 1: the actor at 16 384 tokens, tokens/s over BF16's in each order, and the step peaks
+    actor = data["actor_7b_16k"]
+    assert actor["nvfp4+keep2"]["ratios"] == [1.009, 1.017] and actor["nvfp4+keep2"]["peak_GiB"] == 44.961
+    assert actor["nvfp4"]["ratios"] == [0.993, 0.998] and actor["bf16"]["peak_GiB"] == 45.728
+    assert actor["bf16+keep2"]["ratios"] == [1.013, 1.024]
 
 
 def test_writes_the_png_and_the_numbers(tmp_path):
