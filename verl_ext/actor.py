@@ -147,8 +147,9 @@ def _keep_activations(module, s):
         names = keep_activations(module, s.no_recompute_layers, key=NO_RECOMPUTE_KEY)
     except ValueError as e:
         raise QerlConfigError(str(e)) from None
-    logger.info("qerl: %d decoder layers keep their activations instead of recomputing them: %s", len(names),
-                ", ".join(n.rsplit(".", 1)[-1] for n in names))
+    # printed, as the AQN hook's lines are: the worker's stdout reaches the driver's log, its loggers do not
+    print(f"[qerl] actor: {len(names)} decoder layers keep their activations instead of recomputing them "
+          f"({NO_RECOMPUTE_KEY}): {', '.join(n.rsplit('.', 2)[-2] + '.' + n.rsplit('.', 1)[-1] for n in names)}", flush=True)
     return module
 
 

@@ -140,7 +140,7 @@ def test_bf16_run_is_untouched(fsdp_engine, tiny_bf16):
 
 
 @pytest.mark.parametrize("quantization", ["nvfp4", None])
-def test_no_recompute_layers_reach_verls_lora_build(fsdp_engine, tiny_bf16, quantization):
+def test_no_recompute_layers_reach_verls_lora_build(fsdp_engine, tiny_bf16, quantization, capsys):
     from verl_ext.config import QerlConfigError
     from verl_ext.recompute import checkpointed_layers
     from verl_ext.settings import activate, settings_from
@@ -155,6 +155,8 @@ def test_no_recompute_layers_reach_verls_lora_build(fsdp_engine, tiny_bf16, quan
         module = build(1)  # the tiny checkpoint has 2 decoder layers; verl checkpointed both in _build_module
         assert [n for n, _ in checkpointed_layers(module)] == ["base_model.model.model.layers.0"]
         assert module.base_model.model.model.layers[1].gradient_checkpointing is False
+        assert "[qerl] actor: 1 decoder layers keep their activations instead of recomputing them " \
+               "(actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layers): layers.1" in capsys.readouterr().out
         with pytest.raises(QerlConfigError, match=r"no_recompute_layers=3, but .* has 2 checkpointed decoder layers"):
             build(3)
         with pytest.raises(QerlConfigError, match=r"gradient checkpointing is off"):
