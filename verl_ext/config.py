@@ -357,29 +357,65 @@ def _check_no_recompute(cfg: Any, s: QerlSettings) -> None:
 NVFP4_MICRO_BATCH_TOKENS = 4096
 
 
+def _micro_batch_tokens(cfg: Any) -> tuple[int | None, str]:
+    """The most tokens one actor micro-batch holds, and where that number comes from (the key, or micro x seq)."""
+    if get(cfg, f"{ACTOR}.use_dynamic_bsz", False):
+        cap = get(cfg, f"{ACTOR}.ppo_max_token_len_per_gpu")
+        return (int(cap), f"{ACTOR}.ppo_max_token_len_per_gpu={cap}") if cap is not None else (None, "")
+    micro = get(cfg, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
+    seq = int(get(cfg, "data.max_prompt_length", 0) or 0) + int(get(cfg, "data.max_response_length", 0) or 0)
+    if not micro or not seq:
+        return None, ""
+    return int(micro) * seq, f"{ACTOR}.ppo_micro_batch_size_per_gpu={micro} holds at most {int(micro) * seq} tokens ({micro} x {seq})"
+
+
+def _model_config(cfg: Any) -> dict | None:
+    path = get(cfg, f"{MODEL}.path")
+    if not path:
+        return None
+    try:
+        import json
+
+        return json.loads((Path(os.path.expanduser(str(path))) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def hints(cfg: Any, s: QerlSettings) -> list[str]:
-    """Advice that changes no setting: where a run's own values are known to make the NVFP4 actor slow."""
+    """Advice that changes no setting: where a run's own values are known to make the NVFP4 actor slow, and how
+    many layers could keep their activations within a BF16 actor's memory."""
     if not s.nvfp4:
         return []
+    out = []
     n = NVFP4_MICRO_BATCH_TOKENS
+    tokens, source = _micro_batch_tokens(cfg)
     why = (
         f"the NVFP4 actor is host-bound below ~{n} tokens per micro-batch (H100, 7B: 1.48x BF16's time at 2.5k "
         "tokens, parity at 16k; docs/benchmarks.md 4e/4f)"
     )
-    fix = f"set {ACTOR}.use_dynamic_bsz=true and {ACTOR}.ppo_max_token_len_per_gpu=16384 if memory allows"
-    if get(cfg, f"{ACTOR}.use_dynamic_bsz", False):
-        cap = get(cfg, f"{ACTOR}.ppo_max_token_len_per_gpu")
-        if cap is not None and int(cap) < n:
-            return [f"{ACTOR}.ppo_max_token_len_per_gpu={cap}: {why}; raise it (16384 in the example recipes)"]
-        return []
-    micro = get(cfg, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
-    if not micro:
-        return []
-    seq = int(get(cfg, "data.max_prompt_length", 0) or 0) + int(get(cfg, "data.max_response_length", 0) or 0)
-    most = int(micro) * seq
-    if seq and most < n:
-        return [f"{ACTOR}.ppo_micro_batch_size_per_gpu={micro} holds at most {most} tokens ({micro} x {seq}): {why}; {fix}"]
-    return []
+    if tokens is not None and tokens < n:
+        if get(cfg, f"{ACTOR}.use_dynamic_bsz", False):
+            out.append(f"{source}: {why}; raise it (16384 in the example recipes)")
+        else:
+            out.append(f"{source}: {why}; set {ACTOR}.use_dynamic_bsz=true and {ACTOR}.ppo_max_token_len_per_gpu=16384 "
+                       "if memory allows")
+    hf = _model_config(cfg)
+    if (tokens and hf is not None and not s.no_recompute_layers and _lora_rank(cfg) > 0
+            and get(cfg, f"{MODEL}.enable_gradient_checkpointing", False)):
+        from verl_ext.recompute import suggest_kept_layers
+
+        try:
+            kept, saved, per_layer = suggest_kept_layers(hf, tokens)
+        except ValueError:
+            kept = 0
+        if kept:
+            out.append(
+                f"the NVFP4 base holds ~{saved:.1f} GiB less than a BF16 one; at {tokens} tokens per micro-batch "
+                f"{NO_RECOMPUTE_KEY}={kept} spends it on not recomputing the last {kept} layers (~{per_layer:.1f} GiB "
+                "each, estimated), keeping the actor's peak near a BF16-LoRA actor's: 1.01-1.12x its speed on the H100 "
+                "(docs/benchmarks.md 4u)"
+            )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -367,6 +367,25 @@ def test_hint_for_small_nvfp4_micro_batches(env, overrides, expect):
         assert len(got) == 1 and expect in got[0] and "docs/benchmarks.md" in got[0]
 
 
+def test_hint_suggests_kept_layers_for_a_7b_checkpoint(env, tmp_path):
+    """A 7B-shaped config.json at model.path: at the recipes' 16 384-token micro-batches the driver suggests the 2
+    layers that fitted within BF16's peak on the H100 (§4u); none once the key is set, or without checkpointing."""
+    from verl_ext.config import hints
+
+    cfg_json = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+                "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg_json))
+    base = (f"actor_rollout_ref.model.path={tmp_path}", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384")
+    cfg = _cfg(*base)
+    got = hints(cfg, settings_from(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model))
+    assert len(got) == 1 and "actor.no_recompute_layers=2 spends it" in got[0] and "~8.7 GiB less" in got[0], got
+    cfg = _cfg(*base, "+actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layers=1")
+    assert hints(cfg, settings_from(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model)) == []
+    cfg = _cfg(*base, "actor_rollout_ref.model.enable_gradient_checkpointing=false")
+    assert hints(cfg, settings_from(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model)) == []
+
+
 def test_hint_is_printed_by_verls_validate_config_and_qerl_train(env, capsys):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
 

@@ -139,3 +139,26 @@ def test_kept_layers_under_fsdp2():
     lines = out.stdout.splitlines()
     assert "calls 0 [2, 2, 2, 2]" in lines and "calls 2 [2, 2, 1, 1]" in lines, out.stdout
     assert f"equal True {2 * 7 * LAYERS}" in lines, out.stdout
+
+
+QWEN25_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+             "num_key_value_heads": 4}
+QWEN25_32B = {"hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64, "num_attention_heads": 40,
+              "num_key_value_heads": 8}
+
+
+def test_suggestion_matches_the_h100_measurements():
+    """docs/benchmarks.md §4u: the most kept layers whose step peak stayed within BF16's were 2 / 4 / 8 (7B at
+    16 384 / 8 192 / 4 096 tokens) and 28 (32B at 4 096); the weights saved, 8.76 and 41.8 GiB (peak differences)."""
+    from verl_ext.recompute import suggest_kept_layers
+
+    for tokens, measured in ((16384, 2), (8192, 4), (4096, 8)):
+        kept, saved, per_layer = suggest_kept_layers(QWEN25_7B, tokens)
+        assert kept == measured and abs(saved - 8.76) < 0.1
+    kept, saved, _ = suggest_kept_layers(QWEN25_32B, 4096)
+    assert kept in (26, 27, 28) and abs(saved - 41.8) < 0.3, (kept, saved)  # never above what fitted
+    assert suggest_kept_layers(QWEN25_7B, 16)[0] == 28  # capped at the model's layers
+    with pytest.raises(ValueError, match="not a Qwen2/Llama-style decoder config"):
+        suggest_kept_layers({"hidden_size": 8}, 1024)
+    with pytest.raises(ValueError, match="must be positive"):
+        suggest_kept_layers(QWEN25_7B, 0)
