@@ -481,8 +481,8 @@ def step_profile(rec: Recorder, layers: int, tokens: int, rank: int, out: Path) 
         _empty_cache()
 
 
-# Qwen2.5-7B and -32B: (hidden, intermediate, layers, query heads, kv heads)
-MODEL_SHAPES = {"7b": (3584, 18944, 28, 28, 4), "32b": (5120, 27648, 64, 40, 8)}
+# Qwen2.5-7B, -14B and -32B: (hidden, intermediate, layers, query heads, kv heads)
+MODEL_SHAPES = {"7b": (3584, 18944, 28, 28, 4), "14b": (5120, 13824, 48, 40, 8), "32b": (5120, 27648, 64, 40, 8)}
 
 
 def _qwen2_config(layers: int, shape: str = "7b"):
