@@ -402,17 +402,18 @@ def hints(cfg: Any, s: QerlSettings) -> list[str]:
     hf = _model_config(cfg)
     if (tokens and hf is not None and not s.no_recompute_layers and _lora_rank(cfg) > 0
             and get(cfg, f"{MODEL}.enable_gradient_checkpointing", False)):
+        from verl_ext.nvfp4_linear import saved_weight_budget
         from verl_ext.recompute import suggest_kept_layers
 
         try:
-            kept, saved, per_layer = suggest_kept_layers(hf, tokens)
+            kept, saved, per_layer = suggest_kept_layers(hf, tokens, saved_weight_budget())
         except ValueError:
             kept = 0
         if kept:
             out.append(
                 f"the NVFP4 base holds ~{saved:.1f} GiB less than a BF16 one; at {tokens} tokens per micro-batch "
                 f"{NO_RECOMPUTE_KEY}={kept} spends it on not recomputing the last {kept} layers (~{per_layer:.1f} GiB "
-                "each, estimated), keeping the actor's peak near a BF16-LoRA actor's: 1.01-1.12x its speed on the H100 "
+                "of activations each, estimated), keeping the actor's peak near a BF16-LoRA actor's: 1.01-1.12x its speed on the H100 "
                 "(docs/benchmarks.md 4u)"
             )
     return out

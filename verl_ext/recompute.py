@@ -65,20 +65,25 @@ def keep_activations(model: nn.Module, n: int, key: str = "no_recompute_layers")
     return [name for name, _ in kept]
 
 
-# Bytes a kept decoder layer holds per token of the micro-batch, per element of (hidden + intermediate): measured on
-# the H100 (§4u) 11.9 for the Qwen2.5-7B shape and 10.7 for the 32B one; 12 errs on the side of fewer layers.
-ACTIVATION_BYTES_PER_TOKEN_PER_WIDTH = 12
+# Bytes a kept decoder layer's activations hold per token of the micro-batch: about A per element of the hidden
+# size and B per element of the intermediate size. Fitted to the H100 runs of docs/benchmarks.md §4u (7B, 14B and
+# 32B shapes: 22.7 and 8.1, within 0.4 % on all three) and rounded up, so that the estimate errs towards fewer layers.
+ACTIVATION_BYTES_PER_HIDDEN = 24
+ACTIVATION_BYTES_PER_INTERMEDIATE = 8.5
 NVFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16  # the 4-bit value plus an FP8 scale per 16 weights
 
 
-def suggest_kept_layers(hf_config: dict, tokens: int) -> tuple[int, float, float]:
+def suggest_kept_layers(hf_config: dict, tokens: int, kept_weight_budget: int = 1 << 30) -> tuple[int, float, float]:
     """How many layers an NVFP4 LoRA actor can let keep their activations and still peak no higher than a BF16
-    LoRA actor of the same model and micro-batch: ``(layers, weight GiB saved, GiB per kept layer)``.
+    LoRA actor of the same model and micro-batch: ``(layers, weight GiB saved, activation GiB per kept layer)``.
 
-    The weight memory saved is the decoder projections' bytes in BF16 less their NVFP4 bytes; a kept layer holds
-    about ``ACTIVATION_BYTES_PER_TOKEN_PER_WIDTH × (hidden + intermediate)`` bytes per token. Both are estimates for
-    Qwen2/Llama-style decoders (q/k/v/o, gate/up/down); the H100 runs of §4u measured 2 / 4 / 8 layers at 16 384 /
-    8 192 / 4 096 tokens for the 7B shape and 28 at 4 096 for the 32B shape, where this gives 2 / 4 / 8 and 27.
+    The weight memory saved is the decoder projections' bytes in BF16 less their NVFP4 bytes. A kept layer holds
+    its activations, ``(ACTIVATION_BYTES_PER_HIDDEN * hidden + ACTIVATION_BYTES_PER_INTERMEDIATE * intermediate)``
+    bytes per token, and its decoded BF16 weights from forward to backward while the actor's kept-weight budget
+    (``QERL_ACTOR_SAVED_WEIGHT_MIB``, ``kept_weight_budget`` bytes) lasts. Estimates for Qwen2/Llama-style decoders
+    (q/k/v/o, gate/up/down). Against the H100 runs of §4u (the most layers within BF16's peak): 7B at 16 384 /
+    8 192 / 4 096 tokens 2 / 4 / 8 (measured 2 / 4 / 8), 14B at 16 384 tokens 4 (5 did not fit), 32B at 4 096
+    tokens 29 (28 fitted, 32 did not).
     """
     try:
         hidden = int(hf_config["hidden_size"])
@@ -95,5 +100,8 @@ def suggest_kept_layers(hf_config: dict, tokens: int) -> tuple[int, float, float
                          + hidden * kv_heads * head_dim * 2  # k, v
                          + hidden * inter * 3)  # gate, up, down
     saved = layers * per_layer_weights * (2 - NVFP4_BYTES_PER_WEIGHT)
-    per_kept = ACTIVATION_BYTES_PER_TOKEN_PER_WIDTH * (hidden + inter) * tokens
-    return min(layers, int(saved // per_kept)), saved / 2**30, per_kept / 2**30
+    activations = (ACTIVATION_BYTES_PER_HIDDEN * hidden + ACTIVATION_BYTES_PER_INTERMEDIATE * inter) * tokens
+    n = 0
+    while n < layers and (n + 1) * activations + min(kept_weight_budget, (n + 1) * 2 * per_layer_weights) <= saved:
+        n += 1
+    return n, saved / 2**30, activations / 2**30
