@@ -148,8 +148,9 @@ def _keep_activations(module, s):
     except ValueError as e:
         raise QerlConfigError(str(e)) from None
     # printed, as the AQN hook's lines are: the worker's stdout reaches the driver's log, its loggers do not
+    short = ", ".join(".".join(n.split(".")[-2:]) for n in names)
     print(f"[qerl] actor: {len(names)} decoder layers keep their activations instead of recomputing them "
-          f"({NO_RECOMPUTE_KEY}): {', '.join(n.rsplit('.', 2)[-2] + '.' + n.rsplit('.', 1)[-1] for n in names)}", flush=True)
+          f"({NO_RECOMPUTE_KEY}): {short}", flush=True)
     return module
 
 

@@ -21,6 +21,7 @@ at the top: ``import verl`` resolves :func:`wrap_validate_config` from here. Des
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from pathlib import Path
@@ -366,7 +367,8 @@ def _micro_batch_tokens(cfg: Any) -> tuple[int | None, str]:
     seq = int(get(cfg, "data.max_prompt_length", 0) or 0) + int(get(cfg, "data.max_response_length", 0) or 0)
     if not micro or not seq:
         return None, ""
-    return int(micro) * seq, f"{ACTOR}.ppo_micro_batch_size_per_gpu={micro} holds at most {int(micro) * seq} tokens ({micro} x {seq})"
+    most = int(micro) * seq
+    return most, f"{ACTOR}.ppo_micro_batch_size_per_gpu={micro} holds at most {most} tokens ({micro} x {seq})"
 
 
 def _model_config(cfg: Any) -> dict | None:
@@ -374,8 +376,6 @@ def _model_config(cfg: Any) -> dict | None:
     if not path:
         return None
     try:
-        import json
-
         return json.loads((Path(os.path.expanduser(str(path))) / "config.json").read_text())
     except (OSError, ValueError):
         return None
@@ -413,8 +413,8 @@ def hints(cfg: Any, s: QerlSettings) -> list[str]:
             out.append(
                 f"the NVFP4 base holds ~{saved:.1f} GiB less than a BF16 one; at {tokens} tokens per micro-batch "
                 f"{NO_RECOMPUTE_KEY}={kept} spends it on not recomputing the last {kept} layers (~{per_layer:.1f} GiB "
-                "of activations each, estimated), keeping the actor's peak near a BF16-LoRA actor's: 1.01-1.12x its speed on the H100 "
-                "(docs/benchmarks.md 4u)"
+                "of activations each, estimated), keeping the actor's peak near a BF16-LoRA actor's: 1.01-1.12x its "
+                "speed on the H100 (docs/benchmarks.md 4u)"
             )
     return out
 
