@@ -372,12 +372,19 @@ def _micro_batch_tokens(cfg: Any) -> tuple[int | None, str]:
 
 
 def _model_config(cfg: Any) -> dict | None:
+    """The model's config.json as a dict: from ``model.path`` when it is a directory, else from the Hugging Face
+    cache for a hub id (never downloaded here); None when neither has it."""
     path = get(cfg, f"{MODEL}.path")
     if not path:
         return None
+    local = Path(os.path.expanduser(str(path)))
     try:
-        return json.loads((Path(os.path.expanduser(str(path))) / "config.json").read_text())
-    except (OSError, ValueError):
+        if local.is_dir():
+            return json.loads((local / "config.json").read_text())
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(path), local_files_only=True).to_dict()
+    except Exception:  # unreadable, not cached, not a transformers config: no hint, nothing else changes
         return None
 
 

@@ -386,6 +386,33 @@ def test_hint_suggests_kept_layers_for_a_7b_checkpoint(env, tmp_path):
     assert hints(cfg, settings_from(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model)) == []
 
 
+
+def test_hint_reads_a_hub_id_from_the_cache_only(env, tmp_path, monkeypatch):
+    """``model.path: Qwen/Qwen2.5-7B-Instruct`` (the recipes'): the config comes from the Hugging Face cache when it is
+    there, and nothing is downloaded when it is not."""
+    from verl_ext.config import hints
+
+    cfg_json = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+                "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4}
+    repo = tmp_path / "hub" / "models--Qwen--Qwen2.5-7B-Instruct"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (repo / "snapshots" / ("0" * 40) / "config.json").write_text(json.dumps(cfg_json))
+    base = ("actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192")
+    cfg = _cfg(*base)
+    settings = settings_from(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model)
+    from huggingface_hub import constants  # read when a file is looked up (the env vars only at import)
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # belt and braces: the lookup is local_files_only anyway
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    got = hints(cfg, settings)
+    assert len(got) == 1 and "actor.no_recompute_layers=4 spends it" in got[0], got
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    assert hints(cfg, settings) == []
+
+
 def test_hint_is_printed_by_verls_validate_config_and_qerl_train(env, capsys):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
 
