@@ -367,14 +367,18 @@ def test_hint_for_small_nvfp4_micro_batches(env, overrides, expect):
         assert len(got) == 1 and expect in got[0] and "docs/benchmarks.md" in got[0]
 
 
+# a Qwen2.5-7B config.json, as far as the kept-layer hint reads it
+QWEN25_7B_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+                    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                    "num_key_value_heads": 4}
+
+
 def test_hint_suggests_kept_layers_for_a_7b_checkpoint(env, tmp_path):
     """A 7B-shaped config.json at model.path: at the recipes' 16 384-token micro-batches the driver suggests the 2
     layers that fitted within BF16's peak on the H100 (§4u); none once the key is set, or without checkpointing."""
     from verl_ext.config import hints
 
-    cfg_json = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
-                "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4}
-    (tmp_path / "config.json").write_text(json.dumps(cfg_json))
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B_CONFIG))
     base = (f"actor_rollout_ref.model.path={tmp_path}", "actor_rollout_ref.actor.use_dynamic_bsz=true",
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384")
     cfg = _cfg(*base)
@@ -392,13 +396,11 @@ def test_hint_reads_a_hub_id_from_the_cache_only(env, tmp_path, monkeypatch):
     there, and nothing is downloaded when it is not."""
     from verl_ext.config import hints
 
-    cfg_json = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
-                "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4}
     repo = tmp_path / "hub" / "models--Qwen--Qwen2.5-7B-Instruct"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text("0" * 40)
     (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
-    (repo / "snapshots" / ("0" * 40) / "config.json").write_text(json.dumps(cfg_json))
+    (repo / "snapshots" / ("0" * 40) / "config.json").write_text(json.dumps(QWEN25_7B_CONFIG))
     base = ("actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct", "actor_rollout_ref.actor.use_dynamic_bsz=true",
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192")
     cfg = _cfg(*base)
