@@ -307,6 +307,22 @@ def test_7b_pair_runs_pass_qerls_config_check(name, extra):
         assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
 
 
+def test_7b_pair_kept_layers_reach_each_runs_settings():
+    """--nvfp4-keep / --bf16-keep: each run's composed config carries qerl's actor.no_recompute_layers (the NVFP4 run at
+    the same peak memory as BF16, §4u) and passes qerl's checks; without them neither run has it."""
+    from verl_ext.config import compose, validate
+
+    v7 = _import_script("verl_7b_memory_step")
+    args = v7.parser().parse_args(["bf16", "--max-token-len", "16384", "--nvfp4-keep", "2"])
+    for name, expect in (("nvfp4", 2), ("bf16", 0)):
+        cfg = compose(ROOT / "examples" / "tiny" / "config.yaml", v7.overrides_for(name, Path("/tmp/qerl-7b"), args))
+        assert validate(cfg)[0].no_recompute_layers == expect
+    args = v7.parser().parse_args(["bf16", "--bf16-keep", "1"])
+    cfg = compose(ROOT / "examples" / "tiny" / "config.yaml", v7.overrides_for("bf16", Path("/tmp/qerl-7b"), args))
+    settings = validate(cfg)[0]
+    assert settings.no_recompute_layers == 1 and not settings.nvfp4 and settings.active
+
+
 def test_7b_pair_verdict_and_bound_from_the_ninth_sessions_2048_pair():
     """The summary's pair line on §4i's 2048 records (docs/gpu-runs/2026-11-24/ninth/lease1): 1.174x, NVFP4 faster
     (4.6 s apart, spreads under 0.5 s), 1.8x not met, at most 2.44x with a free rollout, and 1.8x would need a

@@ -244,6 +244,9 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
                 "+actor_rollout_ref.actor.policy_loss.rollout_correction={rollout_is:token,rollout_is_threshold:2.0,"
                 "bypass_mode:true,loss_type:ppo_clip}",
             ]
+    keep = args.bf16_keep if name == "bf16" else args.nvfp4_keep
+    if keep:  # the actor's last N decoder layers keep their activations (qerl's key; docs/benchmarks.md §4u)
+        overrides += [f"+actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layers={keep}"]
     lora = lora_path(name, args)
     if lora:  # JSON text: verl hands engine_kwargs.vllm to vLLM's command line (qerl merges its own keys into it first)
         overrides += [f"++actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config='{json.dumps({LORA_KEY: lora})}'"]
@@ -379,6 +382,9 @@ def parser() -> argparse.ArgumentParser:
                         "(fused). 'punica' is vLLM's own, what a BF16 run without qerl gets")
     p.add_argument("--nvfp4-lora", choices=LORA_MODES, default=None,
                    help="the NVFP4 run's vLLM LoRA path, the same way (default: the plugin's default, overlap)")
+    p.add_argument("--nvfp4-keep", type=int, default=0, metavar="N",
+                   help="the NVFP4 run's actor.no_recompute_layers: its last N layers keep their activations (default 0)")
+    p.add_argument("--bf16-keep", type=int, default=0, metavar="N", help="the same for the BF16 run (default 0)")
     p.add_argument("--tag", default="", help="suffix of the run folders and result phases, e.g. -r2048")
     p.add_argument("--timeout", type=int, default=570)
     return p
