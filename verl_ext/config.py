@@ -371,16 +371,28 @@ def _micro_batch_tokens(cfg: Any) -> tuple[int | None, str]:
     return most, f"{ACTOR}.ppo_micro_batch_size_per_gpu={micro} holds at most {most} tokens ({micro} x {seq})"
 
 
+def read_config_json(model_path: str | os.PathLike | None) -> Any:
+    """The parsed ``config.json`` of a local model directory; None when there is no such file or it is not JSON."""
+    if not model_path:
+        return None
+    cfg_file = Path(os.path.expanduser(str(model_path))) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    try:
+        return json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def _model_config(cfg: Any) -> dict | None:
     """The model's config.json as a dict: from ``model.path`` when it is a directory, else from the Hugging Face
     cache for a hub id (never downloaded here); None when neither has it."""
     path = get(cfg, f"{MODEL}.path")
     if not path:
         return None
-    local = Path(os.path.expanduser(str(path)))
+    if Path(os.path.expanduser(str(path))).is_dir():
+        return read_config_json(path)
     try:
-        if local.is_dir():
-            return json.loads((local / "config.json").read_text())
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(str(path), local_files_only=True).to_dict()

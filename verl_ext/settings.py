@@ -10,10 +10,7 @@ the result and passes it on. The vLLM engines get what they need through ``addit
 from __future__ import annotations
 
 import difflib
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from verl.base_config import BaseConfig
@@ -30,6 +27,7 @@ from verl_ext.config import (
     QERL_KEY,
     QerlConfigError,
     get,
+    read_config_json,
     to_plain,
 )
 
@@ -163,15 +161,8 @@ def parse_actor_block(block: Any) -> int:
 def checkpoint_quantization(model_path: str | None) -> str:
     """What ``model_path``'s ``config.json`` says: ``bf16`` (no quantization_config), ``nvfp4``
     (compressed-tensors NVFP4A16), ``other:<description>``, or ``unknown`` (not a local directory)."""
-    if not model_path:
-        return "unknown"
-    path = Path(os.path.expanduser(str(model_path)))
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        return "unknown"
-    try:
-        data = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError):
+    data = read_config_json(model_path)
+    if data is None:
         return "unknown"
     qc = data.get("quantization_config")
     if not qc:
