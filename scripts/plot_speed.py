@@ -33,7 +33,8 @@ DECODE_32B = RUNS / "2026-11-25" / "eleventh" / "lease3" / "bench-gemv32" / "a" 
 STEP_2048 = RUNS / "2026-11-24" / "ninth" / "lease1" / "verl_7b" / "results.jsonl"
 STEP_512 = RUNS / "2026-11-24" / "ninth" / "lease2" / "verl_7b" / "results.jsonl"
 DECODE_QLORA = RUNS / "2026-11-27" / "thirteenth" / "lease1" / "bench-qlora" / "a" / "bench_rollout.json"
-ACTOR_7B = [RUNS / "2026-11-27" / "nineteenth" / "call1" / order / "check_actor_kernels.jsonl" for order in ("order1", "order2")]
+ACTOR_7B = [RUNS / "2026-11-27" / "nineteenth" / "call1" / order / "check_actor_kernels.jsonl"
+            for order in ("order1", "order2")]
 
 # The paper's own figures against vanilla (16-bit) LoRA, from NVlabs/QeRL's README plots (assets/performance.png,
 # assets/rank_speed.png): 7B rollout 2 092 vs 1 641 tokens/s, 7B end to end x1.2 vs x1, 32B rollout at rank 32

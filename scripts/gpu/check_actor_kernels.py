@@ -17,10 +17,11 @@ Steps (each survives the failure of another; results go to $OUT, default ./.out)
   layer    forward+backward of NVFP4Linear + LoRA vs bf16 nn.Linear + LoRA, 7B layer shapes, tokens 4096 / 16384:
            time, the share spent decoding, peak memory; NVFP4 with the decoded weight kept for backward (the
            default) and decoded again (QERL_ACTOR_SAVED_WEIGHT_MIB=0)
-  model    a 7B-shaped Qwen2 (28 layers; --shape 32b: 64 layers of the 32B shape) built on the GPU in bf16: weight memory, tokens/s and the peak of one
-           LoRA forward+backward step (gradient checkpointing, sdpa; median of 5 after a warm-up), bf16 base vs
-           NVFP4 base (kept weight / decoded again); --model-cases adds +keepN cases (the last N layers keep their
-           activations) and the summary compares NVFP4 and BF16 at the same peak memory (§4u)
+  model    a 7B-shaped Qwen2 (28 layers; --shape 14b / 32b: 48 / 64 layers of those shapes) built on the GPU in
+           bf16: weight memory, tokens/s and the peak of one LoRA forward+backward step (gradient checkpointing,
+           sdpa; median of 5 after a warm-up), bf16 base vs NVFP4 base (kept weight / decoded again); --model-cases
+           adds +keepN cases (the last N layers keep their activations) and the summary compares NVFP4 and BF16 at
+           the same peak memory (§4u)
 
 Writes $OUT/check_actor_kernels.jsonl (one JSON object per measurement), $OUT/check_actor_kernels.log, and
 prints a summary table last.
@@ -505,9 +506,11 @@ MODEL_CASES = ("bf16", "nvfp4", "nvfp4_redecode")
 def parse_model_case(case: str) -> tuple[str, int]:
     """``bf16`` / ``nvfp4`` / ``nvfp4_redecode``, optionally ``+keepN``: the last N decoder layers keep their
     activations instead of recomputing them (verl_ext.recompute, verl's ``actor.no_recompute_layers``)."""
-    base, _, keep = case.partition("+keep")
-    if base not in MODEL_CASES or (_ and not keep.isdigit()):
-        raise ValueError(f"model case {case!r}: expected one of {', '.join(MODEL_CASES)}, optionally +keepN (e.g. nvfp4+keep2)")
+    base, sep, keep = case.partition("+keep")
+    if base not in MODEL_CASES or (sep and not keep.isdigit()):
+        raise ValueError(
+            f"model case {case!r}: expected one of {', '.join(MODEL_CASES)}, optionally +keepN (e.g. nvfp4+keep2)"
+        )
     return base, int(keep or 0)
 
 
@@ -529,7 +532,8 @@ def step_model(rec: Recorder, layers: int, tokens: int, rank: int, cases=MODEL_C
         train_step = model = None  # the previous case's model goes before this one is built
         _empty_cache()
         _reset_peak()
-        row = {"step": "model", "case": case, "keep": keep, "shape": shape, "layers": layers, "tokens": tokens, "rank": rank}
+        row = {"step": "model", "case": case, "keep": keep, "shape": shape, "layers": layers, "tokens": tokens,
+               "rank": rank}
         try:
             model = _lora_model(cfg, variant != "bf16", rank, row)
             row["kept_layers"] = keep_activations(model, keep)
@@ -559,7 +563,7 @@ def same_memory_verdict(rows: list[dict]) -> str | None:
     bf16 = next((r for r in ok if r["case"] == "bf16"), None)
     if bf16 is None:
         return None
-    fits = [r for r in ok if r["case"].partition("+keep")[0] == "nvfp4" and r["step_peak_GiB"] <= bf16["step_peak_GiB"]]
+    fits = [r for r in ok if parse_model_case(r["case"])[0] == "nvfp4" and r["step_peak_GiB"] <= bf16["step_peak_GiB"]]
     if not fits:
         return "same peak memory: no NVFP4 case within BF16's step peak"
     best = max(fits, key=lambda r: (r.get("keep", 0), -r["step_ms"]))
@@ -644,9 +648,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small shapes, 2 model layers, 1024 tokens")
     p.add_argument("--tokens", default="4096,16384", help="token counts for the layer step (default 4096,16384)")
     p.add_argument("--rank", type=int, default=32, help="LoRA rank (default 32)")
-    p.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="7b", help="Qwen2.5 shape of the model step (default 7b)")
+    p.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="7b",
+                   help="Qwen2.5 shape of the model step (default 7b)")
     p.add_argument("--layers", type=int, default=None,
-                   help="decoder layers of the model step (default: the shape's, 28 for 7b, 64 for 32b)")
+                   help="decoder layers of the model step (default: the shape's, 28 / 48 / 64 for 7b / 14b / 32b)")
     p.add_argument("--model-tokens", type=int, default=4096, help="sequence length of the model step (default 4096)")
     p.add_argument("--model-cases", default=",".join(MODEL_CASES),
                    help="comma list of the model step's cases: bf16, nvfp4, nvfp4_redecode, each optionally +keepN (the "
