@@ -9,14 +9,20 @@ This kernel does it in one launch. Its programs take a ticket from a counter in 
 that holds ticket *t* knows every ticket below *t* is already running:
 
 * tickets ``0 .. KS-1`` (shrink): 256 input features each, for every slice, in one load of ``x`` and of ``A``;
-  the fp32 partial is added with atomics into a workspace ``h`` ``[S, tokens, R]`` that is zero between
-  launches; then the program counts itself done;
-* the other tickets (expand): load their block of ``B``, of ``y`` and the token slots first, then wait until
-  the KS shrink programs are done (those never wait and hold lower tickets, so they are running: no deadlock
-  whatever the scheduling), read ``h``, apply ``scale`` and the token mask, round to the weight dtype,
-  multiply by the block of B and add into ``y``;
-* the last program to leave zeroes ``h`` and resets the counters, so the next launch (or CUDA-graph replay)
-  starts from zero.
+  the fp32 partial is added with atomics into this launch's half of a workspace ``h`` ``[2, S, tokens, R]``
+  (zero when the launch starts); then the program counts itself done;
+* the other tickets (expand): load their block of ``B``, of ``y`` and the token slots first, zero their strip of
+  the workspace's other half, then wait until the KS shrink programs are done (those never wait and hold lower
+  tickets, so they are running: no deadlock whatever the scheduling), read ``h``, apply ``scale`` and the token
+  mask, round to the weight dtype, multiply by the block of B and add into ``y``.
+
+No program waits at the end and none cleans up after the others. The ticket word also holds which half of the
+workspace the launch uses (its parity); the program that takes the last ticket knows every program has read
+it, so it resets the count and flips the parity in one exchange, and clears the other half's done-counter. The
+launch before left that half in use; this launch's expand programs zero it, so the next launch (or CUDA-graph
+replay, which reads the parity from memory) finds it clean. Up to the nineteenth session (v2, docs/benchmarks.md
+§4g-§4u) every program counted itself out at the end and the last one zeroed the workspace and the counters:
+one more atomic per program and a tail on the launch's critical path (§4v).
 
 The arithmetic is punica's: fp32 accumulation of ``A @ x`` (split over the input features and summed with fp32
 atomics, as punica's split-K shrink does, so the order of that sum varies from launch to launch), ``scale``
@@ -44,6 +50,9 @@ MAX_TOKENS = 64  # calls with more tokens than this take punica (one program hol
 MAX_SLICES = 3  # q/k/v
 CHUNK_K = 256  # input features per shrink program (one load of x and of each slice's A)
 BLOCK_N = 128  # output features per expand program
+ZERO_BLOCK = 512  # workspace floats an expand program zeroes per store
+PARITY_SHIFT = 16  # the ticket word: (parity << PARITY_SHIFT) | tickets taken
+MAX_PROGRAMS = (1 << PARITY_SHIFT) - 1  # programs one launch may have (tickets must stay below the parity bit)
 
 
 class FusedLoRAUnsupported(ValueError):
@@ -63,6 +72,9 @@ def weights_supported(dtype: torch.dtype, in_features: int, lora_a: tuple[torch.
     rank = lora_a[0].shape[-2]
     if rank < 16 or rank & (rank - 1):
         return f"rank {rank} (a power of two >= 16 supported)"
+    programs = -(-in_features // CHUNK_K) + sum(-(-size // BLOCK_N) for size in output_slices)
+    if programs > MAX_PROGRAMS:
+        return f"{programs} programs for {in_features} input and {sum(output_slices)} output features (at most {MAX_PROGRAMS})"
     for a, b, size in zip(lora_a, lora_b, output_slices):
         if a.shape[0] != 1 or b.shape[0] != 1:
             return f"{a.shape[0]} adapter slots (one supported)"
@@ -107,7 +119,7 @@ if triton is not None:
         tl.atomic_add(dst, acc, mask=mmask[:, None], sem="relaxed")
 
     @triton.jit
-    def _expand_block(y_ptr, sym, idx_ptr, b_ptr, h_ptr, sync_ptr, s, j, col0, n, M, KS, scale,
+    def _expand_block(y_ptr, sym, idx_ptr, b_ptr, h_ptr, done_ptr, s, j, col0, n, M, KS, scale,
                       R: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, HROWS: tl.constexpr,
                       UPCAST: tl.constexpr, ADD: tl.constexpr):
         offs_m = tl.arange(0, BLOCK_M)
@@ -122,9 +134,9 @@ if triton is not None:
         ymask = mmask[:, None] & nmask[None, :]
         if ADD:
             yv = tl.load(yp, mask=ymask, other=0.0)
-        done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+        done = tl.atomic_add(done_ptr, 0, sem="acquire")
         while done < KS:
-            done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+            done = tl.atomic_add(done_ptr, 0, sem="acquire")
         h = tl.load(h_ptr + (s * HROWS + offs_m[:, None]) * R + offs_r[None, :], mask=mmask[:, None], other=0.0,
                     cache_modifier=".cg")
         h = tl.where((slot == 0)[:, None], h * scale, 0.0)
@@ -146,55 +158,70 @@ if triton is not None:
         a0, a1, a2,  # [R, K] per slice (unused ones alias a0)
         b0, b1, b2,  # [n_s, R] per slice
         n0, n1, n2,
-        sync_ptr,  # int32 [4]: ticket, shrink programs done, programs left, (padding)
-        h_ptr,  # fp32 [MAX_SLICES, HROWS, R], zero between launches
-        M, K, KS, scale,
+        sync_ptr,  # int32 [4]: (parity << PARITY_SHIFT) | tickets taken, shrink programs done (parity 0, 1), padding
+        h_ptr,  # fp32 [2, HALF]: a half per parity, the launch's half zero when it starts
+        M, K, KS, scale, HALF,
         S: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
-        HROWS: tl.constexpr, UPCAST: tl.constexpr, ADD: tl.constexpr,
+        HROWS: tl.constexpr, UPCAST: tl.constexpr, ADD: tl.constexpr, SHIFT: tl.constexpr, ZB: tl.constexpr,
     ):
-        t = tl.atomic_add(sync_ptr, 1)
+        word = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
+        parity = word >> SHIFT
+        t = word & ((1 << SHIFT) - 1)
         nb0 = tl.cdiv(n0, BN)
         nb1 = tl.cdiv(n1, BN)
         nb2 = tl.cdiv(n2, BN)
-        total = KS + nb0 + nb1 + nb2
+        nb = nb0 + nb1 + nb2
+        if t == KS + nb - 1:  # the last ticket: every program has its ticket and parity
+            tl.atomic_xchg(sync_ptr + 2 - parity, 0)  # the other half's counter, left at KS by the launch before
+            tl.atomic_xchg(sync_ptr, (1 - parity) << SHIFT)
+        h_now = h_ptr + parity * HALF
+        done_ptr = sync_ptr + 1 + parity
         if t < KS:
-            _shrink_slice(x_ptr, sxm, a0, h_ptr, t, 0, M, K, R, BLOCK_M, CHUNK, HROWS, UPCAST)
+            _shrink_slice(x_ptr, sxm, a0, h_now, t, 0, M, K, R, BLOCK_M, CHUNK, HROWS, UPCAST)
             if S > 1:
-                _shrink_slice(x_ptr, sxm, a1, h_ptr, t, 1, M, K, R, BLOCK_M, CHUNK, HROWS, UPCAST)
+                _shrink_slice(x_ptr, sxm, a1, h_now, t, 1, M, K, R, BLOCK_M, CHUNK, HROWS, UPCAST)
             if S > 2:
-                _shrink_slice(x_ptr, sxm, a2, h_ptr, t, 2, M, K, R, BLOCK_M, CHUNK, HROWS, UPCAST)
-            tl.atomic_add(sync_ptr + 1, 1, sem="release")
+                _shrink_slice(x_ptr, sxm, a2, h_now, t, 2, M, K, R, BLOCK_M, CHUNK, HROWS, UPCAST)
+            tl.atomic_add(done_ptr, 1, sem="release")
         else:
             e = t - KS
+            # this program's strip of the other half (the launch before used it, the next launch will): zero it
+            h_next = h_ptr + (1 - parity) * HALF
+            strip = tl.cdiv(HALF, nb)
+            for z in range(e * strip, tl.minimum((e + 1) * strip, HALF), ZB):
+                offs = z + tl.arange(0, ZB)
+                tl.store(h_next + offs, tl.zeros((ZB,), tl.float32), mask=offs < tl.minimum((e + 1) * strip, HALF))
             if e < nb0:
-                _expand_block(y_ptr, sym, idx_ptr, b0, h_ptr, sync_ptr, 0, e, 0, n0, M, KS, scale, R, BLOCK_M, BN,
+                _expand_block(y_ptr, sym, idx_ptr, b0, h_now, done_ptr, 0, e, 0, n0, M, KS, scale, R, BLOCK_M, BN,
                               HROWS, UPCAST, ADD)
             elif e < nb0 + nb1:
-                _expand_block(y_ptr, sym, idx_ptr, b1, h_ptr, sync_ptr, 1, e - nb0, n0, n1, M, KS, scale, R, BLOCK_M,
+                _expand_block(y_ptr, sym, idx_ptr, b1, h_now, done_ptr, 1, e - nb0, n0, n1, M, KS, scale, R, BLOCK_M,
                               BN, HROWS, UPCAST, ADD)
             else:
-                _expand_block(y_ptr, sym, idx_ptr, b2, h_ptr, sync_ptr, 2, e - nb0 - nb1, n0 + n1, n2, M, KS, scale,
+                _expand_block(y_ptr, sym, idx_ptr, b2, h_now, done_ptr, 2, e - nb0 - nb1, n0 + n1, n2, M, KS, scale,
                               R, BLOCK_M, BN, HROWS, UPCAST, ADD)
-        left = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel")
-        if left == total - 1:  # the last program out: every other one is past its waits and its reads of h
-            offs_m = tl.arange(0, BLOCK_M)
-            offs_r = tl.arange(0, R)
-            for s in tl.static_range(S):
-                tl.store(h_ptr + (s * HROWS + offs_m[:, None]) * R + offs_r[None, :], tl.zeros((BLOCK_M, R), tl.float32),
-                         mask=(offs_m < M)[:, None])
-            tl.atomic_xchg(sync_ptr + 1, 0)
-            tl.atomic_xchg(sync_ptr + 2, 0)
-            tl.atomic_xchg(sync_ptr, 0)
 
 
-_HEAD = 4  # int32 words of counters in front of the fp32 workspace
+_HEAD = 4  # int32 words in front of the fp32 workspace: the ticket word, two done-counters, padding
 
 
 def new_sync(device: torch.device | str, max_rank: int = 64) -> torch.Tensor:
-    """The kernel's state for one device and ranks up to ``max_rank``: three counters and an fp32 workspace for
-    ``A @ x`` (``MAX_SLICES x MAX_TOKENS x max_rank``), all zero; the kernel leaves them at zero. One per engine
-    is enough: launches on one stream run one after another."""
-    return torch.zeros(_HEAD + MAX_SLICES * MAX_TOKENS * max_rank, dtype=torch.int32, device=device)
+    """The kernel's state for one device and ranks up to ``max_rank``: its counters and an fp32 workspace for
+    ``A @ x`` in two halves (``2 x MAX_SLICES x MAX_TOKENS x max_rank``), all zero. Each launch leaves the half the
+    next one uses zero (:func:`ready`). One per engine is enough: launches on one stream run one after another."""
+    return torch.zeros(_HEAD + 2 * MAX_SLICES * MAX_TOKENS * max_rank, dtype=torch.int32, device=device)
+
+
+def ready(sync: torch.Tensor) -> bool:
+    """Whether ``sync`` is as a launch must find it: no ticket taken, and the half of the workspace that the parity
+    names, with its done-counter, zero. (The other half holds the last launch's ``A @ x`` until the next launch
+    zeroes it.) For tests; it copies the state to the host."""
+    head = sync[:_HEAD].tolist()
+    parity, taken = head[0] >> PARITY_SHIFT, head[0] & MAX_PROGRAMS
+    half = (sync.numel() - _HEAD) // 2
+    h = sync[_HEAD:]
+    return (taken == 0 and parity in (0, 1) and head[1 + parity] == 0
+            and int(h[parity * half:(parity + 1) * half].count_nonzero()) == 0)
 
 
 def fused_lora_linear(
@@ -251,20 +278,21 @@ def launch(
         raise FusedLoRAUnsupported("output with non-unit stride along its features")
     m, k = x2.shape
     rank = lora_a_stacked[0].shape[-2]
-    if sync.dtype != torch.int32 or sync.numel() < _HEAD + MAX_SLICES * MAX_TOKENS * rank:
+    half = (sync.numel() - _HEAD) // 2
+    if sync.dtype != torch.int32 or half < MAX_SLICES * MAX_TOKENS * rank:
         raise FusedLoRAUnsupported(f"state of {sync.numel()} {sync.dtype} words is too small for rank {rank}; "
                                    f"make it with new_sync(device, max_rank>={rank})")
     slices = len(output_slices)
     block_m = max(16, triton.next_power_of_2(m))
     ks = triton.cdiv(k, CHUNK_K)
+    programs = ks + sum(triton.cdiv(size, BLOCK_N) for size in output_slices)
     h = sync[_HEAD:].view(torch.float32)
     a, b = slice_operands(lora_a_stacked, lora_b_stacked, rank, k)
     n = list(output_slices) + [0] * (MAX_SLICES - slices)
-    grid = (ks + sum(triton.cdiv(size, BLOCK_N) for size in output_slices),)
-    _fused_lora_kernel[grid](
-        x2, x2.stride(0), y2, y2.stride(0), token_lora_indices, *a, *b, *n, sync, h, m, k, ks, float(scale),
+    _fused_lora_kernel[(programs,)](
+        x2, x2.stride(0), y2, y2.stride(0), token_lora_indices, *a, *b, *n, sync, h, m, k, ks, float(scale), half,
         S=slices, R=rank, BLOCK_M=block_m, CHUNK=CHUNK_K, BN=BLOCK_N, HROWS=MAX_TOKENS, UPCAST=_interpreting(),
-        ADD=bool(add_inputs),
+        ADD=bool(add_inputs), SHIFT=PARITY_SHIFT, ZB=ZERO_BLOCK,
     )  # fmt: skip
 
 
