@@ -107,8 +107,9 @@ run_step() {
             setsid nohup bash -c "while [ -n \"${AFTER:-}\" ] && [ ! -f $d/DONE${AFTER:-} ]; do sleep 5; done;
                 while [ -n \"${AFTER_FILE:-}\" ] && [ ! -f \"${AFTER_FILE:-}\" ]; do sleep 5; done;
                 bash scripts/gpu/verl_7b_memory_step.sh ${PHASES:-build bf16 nvfp4 summary} --shape $s --out $d --bypass --steps ${STEPS:-5} --response $r --tag=$t --timeout 1500 ${V7_ARGS:-}; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null & echo "started the $s $t runs${AFTER:+ (after $AFTER)}"' ;;
-    v7_watch)  # wait for the background runs (TAG, default -r$RESP; SHAPE) to end or the call's time to run out; their log's tail
-        step v7_watch 580 bash -c 'r=${RESP:-512}; t=${TAG:--r$r}; d='"$v7_dir"'; end=$((SECONDS + '"$((deadline - SECONDS - 40))"')); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
+    v7_watch)  # wait for the background runs (TAG, default -r$RESP; SHAPE) to end or the call's time to run out (WATCH_S: return
+        # earlier, e.g. before the machine's 30 minutes are up); their log's tail
+        step v7_watch 580 bash -c 'r=${RESP:-512}; t=${TAG:--r$r}; d='"$v7_dir"'; end=$((SECONDS + ${WATCH_S:-'"$((deadline - SECONDS - 40))"'})); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
             grep -h "\[verl_[0-9a-z]*\]\|step:" $d/pair*.log | cut -c1-300 | tail -n 12; ls $d; cat $d/DONE$t 2>/dev/null || echo "still running"' ;;
     v7_build)  # SHAPE=32B writes the NVFP4 and sparse BF16 checkpoints directly (~21 GB of disk)
         step v7_build "$([ "$v7_shape" = 7B ] && echo 400 || echo 580)" bash scripts/gpu/verl_7b_memory_step.sh build --shape "$v7_shape" --out "$v7_dir" ;;
