@@ -2,10 +2,10 @@
 
 Five panels, each from one H100 run (one machine per panel):
 
-1. 7B decode tokens/s at batch 1 / 8 / 64 (docs/benchmarks.md §4j lease 1, random NVFP4A16 checkpoint): BF16 + LoRA
-   on vLLM's punica, vLLM's stock NVFP4A16 + LoRA on punica, ours as shipped then (fused LoRA; overlap is the
-   default since §4l); each NVFP4 bar carries its ratio against BF16 + LoRA, and the issue's target is drawn as a
-   tick on ours.
+1. 7B decode tokens/s at batch 1 / 8 / 64 (docs/benchmarks.md §4v call 2, random weights): BF16 + LoRA on vLLM's
+   punica, ours as shipped (overlap LoRA with the kernel v3), and NVFP4 without LoRA (what the adapter costs); each
+   NVFP4 bar carries its ratio against BF16 + LoRA, and the issue's target is drawn as a tick on ours. (vLLM's stock
+   NVFP4A16 + LoRA was measured in another run, §4j: 1.47 / 1.49 / 1.13× BF16 + LoRA.)
 2. A 7B GRPO step in verl (§4i), seconds per phase (median of the steady-state steps; the bar's whisker is the step
    time's min-max), BF16 + LoRA and NVFP4 + LoRA back to back at 512- and 2048-token responses.
 3. Ratios against 16-bit LoRA: the paper's (read from its released figures, §7) next to ours, with the issue's targets.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "docs" / "gpu-runs"
-DECODE_7B = RUNS / "2026-11-25" / "tenth" / "lease1" / "bench-pair" / "a" / "bench_rollout.json"
+DECODE_7B = RUNS / "2026-11-27" / "twentieth" / "call2" / "bench-v3" / "a" / "bench_rollout.json"
 DECODE_32B = RUNS / "2026-11-25" / "eleventh" / "lease3" / "bench-gemv32" / "a" / "bench_rollout.json"
 STEP_2048 = RUNS / "2026-11-24" / "ninth" / "lease1" / "verl_7b" / "results.jsonl"
 STEP_512 = RUNS / "2026-11-24" / "ninth" / "lease2" / "verl_7b" / "results.jsonl"
@@ -46,8 +46,8 @@ PAPER_VS_QLORA = {"QeRL": 2092 / 1362, "LoRA": 1641 / 1362}
 TARGETS = {"7B end to end": 1.8, "32B rollout (r32)": 3.0}
 DECODE_TARGETS = {"1": 2.5, "8": 2.2, "64": 1.3}
 ENGINES = (("bf16-lora@punica-lora", "BF16 + LoRA (vLLM punica)", "#9e9e9e"),
-           ("stock-nvfp4-lora@punica-lora", "stock vLLM NVFP4A16 + LoRA", "#f2b134"),
-           ("nvfp4-lora@default", "ours: NVFP4 + LoRA (fused)", "#c0392b"))
+           ("nvfp4-lora@default", "ours: NVFP4 + LoRA (overlap, LoRA kernel v3)", "#c0392b"),
+           ("nvfp4@default", "NVFP4 without LoRA (the adapter's cost)", "#f4a582"))
 PHASES = (("gen_s", "rollout", "#c0392b"), ("update_actor_s", "actor update", "#2c7fb8"),
           ("update_weights_s", "adapter sync", "#7fcdbb"))
 
@@ -171,7 +171,7 @@ def plot(data: dict, out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax.set_ylabel("decode tokens/s (log scale)")
-    ax.set_title("Qwen2.5-7B shape, decode, r32 adapter\n(H100, one run, 2026-11-25, §4j)", fontsize=10)
+    ax.set_title("Qwen2.5-7B shape, decode, r32 adapter\n(H100, one run, 2026-11-27, §4v)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     # 2. GRPO step phases
     ax = axes[1]

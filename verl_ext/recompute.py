@@ -82,8 +82,8 @@ def suggest_kept_layers(hf_config: dict, tokens: int, kept_weight_budget: int = 
     bytes per token, and its decoded BF16 weights from forward to backward while the actor's kept-weight budget
     (``QERL_ACTOR_SAVED_WEIGHT_MIB``, ``kept_weight_budget`` bytes) lasts. Estimates for Qwen2/Llama-style decoders
     (q/k/v/o, gate/up/down). Against the H100 runs of §4u (the most layers within BF16's peak): 7B at 16 384 /
-    8 192 / 4 096 tokens 2 / 4 / 8 (measured 2 / 4 / 8), 14B at 16 384 tokens 4 (5 did not fit), 32B at 4 096
-    tokens 29 (28 fitted, 32 did not).
+    8 192 / 4 096 tokens 2 / 4 / 8 (measured 2 / 4 / 8), 14B at 16 384 tokens 4 (5 did not fit; 4 did, 61.01 vs
+    63.89 GiB, in a run made after the fit, §4v), 32B at 4 096 tokens 29 (28 fitted, 32 did not).
     """
     try:
         hidden = int(hf_config["hidden_size"])

@@ -20,8 +20,8 @@ call instead, when it runs (eagerly, or while vLLM captures a CUDA graph for one
 The ``overlap`` path (``additional_config={"qerl_lora": "overlap"}``) runs the same kernel on a second CUDA stream,
 beside the layer's base GEMM instead of after it: one op, ``qerl::linear_lora_overlap``, computes the base GEMM
 on the current stream while the kernel writes the update into a scratch tensor on the side stream, joins, and
-adds (``y + round(update)``: the bits ``fused`` gives). At decode the kernel is latency-bound (~8 us per linear,
-§4h) and the 4-bit GEMM bandwidth-bound, so the two can share the GPU. Calls of more than 64 tokens run the base
+adds (``y + round(update)``: the bits ``fused`` gives). At decode the kernel is latency-bound (5-7 us per linear,
+§4v) and the 4-bit GEMM bandwidth-bound, so the two can share the GPU. Calls of more than 64 tokens run the base
 GEMM and punica one after the other, as ``fused`` does. vLLM's own ``VLLM_LORA_ENABLE_DUAL_STREAM`` does the
 same with punica's three launches (and a zero-filled buffer) for every call size; it is a process-wide switch.
 In an engine with ``decode_gemv`` on, one-row calls take neither: :mod:`vllm_ext.nvfp4_gemv_lora` runs a small

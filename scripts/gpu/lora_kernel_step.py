@@ -7,7 +7,8 @@ own graph and state, and the graphs are replayed in turn (A, B, A, B, ...) so th
 Reported per version and batch: ms per step (median and range of the replays), and the error against an fp32
 statement of the arithmetic on every linear, with the state checked after the launches.
 
-    PYTHONPATH=. python3 scripts/gpu/lora_kernel_step.py --baseline /path/to/old/lora_fused.py [--shape 7B]
+    git show 1d0f2db:vllm_ext/lora_fused.py > /tmp/lora_fused_v2.py   # v2, the version before §4v's v3
+    PYTHONPATH=. python3 scripts/gpu/lora_kernel_step.py --baseline /tmp/lora_fused_v2.py [--shape 7B]
 
 Writes JSON lines to $OUT/lora_kernel_step.jsonl (or --out) and prints a table.
 """
