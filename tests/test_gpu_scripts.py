@@ -836,3 +836,20 @@ def test_actor_same_memory_verdict_takes_the_most_kept_layers_within_bf16s_peak(
     assert ck.same_memory_verdict(rows[:2]).endswith("slower (ranges apart): FAIL")
     assert ck.same_memory_verdict([bf16, rows[3]]) == "same peak memory: no NVFP4 case within BF16's step peak"
     assert ck.same_memory_verdict(rows[1:]) is None
+
+
+def test_lora_kernel_step_times_the_7b_linears_the_kernel_tests_use(monkeypatch, capsys):
+    """scripts/gpu/lora_kernel_step.py (§4v) builds the four 7B LoRA linears of test_lora_fused's GPU tests, loads a
+    baseline module from a file, and on a machine without CUDA says so instead of failing later."""
+    import torch
+
+    from tests.vllm_ext.test_lora_fused import SHAPES_7B
+
+    step = _import_script("lora_kernel_step")
+    groups, layers = step._groups("7B")
+    assert groups == SHAPES_7B and layers == 28
+    old = step._load(str(ROOT / "vllm_ext" / "lora_fused.py"), "lora_fused_baseline_test")
+    assert old.MAX_TOKENS == 64 and callable(old.launch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert step.main(["--baseline", str(ROOT / "vllm_ext" / "lora_fused.py")]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().err
