@@ -212,6 +212,10 @@ def test_unsupported_weights_say_why():
     assert "do not fit" in lora_fused.supports(x, a, b, (40,))
     assert "weights in torch.bfloat16" in lora_fused.supports(x, tuple(t.bfloat16() for t in a), b, (32,))
     assert lora_fused.supports(x, a, b, (32,)) is None
+    # more programs than the ticket word counts below its parity bit: refused, so the engine's op takes punica
+    wide = 128 * lora_fused.MAX_PROGRAMS  # output features (stride-0 views: no memory behind them)
+    b_wide = (torch.zeros(1, 1, 1, 16, dtype=torch.float16).expand(1, 1, wide, 16),)
+    assert f"at most {lora_fused.MAX_PROGRAMS}" in lora_fused.supports(x, a, b_wide, (wide,))
 
 
 def test_a_state_too_small_for_the_rank_is_refused():
