@@ -86,6 +86,12 @@ def _near(word: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _unknown_keys(block: Mapping, allowed: tuple[str, ...]) -> str | None:
+    """The keys of ``block`` outside ``allowed``, each with its nearest allowed key if one is close; None if none."""
+    unknown = [k for k in block if k not in allowed]
+    return ", ".join(f"{k!r}{_near(str(k), allowed)}" for k in unknown) if unknown else None
+
+
 def _parse_bool(key: str, value: Any) -> bool:
     try:
         return options.parse_bool(value, key)
@@ -103,9 +109,8 @@ def parse_qerl_block(block: Any) -> tuple[Any, bool]:
             f"{QERL_KEY}: expected a mapping with the keys {' and/or '.join(QERL_BLOCK_KEYS)}, got {type(block).__name__} "
             f"{block!r}"
         )
-    unknown = [k for k in block if k not in QERL_BLOCK_KEYS]
-    if unknown:
-        hints = ", ".join(f"{k!r}{_near(str(k), QERL_BLOCK_KEYS)}" for k in unknown)
+    hints = _unknown_keys(block, QERL_BLOCK_KEYS)
+    if hints:
         raise QerlConfigError(
             f"{QERL_KEY}: unknown key(s) {hints}; the qerl block takes only {', '.join(QERL_BLOCK_KEYS)} "
             "(the quantization itself is actor_rollout_ref.rollout.quantization)"
@@ -143,9 +148,8 @@ def parse_actor_block(block: Any) -> int:
         raise QerlConfigError(
             f"{ACTOR_BLOCK_KEY}: expected a mapping such as {{no_recompute_layers: 2}}, got {type(actor).__name__} {actor!r}"
         )
-    unknown = [k for k in actor if k not in ACTOR_BLOCK_KEYS]
-    if unknown:
-        hints = ", ".join(f"{k!r}{_near(str(k), ACTOR_BLOCK_KEYS)}" for k in unknown)
+    hints = _unknown_keys(actor, ACTOR_BLOCK_KEYS)
+    if hints:
         raise QerlConfigError(f"{ACTOR_BLOCK_KEY}: unknown key(s) {hints}; it takes only {', '.join(ACTOR_BLOCK_KEYS)}")
     n = actor.get("no_recompute_layers", 0)
     if n is None:
