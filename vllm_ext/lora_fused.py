@@ -55,6 +55,13 @@ PARITY_SHIFT = 16  # the ticket word: (parity << PARITY_SHIFT) | tickets taken
 MAX_PROGRAMS = (1 << PARITY_SHIFT) - 1  # programs one launch may have (tickets must stay below the parity bit)
 
 
+def programs(in_features: int, output_slices: tuple[int, ...]) -> tuple[int, int]:
+    """The kernel's grid for a linear: ``(shrink programs, all programs)``, one shrink program per
+    :data:`CHUNK_K` input features and one expand program per :data:`BLOCK_N` output features of each slice."""
+    shrink = -(-in_features // CHUNK_K)
+    return shrink, shrink + sum(-(-size // BLOCK_N) for size in output_slices)
+
+
 class FusedLoRAUnsupported(ValueError):
     """The call's shapes or dtypes are outside what the fused kernel handles; the caller takes punica."""
 
@@ -72,9 +79,9 @@ def weights_supported(dtype: torch.dtype, in_features: int, lora_a: tuple[torch.
     rank = lora_a[0].shape[-2]
     if rank < 16 or rank & (rank - 1):
         return f"rank {rank} (a power of two >= 16 supported)"
-    programs = -(-in_features // CHUNK_K) + sum(-(-size // BLOCK_N) for size in output_slices)
-    if programs > MAX_PROGRAMS:
-        return f"{programs} programs for {in_features} input and {sum(output_slices)} output features (at most {MAX_PROGRAMS})"
+    grid = programs(in_features, output_slices)[1]
+    if grid > MAX_PROGRAMS:
+        return f"{grid} programs for {in_features} input and {sum(output_slices)} output features (at most {MAX_PROGRAMS})"
     for a, b, size in zip(lora_a, lora_b, output_slices):
         if a.shape[0] != 1 or b.shape[0] != 1:
             return f"{a.shape[0]} adapter slots (one supported)"
@@ -284,12 +291,11 @@ def launch(
                                    f"make it with new_sync(device, max_rank>={rank})")
     slices = len(output_slices)
     block_m = max(16, triton.next_power_of_2(m))
-    ks = triton.cdiv(k, CHUNK_K)
-    programs = ks + sum(triton.cdiv(size, BLOCK_N) for size in output_slices)
+    ks, grid = programs(k, output_slices)
     h = sync[_HEAD:].view(torch.float32)
     a, b = slice_operands(lora_a_stacked, lora_b_stacked, rank, k)
     n = list(output_slices) + [0] * (MAX_SLICES - slices)
-    _fused_lora_kernel[(programs,)](
+    _fused_lora_kernel[(grid,)](
         x2, x2.stride(0), y2, y2.stride(0), token_lora_indices, *a, *b, *n, sync, h, m, k, ks, float(scale), half,
         S=slices, R=rank, BLOCK_M=block_m, CHUNK=CHUNK_K, BN=BLOCK_N, HROWS=MAX_TOKENS, UPCAST=_interpreting(),
         ADD=bool(add_inputs), SHIFT=PARITY_SHIFT, ZB=ZERO_BLOCK,
