@@ -658,6 +658,45 @@ def test_v7_session_steps_take_the_shape():
         assert '--shape "$v7_shape" --out "$v7_dir"' in steps[name], name
 
 
+def _session(tmp_path, *steps, **env):
+    """Runs scripts/gpu/session.sh STEPS with its work folder under tmp_path; (seconds taken, status.txt, stderr)."""
+    import subprocess
+
+    work = tmp_path / "work"
+    full = {**os.environ, "QERL_WORK": str(work), "OUT": str(tmp_path / "out"), **env}
+    t0 = time.monotonic()
+    subprocess.run(["bash", str(GPU / "session.sh"), *steps], cwd=ROOT, env=full, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    taken = time.monotonic() - t0
+    logs = {p.parent.name: p.read_text() for p in work.glob("*/stdout.log")}
+    return taken, (work / "status.txt").read_text(), logs
+
+
+@pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
+@pytest.mark.parametrize("step, env", [("v7_watch", {"RESP": "2048", "TAG": "-r2048p"}), ("bench_watch", {"TAG": "-s"})])
+def test_watch_steps_return_at_once_when_the_run_is_not_on_this_machine(tmp_path, step, env):
+    """A watch on a machine where nothing was started (the machine that started it went back; a fresh one has an
+    empty /tmp) ends at once with rc 3 and says so, instead of waiting out its call (WATCH_S of 60 s here)."""
+    taken, status, logs = _session(tmp_path, step, WATCH_S="60", **env)
+    assert taken < 30
+    assert f"{step} rc=3 " in status
+    assert "nothing to watch: no run was started in" in logs[step] and "start it again" in logs[step]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
+def test_v7_watch_reports_a_finished_pair(tmp_path):
+    """With the pair's log and its DONE file there, v7_watch returns at once with the log's result lines and the
+    pair's exit status."""
+    d = tmp_path / "work" / "verl_7b"
+    d.mkdir(parents=True)
+    (d / "pair-r2048p.log").write_text('noise\n[verl_7b] {"phase": "bf16-r2048p", "rc": 0}\nmore noise\n')
+    (d / "DONE-r2048p").write_text("0\n")
+    taken, status, logs = _session(tmp_path, "v7_watch", RESP="2048", TAG="-r2048p", WATCH_S="60")
+    assert taken < 30 and "v7_watch rc=0 " in status
+    assert '[verl_7b] {"phase": "bf16-r2048p", "rc": 0}' in logs["v7_watch"] and "noise" not in logs["v7_watch"]
+    assert logs["v7_watch"].rstrip().endswith("0")
+
+
 def test_streamed_weight_is_the_sweeps_seeded_weight_with_its_copies():
     """check_gemv.streamed_weight, shared by check_gemv.py, sweep_row.py and sweep_mma.py: the N(0, 0.02) weight drawn
     after seed 0, its NVFP4 triple (the codec's own), its byte count, copies reading >= cold_mib MiB, and the generator

@@ -13,7 +13,7 @@ set -u
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
 final="${OUT:-./.out}"
-work=/tmp/qerl-out
+work=${QERL_WORK:-/tmp/qerl-out}  # QERL_WORK: another folder (the tests)
 mkdir -p "$work" "$final"
 tag="gpu-$(date +%H%M%S)"
 
@@ -39,6 +39,11 @@ STUDY_T1="$DECOUPLED --override actor_rollout_ref.rollout.temperature=1.0 --over
 # The v7_* steps' model shape, SHAPE=7B|32B (default 7B), and its folder: $work/verl_7b or $work/verl_32b
 v7_shape=${SHAPE:-7B}
 v7_dir="$work/verl_${v7_shape,,}"
+
+# The watch steps first check that what they watch was started on this machine. A machine that went back between two
+# calls (30 s idle, or its 30 minutes held) comes back fresh with an empty /tmp: without this check a watch would wait
+# its whole call for a run that no longer exists (this happened twice on 2026-11-27, ~9 minutes of device time each).
+GONE='echo "nothing to watch: no run was started in $d on this machine; if it was started in an earlier call, that machine has gone back (a fresh one has an empty /tmp): start it again" >&2; exit 3'
 
 step() {  # step NAME LIMIT_S CMD...
     local name=$1 limit=$2
@@ -109,7 +114,7 @@ run_step() {
                 bash scripts/gpu/verl_7b_memory_step.sh ${PHASES:-build bf16 nvfp4 summary} --shape $s --out $d --bypass --steps ${STEPS:-5} --response $r --tag=$t --timeout 1500 ${V7_ARGS:-}; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null & echo "started the $s $t runs${AFTER:+ (after $AFTER)}"' ;;
     v7_watch)  # wait for the background runs (TAG, default -r$RESP; SHAPE) to end or the call's time to run out (WATCH_S: return
         # earlier, e.g. before the machine's 30 minutes are up); their log's tail
-        step v7_watch 580 bash -c 'r=${RESP:-512}; t=${TAG:--r$r}; d='"$v7_dir"'; end=$((SECONDS + ${WATCH_S:-'"$((deadline - SECONDS - 40))"'})); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
+        step v7_watch 580 bash -c 'r=${RESP:-512}; t=${TAG:--r$r}; d='"$v7_dir"'; [ -f $d/pair$t.log ] || { '"$GONE"'; }; end=$((SECONDS + ${WATCH_S:-'"$((deadline - SECONDS - 40))"'})); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
             grep -h "\[verl_[0-9a-z]*\]\|step:" $d/pair*.log | cut -c1-300 | tail -n 12; ls $d; cat $d/DONE$t 2>/dev/null || echo "still running"' ;;
     v7_build)  # SHAPE=32B writes the NVFP4 and sparse BF16 checkpoints directly (~21 GB of disk)
         step v7_build "$([ "$v7_shape" = 7B ] && echo 400 || echo 580)" bash scripts/gpu/verl_7b_memory_step.sh build --shape "$v7_shape" --out "$v7_dir" ;;
@@ -183,7 +188,7 @@ run_step() {
             setsid nohup bash -c "OUT=$d/a python3 scripts/gpu/bench_rollout.py ${BENCH_ARGS:?set BENCH_ARGS};
                 echo \$? > $d/DONE" >$d/bg.log 2>&1 </dev/null & echo started' ;;
     bench_watch)  # wait for bench_bg (same TAG) to end or the call's time to run out (WATCH_S: return earlier); the log's tail
-        step bench_watch 580 bash -c 'd='"$work"'/bench${TAG:-}; end=$((SECONDS + ${WATCH_S:-'"$((deadline - SECONDS - 40))"'})); while [ ! -f $d/DONE ] && [ $SECONDS -lt $end ]; do sleep 10; done;
+        step bench_watch 580 bash -c 'd='"$work"'/bench${TAG:-}; [ -f $d/bg.log ] || { '"$GONE"'; }; end=$((SECONDS + ${WATCH_S:-'"$((deadline - SECONDS - 40))"'})); while [ ! -f $d/DONE ] && [ $SECONDS -lt $end ]; do sleep 10; done;
             grep -h "qerl: LoRA" $d/a/logs/*.log 2>/dev/null | sort | uniq -c; tail -n 40 $d/bg.log | cut -c1-400; cat $d/DONE 2>/dev/null || echo "still running"' ;;
     ckpt7b)  # a random 7B NVFP4A16 checkpoint (valid FP8 scales) for the bench's stock rows: $work/ckpt_7b_nvfp4
         step ckpt7b 300 python3 scripts/gpu/random_checkpoint.py "$work/ckpt_7b_nvfp4" --shape 7B --kind nvfp4 --if-missing ;;
