@@ -73,7 +73,8 @@ def test_entropy_verdict_sorts_by_sigma(check_aqn_vllm):
 
 def _session_steps() -> set[str]:
     text = (GPU / "session.sh").read_text()
-    return set(re.findall(r"^\s+([a-z0-9_]+)\)", text, flags=re.M))
+    labels = re.findall(r"^\s+([a-z0-9_]+(?:\|[a-z0-9_]+)*)\)", text, flags=re.M)  # `a)` and `a|b)`
+    return {name for label in labels for name in label.split("|")}
 
 
 @pytest.mark.parametrize("doc", ["docs/benchmarks.md", "docs/verl-h100.md", "docs/learning.md", "README.md"])
@@ -650,12 +651,14 @@ def test_v7_session_steps_take_the_shape():
     """session.sh: v7_pair_bg, v7_watch, v7_build (and v7_nvfp4/v7_bf16) pass --shape and use $work/verl_<shape>."""
     text = (GPU / "session.sh").read_text()
     assert 'v7_shape=${SHAPE:-7B}' in text and 'v7_dir="$work/verl_${v7_shape,,}"' in text
-    steps = {m.group(1): m.group(2) for m in re.finditer(r"^    (v7_\w+)\)(.*?);;", text, flags=re.M | re.S)}
+    steps = {name: m.group(2) for m in re.finditer(r"^    (v7_[\w|]+)\)(.*?);;", text, flags=re.M | re.S)
+             for name in m.group(1).split("|")}
     assert set(steps) >= {"v7_pair_bg", "v7_watch", "v7_build", "v7_nvfp4", "v7_bf16"}
     assert "s='\"$v7_shape\"';" in steps["v7_pair_bg"] and "--shape $s --out $d" in steps["v7_pair_bg"]
     assert "d='\"$v7_dir\"';" in steps["v7_pair_bg"] and "d='\"$v7_dir\"';" in steps["v7_watch"]
-    for name in ("v7_build", "v7_nvfp4", "v7_bf16"):
-        assert '--shape "$v7_shape" --out "$v7_dir"' in steps[name], name
+    assert '--shape "$v7_shape" --out "$v7_dir"' in steps["v7_build"]
+    for name in ("v7_nvfp4", "v7_bf16"):  # one case for both arms
+        assert "d='\"$v7_dir\"';" in steps[name] and "--shape '\"$v7_shape\"' --out $d" in steps[name], name
 
 
 def _session(tmp_path, *steps, **env):
@@ -695,6 +698,31 @@ def test_v7_watch_reports_a_finished_pair(tmp_path):
     assert taken < 30 and "v7_watch rc=0 " in status
     assert '[verl_7b] {"phase": "bf16-r2048p", "rc": 0}' in logs["v7_watch"] and "noise" not in logs["v7_watch"]
     assert logs["v7_watch"].rstrip().endswith("0")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
+def test_second_arm_of_a_pair_refuses_a_machine_without_the_first(tmp_path):
+    """v7_nvfp4 with AFTER_ARM runs only where that arm finished (results.jsonl of this machine, rc 0); else rc 3 at
+    once. PYTHON=echo stands in for the run, so the test sees the command the arm would run."""
+    env = {"AFTER_ARM": "bf16-r2048p", "PYTHON": "echo", "V7_ARGS": "--tag=-r2048p --response 2048"}
+    taken, status, logs = _session(tmp_path, "v7_nvfp4", **env)
+    assert taken < 30 and "v7_nvfp4 rc=3 " in status and "did not finish on this machine" in logs["v7_nvfp4"]
+
+    results = tmp_path / "work" / "verl_7b" / "results.jsonl"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text('{"phase": "bf16-r2048p", "rc": 1, "settings": {}}\n')  # there, but failed
+    _, status, _ = _session(tmp_path, "v7_nvfp4", **env)
+    assert status.splitlines()[-1].startswith("v7_nvfp4 rc=3 ")
+
+    results.write_text('{"phase": "build", "model_gb": 14.19}\n{"phase": "bf16-r2048p", "rc": 0, "settings": {}}\n')
+    _, status, logs = _session(tmp_path, "v7_nvfp4", **env)
+    assert status.splitlines()[-1].startswith("v7_nvfp4 rc=0 ")
+    out = str(tmp_path / "work" / "verl_7b")
+    assert logs["v7_nvfp4"].split() == ["scripts/gpu/verl_7b_memory_step.py", "nvfp4", "summary", "--shape", "7B",
+                                        "--out", out, "--tag=-r2048p", "--response", "2048"]
+
+    _, status, logs = _session(tmp_path, "v7_bf16", PYTHON="echo")  # without AFTER_ARM: no check
+    assert status.splitlines()[-1].startswith("v7_bf16 rc=0 ") and logs["v7_bf16"].split()[1:3] == ["bf16", "summary"]
 
 
 def test_streamed_weight_is_the_sweeps_seeded_weight_with_its_copies():
