@@ -725,6 +725,66 @@ def test_second_arm_of_a_pair_refuses_a_machine_without_the_first(tmp_path):
     assert status.splitlines()[-1].startswith("v7_bf16 rc=0 ") and logs["v7_bf16"].split()[1:3] == ["bf16", "summary"]
 
 
+@pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
+@pytest.mark.parametrize("swap, gpus", [("0", {"bf16": "0", "nvfp4": "1"}), ("1", {"bf16": "1", "nvfp4": "0"})])
+def test_two_gpu_pair_pins_each_arm_to_its_own_gpu(tmp_path, swap, gpus):
+    """v7_pair_2gpu: build, then both arms at once, each with CUDA_VISIBLE_DEVICES of its GPU in PCI order, every phase
+    with the same options (no Ray dashboard: two clusters share the host), then the summary and DONE; v7_watch reads
+    the arms' logs. A stand-in python prints its environment and arguments."""
+    fake = tmp_path / "fakepy"
+    fake.write_text('#!/bin/sh\necho "[verl_7b] GPU=$CUDA_VISIBLE_DEVICES ORDER=$CUDA_DEVICE_ORDER $*"\n')
+    fake.chmod(0o755)
+    env = {"PYTHON": str(fake), "SWAP": swap, "RESP": "2048", "STEPS": "4", "TAG": "-r2048q",
+           "V7_ARGS": "--max-token-len 16384 --nvfp4-keep 2 --bf16-lora punica"}
+    _, status, logs = _session(tmp_path, "v7_pair_2gpu", **env)
+    assert "v7_pair_2gpu rc=0 " in status
+    assert f"GPUs {gpus['bf16']} (bf16) and {gpus['nvfp4']} (nvfp4)" in logs["v7_pair_2gpu"]
+    d = tmp_path / "work" / "verl_7b"
+    for _ in range(100):  # the pair runs in the background (setsid)
+        if (d / "DONE-r2048q").exists():
+            break
+        time.sleep(0.1)
+    assert (d / "DONE-r2048q").read_text().strip() == "0"
+    same = ("--shape 7B --out {} --bypass --steps 4 --response 2048 --tag=-r2048q --timeout 1500 --override "
+            "+ray_kwargs.ray_init.include_dashboard=false --max-token-len 16384 --nvfp4-keep 2 --bf16-lora punica").format(d)
+    for arm, gpu in gpus.items():
+        line = (d / f"arm-{arm}-r2048q.log").read_text().strip()
+        assert line == f"[verl_7b] GPU={gpu} ORDER=PCI_BUS_ID scripts/gpu/verl_7b_memory_step.py {arm} {same}"
+    pair = (d / "pair-r2048q.log").read_text().splitlines()
+    assert [x.split(" ORDER=")[0] for x in pair if "GPU=" in x] == ["[verl_7b] GPU="] * 2  # build, summary: every GPU
+    assert pair[0].endswith(f"build {same}") and pair[-1].endswith(f"summary {same}")
+    _, status, logs = _session(tmp_path, "v7_watch", RESP="2048", TAG="-r2048q", WATCH_S="60")
+    assert status.splitlines()[-1].startswith("v7_watch rc=0 ")
+    assert f"[pair] bf16 on GPU {gpus['bf16']}, nvfp4 on GPU {gpus['nvfp4']}" in logs["v7_watch"]
+    assert f"GPU={gpus['nvfp4']} ORDER=PCI_BUS_ID scripts/gpu/verl_7b_memory_step.py nvfp4" in logs["v7_watch"]
+
+
+def test_memory_is_sampled_on_the_runs_own_gpu(v7):
+    """A run pinned to one GPU (CUDA_VISIBLE_DEVICES of one index) samples that GPU's memory.used; otherwise GPU 0's
+    line of the all-GPU query, as before."""
+    assert v7.visible_gpu({"CUDA_VISIBLE_DEVICES": "1"}) == 1
+    for value in ("", "0,1", "GPU-5f1c2d3e", " "):
+        assert v7.visible_gpu({"CUDA_VISIBLE_DEVICES": value}) is None
+    assert v7.visible_gpu({}) is None
+    assert v7.smi_command(1) == ["nvidia-smi", "--id=1", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    assert v7.smi_command(None) == ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+
+
+def test_override_reaches_both_runs_and_verls_config(v7):
+    """--override: appended last to both runs' overrides; verl's config takes the dashboard switch the two-GPU pair
+    passes."""
+    from verl_ext.config import compose
+
+    args = v7.parser().parse_args(["bf16", "--bypass", "--override", "+ray_kwargs.ray_init.include_dashboard=false"])
+    for name in ("bf16", "nvfp4"):
+        overrides = v7.overrides_for(name, Path("/tmp/qerl-7b"), args)
+        assert overrides[-1] == "+ray_kwargs.ray_init.include_dashboard=false"
+        cfg = compose(ROOT / "examples" / "tiny" / "config.yaml", overrides)
+        assert cfg.ray_kwargs.ray_init.include_dashboard is False
+    plain = v7.parser().parse_args(["bf16"])
+    assert not any("ray_kwargs" in o for o in v7.overrides_for("bf16", Path("/tmp/qerl-7b"), plain))
+
+
 def test_streamed_weight_is_the_sweeps_seeded_weight_with_its_copies():
     """check_gemv.streamed_weight, shared by check_gemv.py, sweep_row.py and sweep_mma.py: the N(0, 0.02) weight drawn
     after seed 0, its NVFP4 triple (the codec's own), its byte count, copies reading >= cold_mib MiB, and the generator

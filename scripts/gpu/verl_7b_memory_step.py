@@ -155,21 +155,32 @@ def build_direct(out: Path, shape: str) -> dict:
     return rec
 
 
-class SmiPeak:
-    """Peak device memory.used (MiB) sampled by nvidia-smi in the background."""
+def visible_gpu(env: dict | None = None) -> int | None:
+    """The one GPU this process may use, from CUDA_VISIBLE_DEVICES holding a single index (as the two-GPU pair sets it,
+    with CUDA_DEVICE_ORDER=PCI_BUS_ID so that CUDA's index is nvidia-smi's); None when unset, a list or a UUID."""
+    value = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES", "").strip()
+    return int(value) if value.isdigit() else None
 
-    def __init__(self, path: Path):
+
+def smi_command(gpu: int | None) -> list[str]:
+    """nvidia-smi's memory.used query: of ``gpu`` alone, or of every GPU (the first line is GPU 0's)."""
+    return ["nvidia-smi", *([f"--id={gpu}"] if gpu is not None else []), "--query-gpu=memory.used",
+            "--format=csv,noheader,nounits"]  # fmt: skip
+
+
+class SmiPeak:
+    """Peak device memory.used (MiB) sampled by nvidia-smi in the background: of ``gpu``, else of GPU 0."""
+
+    def __init__(self, path: Path, gpu: int | None = None):
         self.path, self.peak, self._stop = path, 0, threading.Event()
+        self.command = smi_command(gpu)
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         with open(self.path, "w") as fh:
             while not self._stop.is_set():
                 try:
-                    out = subprocess.run(
-                        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                        capture_output=True, text=True, timeout=5,
-                    ).stdout.split()  # fmt: skip
+                    out = subprocess.run(self.command, capture_output=True, text=True, timeout=5).stdout.split()
                     used = int(out[0]) if out else 0
                     self.peak = max(self.peak, used)
                     fh.write(f"{time.time():.1f},{used}\n")
@@ -250,7 +261,7 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
     lora = lora_path(name, args)
     if lora:  # JSON text: verl hands engine_kwargs.vllm to vLLM's command line (qerl merges its own keys into it first)
         overrides += [f"++actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config='{json.dumps({LORA_KEY: lora})}'"]
-    return overrides
+    return overrides + list(getattr(args, "override", []))  # --override: both runs alike, last
 
 
 def lora_path(name: str, args) -> str | None:
@@ -269,7 +280,8 @@ def run(name: str, out: Path, args) -> dict:
     overrides = overrides_for(name, out, args)
     run_name = phase_key(name, args.tag)
     (out / run_name).mkdir(parents=True, exist_ok=True)
-    with SmiPeak(out / run_name / "smi.csv") as smi:
+    gpu = visible_gpu()
+    with SmiPeak(out / run_name / "smi.csv", gpu) as smi:
         rc, text, res = tiny.run_verl(run_name, out, out, overrides, args.timeout, eager=False)
     steps = res["steps"]
     timed = [d for s, d in sorted(steps.items()) if s >= 2] or list(steps.values())
@@ -297,7 +309,8 @@ def run(name: str, out: Path, args) -> dict:
                      "chunked_entropy": args.chunked_entropy, "response": args.response, "gpu_mem": args.gpu_mem,
                      "bypass": args.bypass, "steps": args.steps, "shape": args.shape,
                      "param_offload": args.param_offload, "bf16_gpu_mem": args.bf16_gpu_mem,
-                     "rollout_gpu_mem": rollout_gpu_mem(name, args), "lora_path": lora_path(name, args) or "default", "model": str(model_dir(name, out, args.shape))},
+                     "rollout_gpu_mem": rollout_gpu_mem(name, args), "lora_path": lora_path(name, args) or "default", "model": str(model_dir(name, out, args.shape)),
+                     "gpu": gpu, "override": list(args.override)},
         "step_s_each": {s: d.get("timing_s/step") for s, d in sorted(steps.items())},
         "step_s_spread": spread("timing_s/step"),
         "gen_s_spread": spread("timing_s/gen"),
@@ -387,6 +400,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16-keep", type=int, default=0, metavar="N", help="the same for the BF16 run (default 0)")
     p.add_argument("--tag", default="", help="suffix of the run folders and result phases, e.g. -r2048")
     p.add_argument("--timeout", type=int, default=570)
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more main_ppo override for both runs (repeatable), e.g. "
+                        "+ray_kwargs.ray_init.include_dashboard=false when two runs share a host")
     return p
 
 
