@@ -653,9 +653,11 @@ def test_v7_session_steps_take_the_shape():
     assert 'v7_shape=${SHAPE:-7B}' in text and 'v7_dir="$work/verl_${v7_shape,,}"' in text
     steps = {name: m.group(2) for m in re.finditer(r"^    (v7_[\w|]+)\)(.*?);;", text, flags=re.M | re.S)
              for name in m.group(1).split("|")}
-    assert set(steps) >= {"v7_pair_bg", "v7_watch", "v7_build", "v7_nvfp4", "v7_bf16"}
-    assert "s='\"$v7_shape\"';" in steps["v7_pair_bg"] and "--shape $s --out $d" in steps["v7_pair_bg"]
-    assert "d='\"$v7_dir\"';" in steps["v7_pair_bg"] and "d='\"$v7_dir\"';" in steps["v7_watch"]
+    assert set(steps) >= {"v7_pair_bg", "v7_pair_2gpu", "v7_watch", "v7_build", "v7_nvfp4", "v7_bf16"}
+    assert 'v7_pair_opts="--shape $v7_shape --out $v7_dir ' in text  # every phase of a pair, in both pair steps
+    for name in ("v7_pair_bg", "v7_pair_2gpu"):
+        assert "'\"$v7_pair_opts\"'" in steps[name] and "d='\"$v7_dir\"';" in steps[name], name
+    assert "d='\"$v7_dir\"';" in steps["v7_watch"]
     assert '--shape "$v7_shape" --out "$v7_dir"' in steps["v7_build"]
     for name in ("v7_nvfp4", "v7_bf16"):  # one case for both arms
         assert "d='\"$v7_dir\"';" in steps[name] and "--shape '\"$v7_shape\"' --out $d" in steps[name], name
@@ -757,6 +759,28 @@ def test_two_gpu_pair_pins_each_arm_to_its_own_gpu(tmp_path, swap, gpus):
     assert status.splitlines()[-1].startswith("v7_watch rc=0 ")
     assert f"[pair] bf16 on GPU {gpus['bf16']}, nvfp4 on GPU {gpus['nvfp4']}" in logs["v7_watch"]
     assert f"GPU={gpus['nvfp4']} ORDER=PCI_BUS_ID scripts/gpu/verl_7b_memory_step.py nvfp4" in logs["v7_watch"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
+@pytest.mark.parametrize("shape, folder", [("7B", "verl_7b"), ("32B", "verl_32b")])
+def test_pair_on_one_gpu_runs_its_phases_with_the_pair_options(tmp_path, shape, folder):
+    """v7_pair_bg: one invocation of every phase, in the shape's folder, with the same options v7_pair_2gpu gives each
+    of its phases (there plus the dashboard switch), V7_ARGS last; DONE holds its exit status."""
+    fake = tmp_path / "fakepy"
+    fake.write_text('#!/bin/sh\necho "[verl_x] $*"\n')
+    fake.chmod(0o755)
+    env = {"PYTHON": str(fake), "SHAPE": shape, "RESP": "512", "STEPS": "4", "V7_ARGS": "--nvfp4-keep 2"}
+    _, status, logs = _session(tmp_path, "v7_pair_bg", **env)
+    assert "v7_pair_bg rc=0 " in status and f"started the {shape} -r512 runs" in logs["v7_pair_bg"]
+    d = tmp_path / "work" / folder
+    for _ in range(100):  # setsid: in the background
+        if (d / "DONE-r512").exists():
+            break
+        time.sleep(0.1)
+    assert (d / "DONE-r512").read_text().strip() == "0"
+    assert (d / "pair-r512.log").read_text().strip() == (
+        f"[verl_x] scripts/gpu/verl_7b_memory_step.py build bf16 nvfp4 summary --shape {shape} --out {d} --bypass "
+        "--steps 4 --response 512 --tag=-r512 --timeout 1500 --nvfp4-keep 2")
 
 
 def test_memory_is_sampled_on_the_runs_own_gpu(v7):

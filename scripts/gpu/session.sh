@@ -39,6 +39,10 @@ STUDY_T1="$DECOUPLED --override actor_rollout_ref.rollout.temperature=1.0 --over
 # The v7_* steps' model shape, SHAPE=7B|32B (default 7B), and its folder: $work/verl_7b or $work/verl_32b
 v7_shape=${SHAPE:-7B}
 v7_dir="$work/verl_${v7_shape,,}"
+# The pair steps' run-folder suffix (TAG, default -r$RESP) and the options every phase of a pair gets (v7_pair_bg,
+# v7_pair_2gpu; V7_ARGS after them)
+v7_tag=${TAG:--r${RESP:-512}}
+v7_pair_opts="--shape $v7_shape --out $v7_dir --bypass --steps ${STEPS:-5} --response ${RESP:-512} --tag=$v7_tag --timeout 1500"
 
 # The watch steps first check that what they watch was started on this machine. A machine that went back between two
 # calls (30 s idle, or its 30 minutes held) comes back fresh with an empty /tmp: without this check a watch would wait
@@ -108,25 +112,25 @@ run_step() {
         # that file exists, e.g. /tmp/qerl-out/bench-p/DONE), V7_ARGS more
         # options (e.g. --ppo-micro 1; for 32B e.g. --param-offload --bf16-gpu-mem 0.9), SHAPE=7B|32B (default 7B;
         # folder $work/verl_7b or $work/verl_32b); v7_watch (same TAG and SHAPE) follows it
-        step v7_pair_bg 30 bash -c 's='"$v7_shape"'; r=${RESP:-512}; t=${TAG:--r$r}; d='"$v7_dir"'; mkdir -p $d && rm -f $d/DONE$t &&
+        step v7_pair_bg 30 bash -c 't='"$v7_tag"'; d='"$v7_dir"'; mkdir -p $d && rm -f $d/DONE$t &&
             setsid nohup bash -c "while [ -n \"${AFTER:-}\" ] && [ ! -f $d/DONE${AFTER:-} ]; do sleep 5; done;
                 while [ -n \"${AFTER_FILE:-}\" ] && [ ! -f \"${AFTER_FILE:-}\" ]; do sleep 5; done;
-                bash scripts/gpu/verl_7b_memory_step.sh ${PHASES:-build bf16 nvfp4 summary} --shape $s --out $d --bypass --steps ${STEPS:-5} --response $r --tag=$t --timeout 1500 ${V7_ARGS:-}; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null & echo "started the $s $t runs${AFTER:+ (after $AFTER)}"' ;;
+                bash scripts/gpu/verl_7b_memory_step.sh ${PHASES:-build bf16 nvfp4 summary} '"$v7_pair_opts"' ${V7_ARGS:-}; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null & echo "started the '"$v7_shape"' $t runs${AFTER:+ (after $AFTER)}"' ;;
     v7_pair_2gpu)  # the pair's two arms at once, each alone on one GPU of a two-GPU host, in the background: a 2048 pair in
         # ~9 min instead of ~17, so within one call. Build first, then BF16 on GPU 0 and NVFP4 on GPU 1 (SWAP=1: the other
         # way round; CUDA and nvidia-smi both in PCI order), each arm's log in arm-<arm>$TAG.log, then the summary; RESP,
         # STEPS, TAG, V7_ARGS as v7_pair_bg (two Ray clusters share the host: no dashboards); v7_watch follows it
-        step v7_pair_2gpu 30 bash -c 's='"$v7_shape"'; r=${RESP:-512}; t=${TAG:--r$r}; d='"$v7_dir"'; mkdir -p $d; rm -f $d/DONE$t;
+        step v7_pair_2gpu 30 bash -c 't='"$v7_tag"'; d='"$v7_dir"'; mkdir -p $d; rm -f $d/DONE$t;
             if [ "${SWAP:-0}" = 1 ]; then gb=1; gn=0; else gb=0; gn=1; fi;
-            a="--shape $s --out $d --bypass --steps ${STEPS:-5} --response $r --tag=$t --timeout 1500 --override +ray_kwargs.ray_init.include_dashboard=false ${V7_ARGS:-}";
+            a="'"$v7_pair_opts"' --override +ray_kwargs.ray_init.include_dashboard=false ${V7_ARGS:-}";
             setsid nohup bash -c "bash scripts/gpu/verl_7b_memory_step.sh build $a && echo \"[pair] bf16 on GPU $gb, nvfp4 on GPU $gn (PCI order)\" &&
                 { CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=$gb bash scripts/gpu/verl_7b_memory_step.sh bf16 $a >$d/arm-bf16$t.log 2>&1 &
                   CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=$gn bash scripts/gpu/verl_7b_memory_step.sh nvfp4 $a >$d/arm-nvfp4$t.log 2>&1 &
                   wait; } && bash scripts/gpu/verl_7b_memory_step.sh summary $a; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null &
-            echo "started the $s $t pair on GPUs $gb (bf16) and $gn (nvfp4)"' ;;
+            echo "started the '"$v7_shape"' $t pair on GPUs $gb (bf16) and $gn (nvfp4)"' ;;
     v7_watch)  # wait for the background runs (TAG, default -r$RESP; SHAPE) to end or the call's time to run out (WATCH_S: return
         # earlier, e.g. before the machine's 30 minutes are up); their log's tail
-        step v7_watch 580 bash -c 'r=${RESP:-512}; t=${TAG:--r$r}; d='"$v7_dir"'; [ -f $d/pair$t.log ] || { '"$GONE"'; }; end=$((SECONDS + ${WATCH_S:-'"$((deadline - SECONDS - 40))"'})); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
+        step v7_watch 580 bash -c 't='"$v7_tag"'; d='"$v7_dir"'; [ -f $d/pair$t.log ] || { '"$GONE"'; }; end=$((SECONDS + ${WATCH_S:-'"$((deadline - SECONDS - 40))"'})); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
             grep -h "\[verl_[0-9a-z]*\]\|\[pair\]\|step:" $d/pair$t.log $d/arm-*$t.log 2>/dev/null | cut -c1-300 | tail -n 12; ls $d; cat $d/DONE$t 2>/dev/null || echo "still running"' ;;
     v7_build)  # SHAPE=32B writes the NVFP4 and sparse BF16 checkpoints directly (~21 GB of disk)
         step v7_build "$([ "$v7_shape" = 7B ] && echo 400 || echo 580)" bash scripts/gpu/verl_7b_memory_step.sh build --shape "$v7_shape" --out "$v7_dir" ;;
