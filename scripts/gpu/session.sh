@@ -86,6 +86,9 @@ run_step() {
     actor_model) step actor_model 300 python3 scripts/gpu/check_actor_kernels.py --steps model --model-tokens ${TOKENS:-4096} ;;
     actor_profile) step actor_profile 300 python3 scripts/gpu/check_actor_kernels.py --steps profile --model-tokens ${TOKENS:-2560} ;;
     actor_tune) step actor_tune 300 python3 scripts/gpu/check_actor_kernels.py --steps tune,dequant,model ;;
+    gpucheck)  # the GPU's clocks under 20 s (CLOCK_S) of BF16 matmuls: rc 4 where it slows itself down (heat, power
+        # brake), as one H100 did through a whole pair on 2026-11-27 (§4x); before timed work; on rc 4 take another machine
+        step gpucheck 90 ${PYTHON:-python3} scripts/gpu/gpu_clocks.py --seconds "${CLOCK_S:-20}" ;;
     gputests) step gputests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
     aqn) step aqn 560 python3 scripts/gpu/check_aqn_vllm.py ;;
     entropy32) step entropy32 300 python3 scripts/gpu/check_aqn_vllm.py --phases build,entropy32 ;;

@@ -11,8 +11,9 @@ responses forced to 512 tokens with ignore_eos) of the tiny example config with 
 
 Per run it records (steps 2..3, step 1 includes warm-up): verl's timing_s/{gen,old_log_prob,update_actor,
 update_weights,step}; the actor process's peak torch memory (perf/max_memory_allocated_gb / reserved, verl's);
-the device's peak memory.used (nvidia-smi every 0.2 s, all processes: actor + vLLM); vLLM's own
-"Model loading took X GiB" and KV-cache size lines. Random weights: throughput and memory only, no accuracy.
+the device's peak memory.used (nvidia-smi every 0.2 s, all processes: actor + vLLM) with the SM clock, temperature
+and the driver's clock-event reasons (gpu_clocks.py: a run whose GPU slowed itself down is a problem, and a pair with
+one gets no verdict); vLLM's own "Model loading took X GiB" and KV-cache size lines. Random weights: throughput and memory only, no accuracy.
 No time is measured with enforce_eager (CUDA graphs on; attention is sdpa in the actor, no flash-attn).
 
     bash scripts/gpu/verl_7b_memory_step.sh build
@@ -41,15 +42,14 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import verl_grpo_tiny as tiny  # noqa: E402  (run_verl, read_metrics, preflight)
+from gpu_clocks import Sampler, problem as clock_problem  # noqa: E402  (memory peak, SM clocks, slowdown reasons)
 
 ROOT = HERE.parents[1]
 PHASES = ("build", "bf16", "nvfp4", "summary")
@@ -162,41 +162,6 @@ def visible_gpu(env: dict | None = None) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-def smi_command(gpu: int | None) -> list[str]:
-    """nvidia-smi's memory.used query: of ``gpu`` alone, or of every GPU (the first line is GPU 0's)."""
-    return ["nvidia-smi", *([f"--id={gpu}"] if gpu is not None else []), "--query-gpu=memory.used",
-            "--format=csv,noheader,nounits"]  # fmt: skip
-
-
-class SmiPeak:
-    """Peak device memory.used (MiB) sampled by nvidia-smi in the background: of ``gpu``, else of GPU 0."""
-
-    def __init__(self, path: Path, gpu: int | None = None):
-        self.path, self.peak, self._stop = path, 0, threading.Event()
-        self.command = smi_command(gpu)
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        with open(self.path, "w") as fh:
-            while not self._stop.is_set():
-                try:
-                    out = subprocess.run(self.command, capture_output=True, text=True, timeout=5).stdout.split()
-                    used = int(out[0]) if out else 0
-                    self.peak = max(self.peak, used)
-                    fh.write(f"{time.time():.1f},{used}\n")
-                except Exception:
-                    pass
-                self._stop.wait(0.2)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join(timeout=10)
-
-
 def phase_key(name: str, tag: str) -> str:
     """The results key (and run folder) of a phase: the runs carry --tag, build and summary do not."""
     return name + tag if name in ("bf16", "nvfp4") else name
@@ -281,7 +246,7 @@ def run(name: str, out: Path, args) -> dict:
     run_name = phase_key(name, args.tag)
     (out / run_name).mkdir(parents=True, exist_ok=True)
     gpu = visible_gpu()
-    with SmiPeak(out / run_name / "smi.csv", gpu) as smi:
+    with Sampler(out / run_name / "smi.csv", gpu) as smi:
         rc, text, res = tiny.run_verl(run_name, out, out, overrides, args.timeout, eager=False)
     steps = res["steps"]
     timed = [d for s, d in sorted(steps.items()) if s >= 2] or list(steps.values())
@@ -328,8 +293,11 @@ def run(name: str, out: Path, args) -> dict:
         "vllm_weights_gib": loads[0] if loads else None,
         "vllm_kv_cache_gib": kv[0] if kv else None,
         "run_s": res["seconds"],
+        "gpu_clocks": smi.summary(),
         "problems": [] if rc == 0 and len(steps) >= args.steps else [f"exit {rc}, {len(steps)} steps logged"],
     }
+    if clock_problem(rec["gpu_clocks"]):
+        rec["problems"].append(clock_problem(rec["gpu_clocks"]))
     return rec
 
 
@@ -351,6 +319,9 @@ def pair_verdict(bf16: dict, nvfp4: dict, target: float | None = None) -> dict:
     diff = b_step - n_step
     spreads = [round(width(bf16, "step_s_spread"), 3), round(width(nvfp4, "step_s_spread"), 3)]
     verdict = "no verdict" if abs(diff) <= max(spreads) else ("nvfp4 faster" if diff > 0 else "nvfp4 slower")
+    slowed = [arm for arm, r in (("bf16", bf16), ("nvfp4", nvfp4)) if (r.get("gpu_clocks") or {}).get("slowed")]
+    if slowed:  # a GPU that slowed itself down in either arm: the ratios are reported, no verdict is drawn from them
+        verdict = f"no verdict: the GPU slowed itself down in the {' and '.join(slowed)} arm{'s' * (len(slowed) > 1)}"
     rest = n_step - n_gen  # NVFP4's step outside its rollout
     out = {"step_ratio": round(b_step / n_step, 3), "rollout_ratio": round(b_gen / n_gen, 3),
            "verdict": verdict, "spreads_s": spreads, "difference_s": round(diff, 3),
