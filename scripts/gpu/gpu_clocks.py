@@ -45,8 +45,8 @@ IDLE = 0x1
 # The reasons that mean the GPU is slowing itself down (heat, power brake, a hardware signal), as opposed to a busy
 # GPU held at its power limit (SW power cap), which is how a loaded H100 normally runs
 SLOWDOWN = 0x8 | 0x20 | 0x40 | 0x80
-# A run counts as slowed where more than this share of its busy samples carry a SLOWDOWN reason (fixed in §4x before
-# any run used it)
+# A run counts as slowed where more than this share of its busy samples carry a SLOWDOWN reason (set after §4x's slowed
+# pair, before the first run that used it)
 SLOWDOWN_LIMIT = 0.05
 
 
