@@ -49,10 +49,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import verl_grpo_tiny as tiny  # noqa: E402  (run_verl, read_metrics, preflight)
-from gpu_clocks import Sampler, problem as clock_problem  # noqa: E402  (memory peak, SM clocks, slowdown reasons)
 
 ROOT = HERE.parents[1]
 PHASES = ("build", "bf16", "nvfp4", "summary")
+from qerl_plugin.gpu_clocks import Sampler, visible_gpu  # noqa: E402  (memory peak, SM clocks, slowdown reasons)
+from qerl_plugin.gpu_clocks import problem as clock_problem  # noqa: E402
 from qerl_plugin.options import LORA_KEY, LORA_MODES  # noqa: E402
 # Qwen2.5-7B and -32B as `qerl bench rollout --shape` knows them, plus the fields a saved config needs
 from vllm_ext.bench import SHAPES  # noqa: E402
@@ -153,13 +154,6 @@ def build_direct(out: Path, shape: str) -> dict:
         make_synthetic_arithmetic(data_dir, n_train=256, n_test=16, seed=0, difficulty=2)
     rec["build_s"] = round(time.time() - t0, 1)
     return rec
-
-
-def visible_gpu(env: dict | None = None) -> int | None:
-    """The one GPU this process may use, from CUDA_VISIBLE_DEVICES holding a single index (as the two-GPU pair sets it,
-    with CUDA_DEVICE_ORDER=PCI_BUS_ID so that CUDA's index is nvidia-smi's); None when unset, a list or a UUID."""
-    value = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES", "").strip()
-    return int(value) if value.isdigit() else None
 
 
 def phase_key(name: str, tag: str) -> str:

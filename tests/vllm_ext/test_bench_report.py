@@ -64,6 +64,33 @@ def test_target_verdicts_follow_the_spread_rule(rollout_args):
         "7B b1 vs bf16-lora": "fail", "LoRA overhead b1": "pass"}
 
 
+def test_targets_against_a_run_whose_gpu_slowed_get_no_verdict(rollout_args):
+    """A run whose GPU slowed itself down (gpu_clocks' summary, e.g. §4x's H100 at 360-405 MHz with SW thermal
+    slowdown): every target that compares it, as the run or as its baseline or its no-LoRA run, gets "no verdict (GPU
+    slowed)" naming it, whatever the medians say; targets between runs on a healthy GPU keep theirs. The table lists
+    each engine's clocks and flags the slowed one."""
+    healthy = {"samples": 120, "busy": 100, "temp_c_max": 64, "sm_mhz_median": 1380.0, "sm_mhz_rated": 1980,
+               "reasons": {"SW power cap": 1.0}, "slowdown_share": 0.0, "slowed": False}
+    hot = {"samples": 120, "busy": 100, "temp_c_max": 87, "sm_mhz_median": 382.5, "sm_mhz_rated": 1980,
+           "reasons": {"SW thermal slowdown": 1.0}, "slowdown_share": 1.0, "slowed": True}
+    results = [_res("bf16-lora", "default", {1: 100.0, 8: 800.0}), _res("nvfp4", "default", {1: 280.0, 8: 2000.0}),
+               _res("nvfp4-lora", "default", {1: 260.0, 8: 1600.0})]
+    for r, c in zip(results, (healthy, hot, healthy)):
+        r["gpu_clocks"] = c
+    checks = {c["what"]: c for c in report.summarize(results, rollout_args("--shape", "7B"))["checks"]}
+    assert checks["7B b1 vs bf16-lora"]["verdict"] == "pass" and "gpu_slowed" not in checks["7B b1 vs bf16-lora"]
+    for what in ("LoRA overhead b1", "LoRA overhead b8"):  # against nvfp4@default, the slowed run
+        assert checks[what]["verdict"] == "no verdict (GPU slowed)" and checks[what]["gpu_slowed"] == ["nvfp4@default"]
+    results[0]["gpu_clocks"] = hot  # the BF16 baseline slowed too
+    summary = report.summarize(results, rollout_args("--shape", "7B"))
+    assert {c["verdict"] for c in summary["checks"]} == {"no verdict (GPU slowed)"}
+    table = report.format_table(results, summary, [1, 8])
+    assert "  nvfp4-lora@default: 1380 of 1980 MHz, 64 C; SW power cap 100%" in table
+    assert ("  nvfp4@default: 382 of 1980 MHz, 87 C; SW thermal slowdown 100%  SLOWED: its timings are not this GPU "
+            "kind's") in table
+    assert "NO VERDICT (GPU SLOWED) nvfp4-lora@default 7B b1 vs bf16-lora: 2.6" in table
+
+
 def test_ours_on_its_default_against_vllms_own_punica_lora(rollout_args):
     """The issue's table: ours as shipped (fused LoRA) vs BF16 on vLLM's punica LoRA, with no bf16-lora@default run."""
     results = [

@@ -130,6 +130,36 @@ def test_failed_engine_is_reported_and_the_run_goes_on(tmp_path, capsys, rollout
     assert re.search(r"bf16@default +FAILED", capsys.readouterr().out)
 
 
+def test_each_engine_records_its_gpus_clocks(tmp_path, capsys, rollout_args, monkeypatch):
+    """With nvidia-smi there (a stand-in here, answering as §4x's slowed H100 did: 382 MHz of 1 980, SW thermal
+    slowdown), each engine's result carries the summary of the samples taken while it ran, the problem line, and the
+    progress line says it; the samples are in logs/<run>.smi.csv. --clock-interval 0 samples nothing; a negative one
+    is refused, naming the option."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text('#!/bin/sh\necho "40000, 382, 1980, 87, 0x0000000000000020"\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    src = make_tiny_qwen2(tmp_path / "tiny")
+    base = ("--model", str(src), "--configs", "bf16", "--batches", "1", "--new-tokens", "4", "--prompt-len", "8",
+            "--timeout", "200", "--work", str(tmp_path))
+    assert bench.run(rollout_args(*base, "--out", str(tmp_path / "out"), "--clock-interval", "0.05")) == 1
+    (res,) = json.loads((tmp_path / "out" / "bench_rollout.json").read_text())["results"]
+    clocks = res["gpu_clocks"]
+    assert clocks["busy"] >= 1 and clocks["sm_mhz_median"] == 382 and clocks["slowed"] is True
+    assert res["gpu_problem"].startswith("GPU slowed itself down in 100% of busy samples (SW thermal slowdown 100%")
+    assert (tmp_path / "out" / "logs" / "bf16--default.smi.csv").read_text().splitlines()[0].endswith(
+        ",40000,382,1980,87,0x20")
+    assert "GPU slowed itself down" in capsys.readouterr().out
+    assert bench.run(rollout_args(*base, "--out", str(tmp_path / "off"), "--clock-interval", "0")) == 1
+    (res,) = json.loads((tmp_path / "off" / "bench_rollout.json").read_text())["results"]
+    assert "gpu_clocks" not in res and not (tmp_path / "off" / "logs" / "bf16--default.smi.csv").exists()
+    with pytest.raises(ValueError, match="--clock-interval -1.0: give seconds between GPU samples, or 0 for none"):
+        runner.plan(rollout_args(*base, "--clock-interval", "-1"), tmp_path)
+
+
 def test_plan_nf4_needs_real_bf16_files_and_bitsandbytes(tmp_path, rollout_args, monkeypatch):
     """QLoRA's base (nf4-*) goes through vLLM's bitsandbytes loader, which quantizes real BF16 files while loading:
     on random weights it needs --bf16-model, and the bitsandbytes package; each missing piece is named."""

@@ -86,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--capture-sizes", choices=["batches", "vllm"], default="batches",
                    help="CUDA-graph capture sizes: exactly --batches (fast start) or vLLM's default list")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine before it is killed")
+    p.add_argument("--clock-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between nvidia-smi samples of the GPU's clocks, temperature and clock-event reasons "
+                        "while each engine runs (default 1; 0: off). A run whose GPU slowed itself down (heat, power "
+                        "brake) is flagged and its targets get no verdict")
     p.add_argument("--mp", action="store_true", help="use vLLM's engine subprocess (default: in-process engine, "
                    "VLLM_ENABLE_V1_MULTIPROCESSING=0, which avoids a LoRA start-up hang)")
     p.add_argument("--out", default=None, help="output folder for results and logs (default $OUT or ./.out)")

@@ -9,6 +9,8 @@ from vllm_ext.bench.matrix import BASELINE, CONFIGS, MAX_LORA_OVERHEAD, QLORA_BA
 
 __all__ = ["format_table", "summarize"]
 
+SLOWED_VERDICT = "no verdict (GPU slowed)"
+
 
 def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
     """Ratios vs bf16-lora (same variant, else the default variant, else vLLM's own punica LoRA), LoRA overhead,
@@ -26,6 +28,8 @@ def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
         if qlora and CONFIGS[cname].lora and cname != QLORA_BASELINE:
             row.update(vs_qlora={}, qlora_baseline=f"{qlora['config']}@{qlora['variant']}")
         no_lora = by.get((cname.replace("-lora-aqn", "").replace("-lora", ""), vname)) if CONFIGS[cname].lora else None
+        if no_lora:
+            row["no_lora"] = f"{no_lora['config']}@{no_lora['variant']}"
         row["spread"] = {"vs_bf16_lora": {}, "lora_overhead": {}}  # the larger relative spread of the two runs
         for b, m in r.get("batches", {}).items():
             tok = m.get("decode_tok_s")
@@ -41,6 +45,18 @@ def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
         rows[f"{cname}@{vname}"] = row
     checks = []
     shape = None if args.model else args.shape
+    # runs whose GPU slowed itself down (qerl_plugin.gpu_clocks): a target that compares one of them gets no verdict
+    slowed = {f"{r['config']}@{r['variant']}" for r in results
+              if r.get("ok") and (r.get("gpu_clocks") or {}).get("slowed")}
+
+    def check(key: str, what: str, target: str, got: float, ok: bool, spread, margin: float, other: str | None):
+        c = {"run": key, "what": what, "target": target, "got": got, "pass": ok, "spread": spread,
+             "verdict": _verdict(margin, spread)}
+        hit = sorted({key, other} & slowed)
+        if hit:
+            c.update(verdict=SLOWED_VERDICT, gpu_slowed=hit)
+        checks.append(c)
+
     for key, row in rows.items():
         cname = key.split("@")[0]
         if cname != "nvfp4-lora":
@@ -49,15 +65,11 @@ def summarize(results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
             bk = str(b) if str(b) in row["vs_bf16_lora"] else b
             got = row["vs_bf16_lora"].get(bk)
             if got is not None:
-                spread = row["spread"]["vs_bf16_lora"].get(bk)
-                checks.append({"run": key, "what": f"{shape} b{b} vs bf16-lora", "target": f">= {target}", "got": got,
-                               "pass": got >= target, "spread": spread,
-                               "verdict": _verdict(got / target - 1.0, spread)})
+                check(key, f"{shape} b{b} vs bf16-lora", f">= {target}", got, got >= target,
+                      row["spread"]["vs_bf16_lora"].get(bk), got / target - 1.0, row["baseline"])
         for b, ov in row["lora_overhead"].items():
-            spread = row["spread"]["lora_overhead"].get(b)
-            checks.append({"run": key, "what": f"LoRA overhead b{b}", "target": f"<= {MAX_LORA_OVERHEAD:.0%}",
-                           "got": ov, "pass": ov <= MAX_LORA_OVERHEAD, "spread": spread,
-                           "verdict": _verdict(MAX_LORA_OVERHEAD - ov, spread)})
+            check(key, f"LoRA overhead b{b}", f"<= {MAX_LORA_OVERHEAD:.0%}", ov, ov <= MAX_LORA_OVERHEAD,
+                  row["spread"]["lora_overhead"].get(b), MAX_LORA_OVERHEAD - ov, row.get("no_lora"))
     return {"rows": rows, "checks": checks, "greedy": greedy_agreement(results)}
 
 
@@ -159,6 +171,15 @@ def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
                for b, m in r.get("batches", {}).items() if m.get("decode_spread") is not None]
     if spreads:
         lines += ["", "spread of the repeats ((max - min) / median decode tok/s): " + "; ".join(spreads)]
+    clocks = [(r, r["gpu_clocks"]) for r in results if (r.get("gpu_clocks") or {}).get("busy")]
+    if clocks:
+        lines += ["", "GPU while each engine ran, busy samples (qerl_plugin.gpu_clocks): median SM clock of the rated, "
+                  "peak temperature, clock-event reasons"]
+        for r, c in clocks:
+            reasons = ", ".join(f"{k} {v:.0%}" for k, v in c["reasons"].items()) or "none"
+            flag = "  SLOWED: its timings are not this GPU kind's" if c.get("slowed") else ""
+            lines.append(f"  {r['config']}@{r['variant']}: {c['sm_mhz_median']:.0f} of {c['sm_mhz_rated']} MHz, "
+                         f"{c['temp_c_max']} C; {reasons}{flag}")
     profiled = [(r, b, p) for r in results for b, p in r.get("profile", {}).items()]
     if profiled:
         lines += ["", "profiled decode step, GPU clock, median per step in ms (vllm_ext.bench.profile): step = graph "

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from qerl_plugin import options
+from qerl_plugin.gpu_clocks import Sampler, visible_gpu
+from qerl_plugin.gpu_clocks import problem as clock_problem
 from vllm_ext.bench.matrix import CONFIGS, applies, parse_variant
 from vllm_ext.bench.report import format_table, summarize
 from vllm_ext.bench.shapes import model_dims, write_adapter, write_shape
@@ -75,6 +77,8 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
                          f"(choose from {sorted(grid)})")
     if any(b < 1 for b in args.batches) or args.prompt_len < 1 or args.new_tokens < 2:
         raise ValueError("--batches must be >= 1, --prompt-len >= 1 and --new-tokens >= 2")
+    if getattr(args, "clock_interval", 1.0) < 0:
+        raise ValueError(f"--clock-interval {args.clock_interval}: give seconds between GPU samples, or 0 for none")
     profile_tokens = getattr(args, "profile_tokens", 0) or 0
     if profile_tokens and not 3 <= profile_tokens <= 4096:
         raise ValueError(f"--profile-tokens {profile_tokens}: give 0 (off) or 3..4096 tokens (>= 2 decode steps)")
@@ -171,8 +175,10 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
     return runs, skipped
 
 
-def _run_child(run_: Run, out: Path, timeout: float) -> dict[str, Any]:
-    """Run one engine in its own process (killed after ``timeout`` s); its result, a failed one included."""
+def _run_child(run_: Run, out: Path, timeout: float, clock_interval: float = 1.0) -> dict[str, Any]:
+    """Run one engine in its own process (killed after ``timeout`` s); its result, a failed one included. Every
+    ``clock_interval`` s (0: never) nvidia-smi samples the engine's GPU: the summary goes into ``gpu_clocks``, and a
+    GPU that slowed itself down into ``gpu_problem``."""
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     spec_path = logs / f"{run_.file_stem}.spec.json"
@@ -182,7 +188,8 @@ def _run_child(run_: Run, out: Path, timeout: float) -> dict[str, Any]:
     result_path.unlink(missing_ok=True)
     env = {**os.environ, **run_.env}
     started = time.time()
-    with open(log_path, "w") as log:
+    sampler = Sampler(logs / f"{run_.file_stem}.smi.csv", visible_gpu(env), every=clock_interval)
+    with open(log_path, "w") as log, sampler:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_ext.bench", "_child", str(spec_path), str(result_path)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -208,6 +215,10 @@ def _run_child(run_: Run, out: Path, timeout: float) -> dict[str, Any]:
     result["wall_s"] = round(time.time() - started, 1)
     result["env"] = run_.env
     result["log"] = str(log_path)
+    if sampler.available:
+        result["gpu_clocks"] = sampler.summary()
+        if clock_problem(result["gpu_clocks"]):
+            result["gpu_problem"] = clock_problem(result["gpu_clocks"])
     if code is None:
         result["ok"] = False
         result["error"] = f"timed out after {timeout:.0f} s (engine killed); see {log_path}"
@@ -237,11 +248,13 @@ def rollout(args: argparse.Namespace) -> int:
     jsonl = out / "bench_rollout.jsonl"
     for i, r in enumerate(runs, 1):
         print(f"[{i}/{len(runs)}] {r.key} ...", flush=True)
-        res = _run_child(r, out, args.timeout)
+        res = _run_child(r, out, args.timeout, getattr(args, "clock_interval", 1.0))
         results.append(res)
         with open(jsonl, "a") as f:
             f.write(json.dumps(res) + "\n")
         status = "ok" if res.get("ok") else f"FAILED: {res.get('error')}"
+        if res.get("gpu_problem"):
+            status += f"; {res['gpu_problem']}"
         print(f"[{i}/{len(runs)}] {r.key}: {status} ({res['wall_s']} s)", flush=True)
     summary = summarize(results, args)
     report = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results,
