@@ -13,7 +13,8 @@ Per run it records (steps 2..3, step 1 includes warm-up): verl's timing_s/{gen,o
 update_weights,step}; the actor process's peak torch memory (perf/max_memory_allocated_gb / reserved, verl's);
 the device's peak memory.used (nvidia-smi every 0.2 s, all processes: actor + vLLM) with the SM clock, temperature
 and the driver's clock-event reasons (gpu_clocks.py: a run whose GPU slowed itself down is a problem, and a pair with
-one gets no verdict); vLLM's own "Model loading took X GiB" and KV-cache size lines. Random weights: throughput and memory only, no accuracy.
+one gets no verdict); vLLM's own "Model loading took X GiB" and KV-cache size lines. Random weights: throughput and
+memory only, no accuracy.
 No time is measured with enforce_eager (CUDA graphs on; attention is sdpa in the actor, no flash-attn).
 
     bash scripts/gpu/verl_7b_memory_step.sh build
