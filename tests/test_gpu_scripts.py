@@ -704,8 +704,9 @@ def test_v7_watch_reports_a_finished_pair(tmp_path):
 
 @pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
 def test_second_arm_of_a_pair_refuses_a_machine_without_the_first(tmp_path):
-    """v7_nvfp4 with AFTER_ARM runs only where that arm finished (results.jsonl of this machine, rc 0); else rc 3 at
-    once. PYTHON=echo stands in for the run, so the test sees the command the arm would run."""
+    """v7_nvfp4 with AFTER_ARM runs only where that arm finished (results.jsonl of this machine, rc 0) on a GPU that
+    did not slow itself down; else rc 3 at once. PYTHON=echo stands in for the run, so the test sees the command the
+    arm would run."""
     env = {"AFTER_ARM": "bf16-r2048p", "PYTHON": "echo", "V7_ARGS": "--tag=-r2048p --response 2048"}
     taken, status, logs = _session(tmp_path, "v7_nvfp4", **env)
     assert taken < 30 and "v7_nvfp4 rc=3 " in status and "did not finish on this machine" in logs["v7_nvfp4"]
@@ -722,6 +723,17 @@ def test_second_arm_of_a_pair_refuses_a_machine_without_the_first(tmp_path):
     out = str(tmp_path / "work" / "verl_7b")
     assert logs["v7_nvfp4"].split() == ["scripts/gpu/verl_7b_memory_step.py", "nvfp4", "summary", "--shape", "7B",
                                         "--out", out, "--tag=-r2048p", "--response", "2048"]
+
+    # finished, but on a GPU that slowed itself down (gpu_clocks' summary in its record): refused, saying why
+    results.write_text('{"phase": "bf16-r2048p", "rc": 0, "settings": {}, "gpu_clocks": {"busy": 900, '
+                       '"slowdown_share": 0.93, "slowed": true}, "problems": ["GPU slowed itself down"]}\n')
+    _, status, logs = _session(tmp_path, "v7_nvfp4", **env)
+    assert status.splitlines()[-1].startswith("v7_nvfp4 rc=3 ")
+    assert "ran on a GPU that slowed itself down" in logs["v7_nvfp4"] and "take another machine" in logs["v7_nvfp4"]
+    with results.open("a") as fh:  # run again on this machine, healthy this time: the latest record decides
+        fh.write('{"phase": "bf16-r2048p", "rc": 0, "settings": {}, "gpu_clocks": {"busy": 900, "slowed": false}}\n')
+    _, status, _ = _session(tmp_path, "v7_nvfp4", **env)
+    assert status.splitlines()[-1].startswith("v7_nvfp4 rc=0 ")
 
     _, status, logs = _session(tmp_path, "v7_bf16", PYTHON="echo")  # without AFTER_ARM: no check
     assert status.splitlines()[-1].startswith("v7_bf16 rc=0 ") and logs["v7_bf16"].split()[1:3] == ["bf16", "summary"]
