@@ -1060,3 +1060,21 @@ def test_lora_kernel_step_times_the_7b_linears_the_kernel_tests_use(monkeypatch,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert step.main(["--baseline", str(ROOT / "vllm_ext" / "lora_fused.py")]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_clock_poll_cost_summary_of_the_recorded_run():
+    """clock_poll_cost.summarize on §4x call 16's 12 windows gives the summary that run printed (sampling every 1 s
+    and every 0.2 s within the spreads of off: no verdict); a cost beyond both spreads is called, either way."""
+    cost = _import_script("clock_poll_cost")
+    rows = [json.loads(line) for line in (ROOT / "docs/gpu-runs/2026-11-27/twentysecond/call16-poll-cost/"
+                                           "clock_poll_cost.jsonl").read_text().splitlines()]
+    windows = [r for r in rows if r["step"] == "window"]
+    assert len(windows) == 12
+    recorded = next(r for r in rows if r["step"] == "summary")
+    assert {"step": "summary", **cost.summarize(windows)} == recorded
+    assert recorded["every 1 s"]["verdict"] == recorded["every 0.2 s"]["verdict"] == "no verdict"
+    made = [{"setting": s, "ms_per_replay": ms} for s, ms in (("off", 5.0), ("off", 5.01), ("every 1 s", 5.1),
+                                                               ("every 1 s", 5.11), ("every 0.2 s", 4.8))]
+    s = cost.summarize(made)
+    assert (s["every 1 s"]["verdict"], s["every 0.2 s"]["verdict"]) == ("slower", "faster")
+    assert s["every 1 s"]["cost_vs_off"] == round(5.105 / 5.005 - 1, 4)

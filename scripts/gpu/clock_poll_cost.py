@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -23,6 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # qerl_plugin from this checkout when not installed
 from qerl_plugin.gpu_clocks import Sampler  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_clocks import cuda_out  # noqa: E402  (scripts/gpu/gpu_clocks.py)
 
 # Qwen2.5-7B: hidden 3584, intermediate 18944, 28 heads of 128, 4 KV heads, 28 layers; (in, out) per linear
 LINEARS_7B = ((3584, 4608), (3584, 3584), (3584, 37888), (18944, 3584))
@@ -57,13 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.window <= 0 or args.rounds < 1:
         ap.error(f"--window must be positive and --rounds >= 1 (got {args.window}, {args.rounds})")
+    out = cuda_out("clock_poll_cost", args.out)
+    if out is None:
+        return 1
     import torch
 
-    if not torch.cuda.is_available():
-        print("clock_poll_cost: needs a CUDA GPU (run it on the GPU machine)", file=sys.stderr)
-        return 1
-    out = args.out or Path(os.environ.get("OUT", "."))
-    out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda", 0)
     weights = [torch.randn(o, i, device=dev, dtype=torch.bfloat16) * 0.02
                for _ in range(LAYERS_7B) for i, o in LINEARS_7B]

@@ -24,6 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # qerl_plugin from
 from qerl_plugin.gpu_clocks import Sampler, problem  # noqa: E402
 
 
+def cuda_out(prog: str, out: Path | None) -> Path | None:
+    """The output folder (``out``, else $OUT, else .), made; None, with a line saying so, where there is no CUDA GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA GPU (run it on the GPU machine)", file=sys.stderr)
+        return None
+    out = out or Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def check(seconds: float, gpu: int | None, out: Path | None) -> dict:
     """BF16 8192^3 matmuls for ``seconds`` while sampling, then a 2 GiB device copy: clocks under load, TFLOP/s,
     GB/s."""
@@ -68,13 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.seconds <= 0:
         ap.error(f"--seconds must be positive, got {args.seconds}")
-    import torch
-
-    if not torch.cuda.is_available():
-        print("gpu_clocks: needs a CUDA GPU (run it on the GPU machine)", file=sys.stderr)
+    out = cuda_out("gpu_clocks", args.out)
+    if out is None:
         return 1
-    out = args.out or Path(os.environ.get("OUT", "."))
-    out.mkdir(parents=True, exist_ok=True)
     rec = check(args.seconds, args.gpu, out)
     msg = problem(rec)
     rec["problem"] = msg
