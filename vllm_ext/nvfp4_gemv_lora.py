@@ -4,10 +4,10 @@ small shrink kernel, then decode_gemv's row kernel with the LoRA expand in its e
 Why: at batch 1 with ``decode_gemv`` a 7B decode step spends 1.93 ms in the one-row kernel and 0.89 ms in the 112
 launches of the one-launch LoRA kernel (:mod:`vllm_ext.lora_fused`, ~8 us each then, far above the ~0.05 ms its 161 MB
 of adapter weights need; docs/benchmarks.md §4k lease 2; its v3 of §4v takes ~5.2 us and was not timed against this
-path); running that kernel beside the row kernel on a second stream is slower than after it (§4l lease 2). A first version put the shrink into the row kernel's grid and had each block's
-finishing program wait for it: 0.87 ms per step *slower* than row + fused LoRA (§4m lease 1), the cost of a counter
-that thousands of programs per launch (4 736 for gate/up) each hit with an acquire and an acq_rel atomic. This
-version has no counter, no wait and nothing to reset:
+path); running that kernel beside the row kernel on a second stream is slower than after it (§4l lease 2). A first
+version put the shrink into the row kernel's grid and had each block's finishing program wait for it: 0.87 ms per
+step *slower* than row + fused LoRA (§4m lease 1), the cost of a counter that thousands of programs per launch (4 736
+for gate/up) each hit with an acquire and an acq_rel atomic. This version has no counter, no wait and nothing to reset:
 
 * :func:`_shrink_kernel`, grid ``(KS, slices)``: program ``(c, s)`` writes the float32 partial ``A_s[:, chunk c] @
   x[chunk c]`` to ``hp[s, c, :]`` (at most :data:`MAX_CHUNKS` chunks of a multiple of 256 input features);
