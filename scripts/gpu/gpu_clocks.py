@@ -36,7 +36,7 @@ def cuda_out(prog: str, out: Path | None) -> Path | None:
     return out
 
 
-def check(seconds: float, gpu: int | None, out: Path | None) -> dict:
+def check(seconds: float, gpu: int | None, out: Path) -> dict:
     """BF16 8192^3 matmuls for ``seconds`` while sampling, then a 2 GiB device copy: clocks under load, TFLOP/s,
     GB/s."""
     import torch
@@ -48,8 +48,7 @@ def check(seconds: float, gpu: int | None, out: Path | None) -> dict:
     for _ in range(3):
         a @ b
     torch.cuda.synchronize()
-    path = (out or Path(".")) / "gpu_clocks.csv"
-    with Sampler(path, gpu) as smp:
+    with Sampler(out / "gpu_clocks.csv", gpu) as smp:
         t0, count = time.perf_counter(), 0
         while time.perf_counter() - t0 < seconds:
             for _ in range(10):

@@ -140,9 +140,10 @@ run_step() {
     v7_nvfp4|v7_bf16)  # one arm in the foreground (a 7B arm at 2048 takes ~8 min: one call each, no watch). AFTER_ARM=<phase>,
         # e.g. bf16-r2048p: refuse at once unless that arm finished on this machine (a pair's second arm in a later call),
         # or if its GPU slowed itself down (gpu_clocks: the pair could get no verdict; take another machine)
-        step "$1" 580 bash -c 'd='"$v7_dir"'; a=${AFTER_ARM:-}; [ -z "$a" ] || grep -q "\"phase\": \"$a\", \"rc\": 0" $d/results.jsonl 2>/dev/null ||
+        step "$1" 580 bash -c 'd='"$v7_dir"'; a=${AFTER_ARM:-}; [ -z "$a" ] || first=$(grep "\"phase\": \"$a\", \"rc\": 0" $d/results.jsonl 2>/dev/null | tail -n 1);
+            [ -z "$a" ] || [ -n "$first" ] ||
             { echo "the pair'"'"'s other arm ($a) did not finish on this machine ($d/results.jsonl): both arms of a pair must run on one machine; start again with install v7_build and the first arm" >&2; exit 3; }
-            [ -z "$a" ] || ! grep "\"phase\": \"$a\", \"rc\": 0" $d/results.jsonl | tail -n 1 | grep -q "\"slowed\": true" ||
+            [ -z "$a" ] || [ "${first#*\"slowed\": true}" = "$first" ] ||
             { echo "the pair'"'"'s other arm ($a) ran on a GPU that slowed itself down (its gpu_clocks in $d/results.jsonl): the pair would get no verdict; take another machine" >&2; exit 3; }
             exec bash scripts/gpu/verl_7b_memory_step.sh '"${1#v7_}"' summary --shape '"$v7_shape"' --out $d ${V7_ARGS:-}' ;;
     # --- the learning study on SmolLM2-135M-Instruct (docs/learning.md): model, step time, demo, study, entropy

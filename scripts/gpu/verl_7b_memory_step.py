@@ -291,8 +291,9 @@ def run(name: str, out: Path, args) -> dict:
         "gpu_clocks": smi.summary(),
         "problems": [] if rc == 0 and len(steps) >= args.steps else [f"exit {rc}, {len(steps)} steps logged"],
     }
-    if clock_problem(rec["gpu_clocks"]):
-        rec["problems"].append(clock_problem(rec["gpu_clocks"]))
+    msg = clock_problem(rec["gpu_clocks"])
+    if msg:
+        rec["problems"].append(msg)
     return rec
 
 

@@ -64,12 +64,12 @@ def test_clock_summary_tells_the_slowed_h100_from_a_healthy_one():
 
 
 @pytest.mark.skipif(os.name != "posix", reason="a stand-in nvidia-smi is a shell script on PATH")
-@pytest.mark.skipif(os.name != "posix", reason="a stand-in nvidia-smi is a shell script on PATH")
 def test_sampler_writes_each_sample_and_keeps_the_peak(tmp_path, monkeypatch):
     """The Sampler around a run, with a stand-in nvidia-smi (none on this machine) that answers two lines in turn:
     each sample a csv line with its time, the peak memory.used over them, the summary of the busy ones; the query it
     ran is smi_command's."""
     from qerl_plugin import gpu_clocks as clocks
+
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     state, args = tmp_path / "n", tmp_path / "args"

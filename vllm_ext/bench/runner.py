@@ -217,8 +217,9 @@ def _run_child(run_: Run, out: Path, timeout: float, clock_interval: float = 1.0
     result["log"] = str(log_path)
     if sampler.available:
         result["gpu_clocks"] = sampler.summary()
-        if clock_problem(result["gpu_clocks"]):
-            result["gpu_problem"] = clock_problem(result["gpu_clocks"])
+        msg = clock_problem(result["gpu_clocks"])
+        if msg:
+            result["gpu_problem"] = msg
     if code is None:
         result["ok"] = False
         result["error"] = f"timed out after {timeout:.0f} s (engine killed); see {log_path}"
