@@ -1078,3 +1078,12 @@ def test_clock_poll_cost_summary_of_the_recorded_run():
     s = cost.summarize(made)
     assert (s["every 1 s"]["verdict"], s["every 0.2 s"]["verdict"]) == ("slower", "faster")
     assert s["every 1 s"]["cost_vs_off"] == round(5.105 / 5.005 - 1, 4)
+
+
+@pytest.mark.parametrize("argv", [["--window", "0"], ["--rounds", "0"]])
+def test_clock_poll_cost_refuses_bad_input(argv, capsys):
+    """A window of no time or no rounds: an argparse error naming both options and the values given."""
+    cost = _import_script("clock_poll_cost")
+    with pytest.raises(SystemExit):
+        cost.main(argv)
+    assert "--window must be positive and --rounds >= 1 (got" in capsys.readouterr().err
