@@ -11,6 +11,7 @@ import importlib
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -774,6 +775,31 @@ def test_two_gpu_pair_pins_each_arm_to_its_own_gpu(tmp_path, swap, gpus):
 
 
 @pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
+def test_two_gpu_pair_queued_behind_another_starts_once_that_one_is_done(tmp_path):
+    """v7_pair_2gpu with AFTER=<tag>: the call returns at once saying what it waits for; nothing runs (not even the build)
+    until that tag's DONE exists, then the whole pair runs."""
+    fake = tmp_path / "fakepy"
+    fake.write_text('#!/bin/sh\necho "[verl_7b] GPU=$CUDA_VISIBLE_DEVICES $*"\n')
+    fake.chmod(0o755)
+    env = {"PYTHON": str(fake), "RESP": "512", "STEPS": "4", "TAG": "-r512q", "AFTER": "-r2048q"}
+    _, status, logs = _session(tmp_path, "v7_pair_2gpu", **env)
+    assert "v7_pair_2gpu rc=0 " in status and "started the 7B -r512q pair on GPUs 0 (bf16) and 1 (nvfp4) (after -r2048q)" \
+        in logs["v7_pair_2gpu"]
+    d = tmp_path / "work" / "verl_7b"
+    time.sleep(2)  # longer than its 5-s poll's first look
+    assert not (d / "DONE-r512q").exists() and (d / "pair-r512q.log").read_text() == ""
+    (d / "DONE-r2048q").write_text("0\n")
+    for _ in range(150):
+        if (d / "DONE-r512q").exists():
+            break
+        time.sleep(0.1)
+    assert (d / "DONE-r512q").read_text().strip() == "0"
+    pair = (d / "pair-r512q.log").read_text()
+    assert "verl_7b_memory_step.py build " in pair and "verl_7b_memory_step.py summary " in pair
+    assert (d / "arm-nvfp4-r512q.log").read_text().startswith("[verl_7b] GPU=1 ")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
 @pytest.mark.parametrize("shape, folder", [("7B", "verl_7b"), ("32B", "verl_32b")])
 def test_pair_on_one_gpu_runs_its_phases_with_the_pair_options(tmp_path, shape, folder):
     """v7_pair_bg: one invocation of every phase, in the shape's folder, with the same options v7_pair_2gpu gives each
@@ -844,10 +870,47 @@ def test_pair_with_a_slowed_gpu_gets_no_verdict():
 
 @pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
 def test_gpucheck_step_runs_the_clock_check(tmp_path):
-    """session.sh gpucheck runs gpu_clocks.py for CLOCK_S seconds (a stand-in python echoes the command)."""
+    """session.sh gpucheck runs gpu_clocks.py on every GPU for CLOCK_S seconds (a stand-in python echoes the command)."""
     _, status, logs = _session(tmp_path, "gpucheck", PYTHON="echo", CLOCK_S="7")
     assert "gpucheck rc=0 " in status
-    assert logs["gpucheck"].split() == ["scripts/gpu/gpu_clocks.py", "--seconds", "7"]
+    assert logs["gpucheck"].split() == ["scripts/gpu/gpu_clocks.py", "--seconds", "7", "--gpu", "all"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="a stand-in nvidia-smi is a shell script")
+def test_clock_check_of_every_gpu_runs_one_process_per_card(tmp_path):
+    """gpu_clocks.py --gpu all: one child per card nvidia-smi lists, its lines prefixed with its card, the worst rc
+    returned. Here nvidia-smi is a stand-in listing two cards and there is no CUDA GPU, so each child ends with rc 1
+    saying so."""
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: the children would load it instead of reporting that there is none")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\n[ "$1" = "--query-gpu=index" ] && printf "0\\n1\\n" && exit 0\nexit 9\n')
+    smi.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/gpu/gpu_clocks.py"), "--gpu", "all", "--seconds", "1",
+                          "--out", str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    for i in (0, 1):
+        assert f"[gpu {i}] gpu_clocks: needs a CUDA GPU (run it on the GPU machine)" in lines
+        assert f"[gpu {i}] rc 1" in lines
+
+
+def test_clock_check_names_a_bad_gpu_and_a_host_without_nvidia_smi(tmp_path, capsys, monkeypatch):
+    """--gpu takes an index or 'all' (an argparse error naming the value otherwise); --gpu all without nvidia-smi on
+    PATH ends with rc 1 and a line saying it needs nvidia-smi."""
+    script = _import_script("gpu_clocks")
+    with pytest.raises(SystemExit):
+        script.main(["--gpu", "first"])
+    assert "--gpu takes a GPU's index (0, 1, ...) or 'all', got 'first'" in capsys.readouterr().err
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert script.main(["--gpu", "all", "--out", str(tmp_path)]) == 1
+    assert "--gpu all needs nvidia-smi to list the GPUs" in capsys.readouterr().err
 
 
 def test_override_reaches_both_runs_and_verls_config(v7):

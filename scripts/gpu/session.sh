@@ -86,9 +86,10 @@ run_step() {
     actor_model) step actor_model 300 python3 scripts/gpu/check_actor_kernels.py --steps model --model-tokens ${TOKENS:-4096} ;;
     actor_profile) step actor_profile 300 python3 scripts/gpu/check_actor_kernels.py --steps profile --model-tokens ${TOKENS:-2560} ;;
     actor_tune) step actor_tune 300 python3 scripts/gpu/check_actor_kernels.py --steps tune,dequant,model ;;
-    gpucheck)  # the GPU's clocks under 20 s (CLOCK_S) of BF16 matmuls: rc 4 where it slows itself down (heat, power
-        # brake), as one H100 did through a whole pair on 2026-11-27 (§4x); before timed work; on rc 4 take another machine
-        step gpucheck 90 ${PYTHON:-python3} scripts/gpu/gpu_clocks.py --seconds "${CLOCK_S:-20}" ;;
+    gpucheck)  # every GPU's clocks under 20 s (CLOCK_S) of BF16 matmuls, all cards at once: rc 4 where one slows itself down
+        # (heat, power brake), as one H100 did through a whole pair on 2026-11-27 (§4x); before timed work; on rc 4 take
+        # another machine
+        step gpucheck 90 ${PYTHON:-python3} scripts/gpu/gpu_clocks.py --seconds "${CLOCK_S:-20}" --gpu all ;;
     gputests) step gputests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
     aqn) step aqn 560 python3 scripts/gpu/check_aqn_vllm.py ;;
     entropy32) step entropy32 300 python3 scripts/gpu/check_aqn_vllm.py --phases build,entropy32 ;;
@@ -122,15 +123,17 @@ run_step() {
     v7_pair_2gpu)  # the pair's two arms at once, each alone on one GPU of a two-GPU host, in the background: a 2048 pair in
         # ~9 min instead of ~17, so within one call. Build first, then BF16 on GPU 0 and NVFP4 on GPU 1 (SWAP=1: the other
         # way round; CUDA and nvidia-smi both in PCI order), each arm's log in arm-<arm>$TAG.log, then the summary; RESP,
-        # STEPS, TAG, V7_ARGS as v7_pair_bg (two Ray clusters share the host: no dashboards); v7_watch follows it
+        # STEPS, TAG, V7_ARGS, AFTER (queue it behind another pair: start once that TAG's DONE exists) as v7_pair_bg
+        # (two Ray clusters share the host: no dashboards); v7_watch follows it
         step v7_pair_2gpu 30 bash -c 't='"$v7_tag"'; d='"$v7_dir"'; mkdir -p $d; rm -f $d/DONE$t;
             if [ "${SWAP:-0}" = 1 ]; then gb=1; gn=0; else gb=0; gn=1; fi;
             a="'"$v7_pair_opts"' --override +ray_kwargs.ray_init.include_dashboard=false ${V7_ARGS:-}";
-            setsid nohup bash -c "bash scripts/gpu/verl_7b_memory_step.sh build $a && echo \"[pair] bf16 on GPU $gb, nvfp4 on GPU $gn (PCI order)\" &&
+            setsid nohup bash -c "while [ -n \"${AFTER:-}\" ] && [ ! -f $d/DONE${AFTER:-} ]; do sleep 5; done;
+                bash scripts/gpu/verl_7b_memory_step.sh build $a && echo \"[pair] bf16 on GPU $gb, nvfp4 on GPU $gn (PCI order)\" &&
                 { CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=$gb bash scripts/gpu/verl_7b_memory_step.sh bf16 $a >$d/arm-bf16$t.log 2>&1 &
                   CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=$gn bash scripts/gpu/verl_7b_memory_step.sh nvfp4 $a >$d/arm-nvfp4$t.log 2>&1 &
                   wait; } && bash scripts/gpu/verl_7b_memory_step.sh summary $a; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null &
-            echo "started the '"$v7_shape"' $t pair on GPUs $gb (bf16) and $gn (nvfp4)"' ;;
+            echo "started the '"$v7_shape"' $t pair on GPUs $gb (bf16) and $gn (nvfp4)${AFTER:+ (after $AFTER)}"' ;;
     v7_watch)  # wait for the background runs (TAG, default -r$RESP; SHAPE) to end or the call's time to run out (WATCH_S: return
         # earlier, e.g. before the machine's 30 minutes are up); their log's tail
         step v7_watch 580 bash -c 't='"$v7_tag"'; d='"$v7_dir"'; [ -f $d/pair$t.log ] || { '"$GONE"'; }; end=$((SECONDS + ${WATCH_S:-'"$((deadline - SECONDS - 40))"'})); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
