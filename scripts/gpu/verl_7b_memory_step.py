@@ -289,6 +289,7 @@ def run(name: str, out: Path, args) -> dict:
         "vllm_kv_cache_gib": kv[0] if kv else None,
         "run_s": res["seconds"],
         "gpu_clocks": smi.summary(),
+        "sampled_gpu": gpu,  # nvidia-smi's index of the card sampled (CUDA_VISIBLE_DEVICES of one index), None: GPU 0
         "problems": [] if rc == 0 and len(steps) >= args.steps else [f"exit {rc}, {len(steps)} steps logged"],
     }
     msg = clock_problem(rec["gpu_clocks"])
