@@ -776,15 +776,15 @@ def test_two_gpu_pair_pins_each_arm_to_its_own_gpu(tmp_path, swap, gpus):
 
 @pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
 def test_two_gpu_pair_queued_behind_another_starts_once_that_one_is_done(tmp_path):
-    """v7_pair_2gpu with AFTER=<tag>: the call returns at once saying what it waits for; nothing runs (not even the build)
-    until that tag's DONE exists, then the whole pair runs."""
+    """v7_pair_2gpu with AFTER=<tag>: the call returns at once saying what it waits for; nothing runs (not even the
+    build) until that tag's DONE exists, then the whole pair runs."""
     fake = tmp_path / "fakepy"
     fake.write_text('#!/bin/sh\necho "[verl_7b] GPU=$CUDA_VISIBLE_DEVICES $*"\n')
     fake.chmod(0o755)
     env = {"PYTHON": str(fake), "RESP": "512", "STEPS": "4", "TAG": "-r512q", "AFTER": "-r2048q"}
     _, status, logs = _session(tmp_path, "v7_pair_2gpu", **env)
-    assert "v7_pair_2gpu rc=0 " in status and "started the 7B -r512q pair on GPUs 0 (bf16) and 1 (nvfp4) (after -r2048q)" \
-        in logs["v7_pair_2gpu"]
+    assert "v7_pair_2gpu rc=0 " in status
+    assert "started the 7B -r512q pair on GPUs 0 (bf16) and 1 (nvfp4) (after -r2048q)" in logs["v7_pair_2gpu"]
     d = tmp_path / "work" / "verl_7b"
     time.sleep(2)  # longer than its 5-s poll's first look
     assert not (d / "DONE-r512q").exists() and (d / "pair-r512q.log").read_text() == ""
@@ -870,7 +870,8 @@ def test_pair_with_a_slowed_gpu_gets_no_verdict():
 
 @pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
 def test_gpucheck_step_runs_the_clock_check(tmp_path):
-    """session.sh gpucheck runs gpu_clocks.py on every GPU for CLOCK_S seconds (a stand-in python echoes the command)."""
+    """session.sh gpucheck runs gpu_clocks.py on every GPU for CLOCK_S seconds (a stand-in python echoes the
+    command)."""
     _, status, logs = _session(tmp_path, "gpucheck", PYTHON="echo", CLOCK_S="7")
     assert "gpucheck rc=0 " in status
     assert logs["gpucheck"].split() == ["scripts/gpu/gpu_clocks.py", "--seconds", "7", "--gpu", "all"]
