@@ -868,6 +868,39 @@ def test_pair_with_a_slowed_gpu_gets_no_verdict():
     assert v["verdict"] == "no verdict: the GPU slowed itself down in the bf16 and nvfp4 arms"
 
 
+def test_swapped_cards_check_on_the_h200_pairs(tmp_path):
+    """swap_check on §4y's four H200 pairs (docs/gpu-runs/2026-11-27/twentythird): 512 ratios 1.117x and 1.145x,
+    2.5 % apart against the widest spread 16.0 % (NVFP4 in -r512s: 1.224 s over 7.638), 2048 ratios 1.115x and 1.119x,
+    0.4 % apart against 3.0 %: both agree, as the section says. A BF16 arm 10 % slower on the swapped cards makes them
+    disagree; the summary prints the check where --swap-of names a pair it has, and says what is missing otherwise."""
+    v7 = _import_script("verl_7b_memory_step")
+    src = ROOT / "docs/gpu-runs/2026-11-27/twentythird/all/verl_7b/results.jsonl"
+    recs = {r["phase"]: r for r in map(json.loads, src.read_text().splitlines())}
+    arms = lambda tag: (recs[f"bf16{tag}"], recs[f"nvfp4{tag}"])
+    c = v7.swap_check(arms("-r512p"), arms("-r512s"))
+    assert (c["step_ratios"], c["apart"], c["widest_spread"]) == ([1.117, 1.145], 0.0253, 0.1603)
+    assert c["verdict"] == "the card assignments agree"
+    c = v7.swap_check(arms("-r2048p"), arms("-r2048s"))
+    assert (c["step_ratios"], c["apart"], c["widest_spread"], c["verdict"]) == (
+        [1.115, 1.119], 0.0039, 0.0305, "the card assignments agree")
+    slow = json.loads(json.dumps(recs["bf16-r2048s"]))
+    slow["step_s_spread"] = {k: v * 1.1 if k != "n" else v for k, v in slow["step_s_spread"].items()}
+    c = v7.swap_check(arms("-r2048p"), (slow, recs["nvfp4-r2048s"]))
+    assert c["step_ratios"] == [1.115, 1.231]
+    assert c["verdict"].startswith("no verdict: the card assignments' ratios are 10.4% apart")
+    assert v7.swap_check(arms("-r512p"), ({"phase": "bf16-x"}, recs["nvfp4-r512s"])) == {
+        "problems": ["an arm lacks timed steps"]}
+    (tmp_path / "results.jsonl").write_text(src.read_text())
+    run = lambda *a: subprocess.run([sys.executable, str(GPU / "verl_7b_memory_step.py"), "summary", "--out",
+                                     str(tmp_path), *a], capture_output=True, text=True, timeout=120)
+    res = run("--tag=-r512s", "--response", "512", "--swap-of=-r512p")
+    assert res.returncode == 0, res.stderr
+    assert ('swap (-r512p / -r512s): {"step_ratios": [1.117, 1.145], "apart": 0.0253, "widest_spread": 0.1603, '
+            '"verdict": "the card assignments agree"}') in res.stdout
+    res = run("--tag=-r2048s", "--response", "2048", "--swap-of=-r2048x")
+    assert "swap: no check, the runs of both -r2048x and -r2048s are needed in" in res.stdout
+
+
 @pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
 def test_gpucheck_step_runs_the_clock_check(tmp_path):
     """session.sh gpucheck runs gpu_clocks.py on every GPU for CLOCK_S seconds (a stand-in python echoes the

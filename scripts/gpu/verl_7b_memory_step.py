@@ -332,6 +332,24 @@ def pair_verdict(bf16: dict, nvfp4: dict, target: float | None = None) -> dict:
     return out
 
 
+def swap_check(pair: tuple[dict, dict], swapped: tuple[dict, dict]) -> dict:
+    """A two-GPU pair against the same pair with the cards swapped (each a (bf16, nvfp4) record pair): both step ratios,
+    how far apart they are (relative to the smaller) and the largest relative spread (max - min over median) of the four
+    arms; the card assignments agree where the ratios are less far apart than that spread (benchmarks §4y's rule),
+    otherwise no verdict is drawn from either pair."""
+    med = lambda r: (r.get("step_s_spread") or {}).get("median")
+    if any(med(r) is None for r in (*pair, *swapped)):
+        return {"problems": ["an arm lacks timed steps"]}
+    ratios = [med(b) / med(n) for b, n in (pair, swapped)]
+    apart = abs(ratios[0] - ratios[1]) / min(ratios)
+    widest = max((r["step_s_spread"]["max"] - r["step_s_spread"]["min"]) / med(r) for r in (*pair, *swapped))
+    verdict = ("the card assignments agree" if apart < widest else
+               f"no verdict: the card assignments' ratios are {apart:.1%} apart, more than the widest spread "
+               f"({widest:.1%})")
+    return {"step_ratios": [round(x, 3) for x in ratios], "apart": round(apart, 4), "widest_spread": round(widest, 4),
+            "verdict": verdict}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("phases", nargs="*", default=list(PHASES), help=f"any of {', '.join(PHASES)} (default: all)")
@@ -367,6 +385,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the NVFP4 run's actor.no_recompute_layers: its last N layers keep their activations (default 0)")
     p.add_argument("--bf16-keep", type=int, default=0, metavar="N", help="the same for the BF16 run (default 0)")
     p.add_argument("--tag", default="", help="suffix of the run folders and result phases, e.g. -r2048")
+    p.add_argument("--swap-of", default=None, metavar="TAG",
+                   help="summary: this pair (--tag) is TAG's pair with the cards swapped (v7_pair_2gpu SWAP=1); also "
+                        "print whether the two card assignments agree (benchmarks §4y)")
     p.add_argument("--timeout", type=int, default=570)
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="one more main_ppo override for both runs (repeatable), e.g. "
@@ -419,6 +440,12 @@ def main() -> int:
     pair = [latest.get(phase_key(n, args.tag)) for n in ("bf16", "nvfp4")]
     if all(pair):
         print(f"pair: {json.dumps(pair_verdict(*pair, STEP_TARGETS.get(args.response)))}")
+    if args.swap_of is not None:
+        other = [latest.get(phase_key(n, args.swap_of)) for n in ("bf16", "nvfp4")]
+        if all(pair) and all(other):
+            print(f"swap ({args.swap_of} / {args.tag}): {json.dumps(swap_check(tuple(other), tuple(pair)))}")
+        else:
+            print(f"swap: no check, the runs of both {args.swap_of} and {args.tag} are needed in {results_file}")
     if "build" in latest:
         print(f"model: {latest['build']}")
     print(f"results: {results_file}")
