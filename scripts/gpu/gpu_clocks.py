@@ -29,14 +29,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # qerl_plugin from
 from qerl_plugin.gpu_clocks import Sampler, problem  # noqa: E402
 
 
+def out_folder(out: Path | None) -> Path:
+    """The output folder: ``out``, else $OUT, else the current one."""
+    return out or Path(os.environ.get("OUT", "."))
+
+
 def cuda_out(prog: str, out: Path | None) -> Path | None:
-    """The output folder (``out``, else $OUT, else .), made; None, with a line saying so, where there is no CUDA GPU."""
+    """The output folder (``out_folder``), made; None, with a line saying so, where there is no CUDA GPU."""
     import torch
 
     if not torch.cuda.is_available():
         print(f"{prog}: needs a CUDA GPU (run it on the GPU machine)", file=sys.stderr)
         return None
-    out = out or Path(os.environ.get("OUT", "."))
+    out = out_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -98,7 +103,7 @@ def check_all(seconds: float, out: Path | None) -> int:
         if gpus == []:
             print("gpu_clocks: --gpu all: nvidia-smi lists no GPU", file=sys.stderr)
         return 1
-    base = out or Path(os.environ.get("OUT", "."))
+    base = out_folder(out)
     procs = []
     for i in gpus:
         env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(i)}

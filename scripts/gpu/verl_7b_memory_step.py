@@ -302,19 +302,27 @@ def run(name: str, out: Path, args) -> dict:
 STEP_TARGETS = {512: 1.5, 2048: 1.8}
 
 
+def _median(rec: dict, key: str) -> float | None:
+    """The median of a record's ``<key>`` spread (e.g. step_s_spread); None where it has none."""
+    return (rec.get(key) or {}).get("median")
+
+
+def _width(rec: dict, key: str) -> float | None:
+    """max - min of a record's ``<key>`` spread; None where it has none."""
+    return (rec[key]["max"] - rec[key]["min"]) if rec.get(key) else None
+
+
 def pair_verdict(bf16: dict, nvfp4: dict, target: float | None = None) -> dict:
     """The pair's ratios from the two runs' records (medians of the timed steps), the verdict (NVFP4 faster or slower
     only where the step medians differ by more than both runs' min-max spreads) and what bounds the step ratio: the
     ratio with a rollout that took no time, and how much faster than BF16's the NVFP4 rollout would have to be for
     ``target`` with everything else as measured (None where no rollout speed reaches it)."""
-    med = lambda r, k: (r.get(k) or {}).get("median")
-    width = lambda r, k: (r[k]["max"] - r[k]["min"]) if r.get(k) else None
-    b_step, n_step = med(bf16, "step_s_spread"), med(nvfp4, "step_s_spread")
-    b_gen, n_gen = med(bf16, "gen_s_spread"), med(nvfp4, "gen_s_spread")
+    b_step, n_step = _median(bf16, "step_s_spread"), _median(nvfp4, "step_s_spread")
+    b_gen, n_gen = _median(bf16, "gen_s_spread"), _median(nvfp4, "gen_s_spread")
     if None in (b_step, n_step, b_gen, n_gen):
         return {"problems": ["a run lacks timed steps"]}
     diff = b_step - n_step
-    spreads = [round(width(bf16, "step_s_spread"), 3), round(width(nvfp4, "step_s_spread"), 3)]
+    spreads = [round(_width(bf16, "step_s_spread"), 3), round(_width(nvfp4, "step_s_spread"), 3)]
     verdict = "no verdict" if abs(diff) <= max(spreads) else ("nvfp4 faster" if diff > 0 else "nvfp4 slower")
     slowed = [arm for arm, r in (("bf16", bf16), ("nvfp4", nvfp4)) if (r.get("gpu_clocks") or {}).get("slowed")]
     if slowed:  # a GPU that slowed itself down in either arm: the ratios are reported, no verdict is drawn from them
@@ -323,8 +331,8 @@ def pair_verdict(bf16: dict, nvfp4: dict, target: float | None = None) -> dict:
     out = {"step_ratio": round(b_step / n_step, 3), "rollout_ratio": round(b_gen / n_gen, 3),
            "verdict": verdict, "spreads_s": spreads, "difference_s": round(diff, 3),
            "ratio_with_free_rollout": round(b_step / rest, 2) if rest > 0 else None}
-    if med(bf16, "update_actor_s_spread") and med(nvfp4, "update_actor_s_spread"):
-        out["update_ratio"] = round(med(bf16, "update_actor_s_spread") / med(nvfp4, "update_actor_s_spread"), 3)
+    if _median(bf16, "update_actor_s_spread") and _median(nvfp4, "update_actor_s_spread"):
+        out["update_ratio"] = round(_median(bf16, "update_actor_s_spread") / _median(nvfp4, "update_actor_s_spread"), 3)
     if target:
         budget = b_step / target - rest  # the NVFP4 rollout time that would give the target
         out.update(target=target, met=verdict == "nvfp4 faster" and b_step / n_step >= target,
@@ -337,12 +345,12 @@ def swap_check(pair: tuple[dict, dict], swapped: tuple[dict, dict]) -> dict:
     how far apart they are (relative to the smaller) and the largest relative spread (max - min over median) of the four
     arms; the card assignments agree where the ratios are less far apart than that spread (benchmarks §4y's rule),
     otherwise no verdict is drawn from either pair."""
-    med = lambda r: (r.get("step_s_spread") or {}).get("median")
-    if any(med(r) is None for r in (*pair, *swapped)):
+    key = "step_s_spread"
+    if any(_median(r, key) is None for r in (*pair, *swapped)):
         return {"problems": ["an arm lacks timed steps"]}
-    ratios = [med(b) / med(n) for b, n in (pair, swapped)]
+    ratios = [_median(b, key) / _median(n, key) for b, n in (pair, swapped)]
     apart = abs(ratios[0] - ratios[1]) / min(ratios)
-    widest = max((r["step_s_spread"]["max"] - r["step_s_spread"]["min"]) / med(r) for r in (*pair, *swapped))
+    widest = max(_width(r, key) / _median(r, key) for r in (*pair, *swapped))
     verdict = ("the card assignments agree" if apart < widest else
                f"no verdict: the card assignments' ratios are {apart:.1%} apart, more than the widest spread "
                f"({widest:.1%})")
@@ -437,11 +445,12 @@ def main() -> int:
                 print(f"    step s over steps 2..: {r['step_s_spread']}  each: {r.get('step_s_each')}")
             for prob in r.get("problems", []):
                 print(f"    ! {prob}")
-    pair = [latest.get(phase_key(n, args.tag)) for n in ("bf16", "nvfp4")]
+    arms = lambda tag: [latest.get(phase_key(n, tag)) for n in ("bf16", "nvfp4")]
+    pair = arms(args.tag)
     if all(pair):
         print(f"pair: {json.dumps(pair_verdict(*pair, STEP_TARGETS.get(args.response)))}")
     if args.swap_of is not None:
-        other = [latest.get(phase_key(n, args.swap_of)) for n in ("bf16", "nvfp4")]
+        other = arms(args.swap_of)
         if all(pair) and all(other):
             print(f"swap ({args.swap_of} / {args.tag}): {json.dumps(swap_check(tuple(other), tuple(pair)))}")
         else:
