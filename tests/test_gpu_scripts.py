@@ -690,6 +690,20 @@ def test_watch_steps_return_at_once_when_the_run_is_not_on_this_machine(tmp_path
 
 
 @pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
+def test_step_header_is_one_short_line(tmp_path):
+    """Each step's header line names the step and its limit, then at most 160 characters of its command on one line
+    (v7_watch's is a multi-line script of ~700): the device reply stays short (benchmarks §4z)."""
+    import subprocess
+
+    full = {**os.environ, "QERL_WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), "WATCH_S": "5"}
+    out = subprocess.run(["bash", str(GPU / "session.sh"), "v7_watch"], cwd=ROOT, env=full, capture_output=True,
+                         text=True, timeout=120).stdout
+    header = next(line for line in out.splitlines() if line.startswith("=== v7_watch (limit "))
+    assert header.endswith(" ...") and len(header.split("s): ", 1)[1]) == 160 + len(" ...")
+    assert header.split("s): ", 1)[1].startswith("bash -c t=-r512; d=" + str(tmp_path / "work" / "verl_7b"))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
 def test_v7_watch_reports_a_finished_pair(tmp_path):
     """With the pair's log and its DONE file there, v7_watch returns at once with the log's result lines and the
     pair's exit status."""

@@ -59,7 +59,10 @@ step() {  # step NAME LIMIT_S CMD...
     fi
     [ "$limit" -gt "$left" ] && limit=$left
     mkdir -p "$work/$name"
-    echo "=== $name (limit ${limit}s): $*"
+    local cmd="$*"
+    cmd=${cmd//$'\n'/ }
+    # the command's first 160 characters on one line: a short reply is read sooner, and the machine goes back 30 s after it
+    echo "=== $name (limit ${limit}s): ${cmd:0:160}$([ ${#cmd} -gt 160 ] && echo ' ...')"
     local t0=$SECONDS
     OUT="$work/$name" timeout "$limit" "$@" >"$work/$name/stdout.log" 2>&1
     local rc=$?
