@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 __all__ = ["FIELDS", "REASONS", "SLOWDOWN", "SLOWDOWN_LIMIT", "Sample", "Sampler", "parse", "problem", "read_csv",
-           "reason_names", "smi_command", "summarize", "visible_gpu"]
+           "reason_names", "reason_shares", "smi_command", "summarize", "visible_gpu"]
 
 # nvidia-smi --query-gpu fields, in the order of a sample (csv, noheader, nounits)
 FIELDS = ("memory.used", "clocks.sm", "clocks.max.sm", "temperature.gpu", "clocks_event_reasons.active")
@@ -77,6 +77,12 @@ def reason_names(bits: int) -> list[str]:
     return [name for bit, name in REASONS.items() if bits & bit] or ["none"]
 
 
+def reason_shares(summary: dict) -> str:
+    """A summary's clock-event reasons with the share of busy samples carrying each ("SW power cap 8%, ..."), or
+    "none"."""
+    return ", ".join(f"{k} {v:.0%}" for k, v in summary["reasons"].items()) or "none"
+
+
 def read_csv(path: Path) -> list[Sample]:
     """The samples of a ``Sampler`` csv (each line: time, then FIELDS)."""
     rows = (parse(line.split(",", 1)[1]) for line in Path(path).read_text().splitlines() if "," in line)
@@ -104,10 +110,9 @@ def problem(summary: dict) -> str | None:
     """The line a run's record carries where its GPU slowed itself down; None where it did not."""
     if not summary.get("slowed"):
         return None
-    named = ", ".join(f"{k} {v:.0%}" for k, v in summary["reasons"].items())
-    return (f"GPU slowed itself down in {summary['slowdown_share']:.0%} of busy samples ({named}; median SM clock "
-            f"{summary['sm_mhz_median']} of {summary['sm_mhz_rated']} MHz, up to {summary['temp_c_max']} C): its "
-            f"timings are not this GPU kind's; run again on another machine")
+    return (f"GPU slowed itself down in {summary['slowdown_share']:.0%} of busy samples ({reason_shares(summary)}; "
+            f"median SM clock {summary['sm_mhz_median']} of {summary['sm_mhz_rated']} MHz, up to "
+            f"{summary['temp_c_max']} C): its timings are not this GPU kind's; run again on another machine")
 
 
 def visible_gpu(env: dict | None = None) -> int | None:

@@ -331,8 +331,9 @@ def pair_verdict(bf16: dict, nvfp4: dict, target: float | None = None) -> dict:
     out = {"step_ratio": round(b_step / n_step, 3), "rollout_ratio": round(b_gen / n_gen, 3),
            "verdict": verdict, "spreads_s": spreads, "difference_s": round(diff, 3),
            "ratio_with_free_rollout": round(b_step / rest, 2) if rest > 0 else None}
-    if _median(bf16, "update_actor_s_spread") and _median(nvfp4, "update_actor_s_spread"):
-        out["update_ratio"] = round(_median(bf16, "update_actor_s_spread") / _median(nvfp4, "update_actor_s_spread"), 3)
+    b_up, n_up = _median(bf16, "update_actor_s_spread"), _median(nvfp4, "update_actor_s_spread")
+    if b_up and n_up:
+        out["update_ratio"] = round(b_up / n_up, 3)
     if target:
         budget = b_step / target - rest  # the NVFP4 rollout time that would give the target
         out.update(target=target, met=verdict == "nvfp4 faster" and b_step / n_step >= target,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from qerl_plugin.gpu_clocks import reason_shares
 from vllm_ext.bench.matrix import BASELINE, CONFIGS, MAX_LORA_OVERHEAD, QLORA_BASELINE, TARGETS
 
 __all__ = ["format_table", "summarize"]
@@ -176,10 +177,9 @@ def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
         lines += ["", "GPU while each engine ran, busy samples (qerl_plugin.gpu_clocks): median SM clock of the rated, "
                   "peak temperature, clock-event reasons"]
         for r, c in clocks:
-            reasons = ", ".join(f"{k} {v:.0%}" for k, v in c["reasons"].items()) or "none"
             flag = "  SLOWED: its timings are not this GPU kind's" if c.get("slowed") else ""
             lines.append(f"  {r['config']}@{r['variant']}: {c['sm_mhz_median']:.0f} of {c['sm_mhz_rated']} MHz, "
-                         f"{c['temp_c_max']} C; {reasons}{flag}")
+                         f"{c['temp_c_max']} C; {reason_shares(c)}{flag}")
     profiled = [(r, b, p) for r in results for b, p in r.get("profile", {}).items()]
     if profiled:
         lines += ["", "profiled decode step, GPU clock, median per step in ms (vllm_ext.bench.profile): step = graph "
