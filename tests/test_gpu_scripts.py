@@ -789,28 +789,36 @@ def test_two_gpu_pair_pins_each_arm_to_its_own_gpu(tmp_path, swap, gpus):
 
 
 @pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
-def test_two_gpu_pair_queued_behind_another_starts_once_that_one_is_done(tmp_path):
-    """v7_pair_2gpu with AFTER=<tag>: the call returns at once saying what it waits for; nothing runs (not even the
-    build) until that tag's DONE exists, then the whole pair runs."""
+@pytest.mark.parametrize("step, waits_on", [("v7_pair_2gpu", "AFTER"), ("v7_pair_bg", "AFTER"),
+                                            ("v7_pair_2gpu", "AFTER_FILE"), ("v7_pair_bg", "AFTER_FILE")])
+def test_a_queued_pair_starts_once_what_it_waits_for_exists(tmp_path, step, waits_on):
+    """Both pair steps with AFTER=<tag> (that pair's DONE) or AFTER_FILE=<path>: the call returns at once saying what
+    it waits for; nothing runs (not even the build) until that file exists, then the whole pair runs."""
     fake = tmp_path / "fakepy"
     fake.write_text('#!/bin/sh\necho "[verl_7b] GPU=$CUDA_VISIBLE_DEVICES $*"\n')
     fake.chmod(0o755)
-    env = {"PYTHON": str(fake), "RESP": "512", "STEPS": "4", "TAG": "-r512q", "AFTER": "-r2048q"}
-    _, status, logs = _session(tmp_path, "v7_pair_2gpu", **env)
-    assert "v7_pair_2gpu rc=0 " in status
-    assert "started the 7B -r512q pair on GPUs 0 (bf16) and 1 (nvfp4) (after -r2048q)" in logs["v7_pair_2gpu"]
     d = tmp_path / "work" / "verl_7b"
+    gate = d / "DONE-r2048q" if waits_on == "AFTER" else tmp_path / "bench-p" / "DONE"
+    env = {"PYTHON": str(fake), "RESP": "512", "STEPS": "4", "TAG": "-r512q",
+           waits_on: "-r2048q" if waits_on == "AFTER" else str(gate)}
+    _, status, logs = _session(tmp_path, step, **env)
+    assert f"{step} rc=0 " in status
+    said = "(after -r2048q)" if waits_on == "AFTER" else f"(once {gate} exists)"
+    started = "pair on GPUs 0 (bf16) and 1 (nvfp4)" if step == "v7_pair_2gpu" else "runs"
+    assert f"started the 7B -r512q {started} {said}" in logs[step]
     time.sleep(2)  # longer than its 5-s poll's first look
     assert not (d / "DONE-r512q").exists() and (d / "pair-r512q.log").read_text() == ""
-    (d / "DONE-r2048q").write_text("0\n")
+    gate.parent.mkdir(parents=True, exist_ok=True)
+    gate.write_text("0\n")
     for _ in range(150):
         if (d / "DONE-r512q").exists():
             break
         time.sleep(0.1)
     assert (d / "DONE-r512q").read_text().strip() == "0"
     pair = (d / "pair-r512q.log").read_text()
-    assert "verl_7b_memory_step.py build " in pair and "verl_7b_memory_step.py summary " in pair
-    assert (d / "arm-nvfp4-r512q.log").read_text().startswith("[verl_7b] GPU=1 ")
+    assert "verl_7b_memory_step.py build " in pair and "summary " in pair
+    if step == "v7_pair_2gpu":
+        assert (d / "arm-nvfp4-r512q.log").read_text().startswith("[verl_7b] GPU=1 ")
 
 
 @pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")

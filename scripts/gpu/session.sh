@@ -43,6 +43,11 @@ v7_dir="$work/verl_${v7_shape,,}"
 # v7_pair_2gpu; V7_ARGS after them)
 v7_tag=${TAG:--r${RESP:-512}}
 v7_pair_opts="--shape $v7_shape --out $v7_dir --bypass --steps ${STEPS:-5} --response ${RESP:-512} --tag=$v7_tag --timeout 1500"
+# What a queued pair waits for before anything of it runs (both pair steps): AFTER=<tag>, that pair's DONE file;
+# AFTER_FILE=<path>, that file (e.g. a bench's DONE)
+v7_wait=""
+[ -n "${AFTER:-}" ] && v7_wait="while [ ! -f $v7_dir/DONE$AFTER ]; do sleep 5; done; "
+[ -n "${AFTER_FILE:-}" ] && v7_wait+="while [ ! -f $AFTER_FILE ]; do sleep 5; done; "
 
 # The watch steps first check that what they watch was started on this machine. A machine that went back between two
 # calls (30 s idle, or its 30 minutes held) comes back fresh with an empty /tmp: without this check a watch would wait
@@ -120,24 +125,21 @@ run_step() {
         # options (e.g. --ppo-micro 1; for 32B e.g. --param-offload --bf16-gpu-mem 0.9), SHAPE=7B|32B (default 7B;
         # folder $work/verl_7b or $work/verl_32b); v7_watch (same TAG and SHAPE) follows it
         step v7_pair_bg 30 bash -c 't='"$v7_tag"'; d='"$v7_dir"'; mkdir -p $d && rm -f $d/DONE$t &&
-            setsid nohup bash -c "while [ -n \"${AFTER:-}\" ] && [ ! -f $d/DONE${AFTER:-} ]; do sleep 5; done;
-                while [ -n \"${AFTER_FILE:-}\" ] && [ ! -f \"${AFTER_FILE:-}\" ]; do sleep 5; done;
-                bash scripts/gpu/verl_7b_memory_step.sh ${PHASES:-build bf16 nvfp4 summary} '"$v7_pair_opts"' ${V7_ARGS:-}; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null & echo "started the '"$v7_shape"' $t runs${AFTER:+ (after $AFTER)}"' ;;
+            setsid nohup bash -c "'"$v7_wait"'bash scripts/gpu/verl_7b_memory_step.sh ${PHASES:-build bf16 nvfp4 summary} '"$v7_pair_opts"' ${V7_ARGS:-}; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null & echo "started the '"$v7_shape"' $t runs${AFTER:+ (after $AFTER)}${AFTER_FILE:+ (once $AFTER_FILE exists)}"' ;;
     v7_pair_2gpu)  # the pair's two arms at once, each alone on one GPU of a two-GPU host, in the background: a 2048 pair in
         # ~9 min instead of ~17, so within one call. Build first, then BF16 on GPU 0 and NVFP4 on GPU 1 (SWAP=1: the other
         # way round; CUDA and nvidia-smi both in PCI order), each arm's log in arm-<arm>$TAG.log, then the summary; RESP,
-        # STEPS, TAG, V7_ARGS, AFTER (queue it behind another pair: start once that TAG's DONE exists) as v7_pair_bg
+        # STEPS, TAG, V7_ARGS, AFTER (queue it behind another pair: start once that TAG's DONE exists), AFTER_FILE as v7_pair_bg
         # (two Ray clusters share the host: no dashboards); v7_watch follows it. With SWAP=1, --swap-of=<the first pair's
         # TAG> in V7_ARGS makes the summary say whether the two card assignments agree (benchmarks §4y)
         step v7_pair_2gpu 30 bash -c 't='"$v7_tag"'; d='"$v7_dir"'; mkdir -p $d; rm -f $d/DONE$t;
             if [ "${SWAP:-0}" = 1 ]; then gb=1; gn=0; else gb=0; gn=1; fi;
             a="'"$v7_pair_opts"' --override +ray_kwargs.ray_init.include_dashboard=false ${V7_ARGS:-}";
-            setsid nohup bash -c "while [ -n \"${AFTER:-}\" ] && [ ! -f $d/DONE${AFTER:-} ]; do sleep 5; done;
-                bash scripts/gpu/verl_7b_memory_step.sh build $a && echo \"[pair] bf16 on GPU $gb, nvfp4 on GPU $gn (PCI order)\" &&
+            setsid nohup bash -c "'"$v7_wait"'bash scripts/gpu/verl_7b_memory_step.sh build $a && echo \"[pair] bf16 on GPU $gb, nvfp4 on GPU $gn (PCI order)\" &&
                 { CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=$gb bash scripts/gpu/verl_7b_memory_step.sh bf16 $a >$d/arm-bf16$t.log 2>&1 &
                   CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=$gn bash scripts/gpu/verl_7b_memory_step.sh nvfp4 $a >$d/arm-nvfp4$t.log 2>&1 &
                   wait; } && bash scripts/gpu/verl_7b_memory_step.sh summary $a; echo \$? > $d/DONE$t" >$d/pair$t.log 2>&1 </dev/null &
-            echo "started the '"$v7_shape"' $t pair on GPUs $gb (bf16) and $gn (nvfp4)${AFTER:+ (after $AFTER)}"' ;;
+            echo "started the '"$v7_shape"' $t pair on GPUs $gb (bf16) and $gn (nvfp4)${AFTER:+ (after $AFTER)}${AFTER_FILE:+ (once $AFTER_FILE exists)}"' ;;
     v7_watch)  # wait for the background runs (TAG, default -r$RESP; SHAPE) to end or the call's time to run out (WATCH_S: return
         # earlier, e.g. before the machine's 30 minutes are up); their log's tail
         step v7_watch 580 bash -c 't='"$v7_tag"'; d='"$v7_dir"'; [ -f $d/pair$t.log ] || { '"$GONE"'; }; end=$((SECONDS + ${WATCH_S:-'"$((deadline - SECONDS - 40))"'})); while [ ! -f $d/DONE$t ] && [ $SECONDS -lt $end ]; do sleep 15; done;
