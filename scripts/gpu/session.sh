@@ -130,8 +130,9 @@ run_step() {
         # ~9 min instead of ~17, so within one call. Build first, then BF16 on GPU 0 and NVFP4 on GPU 1 (SWAP=1: the other
         # way round; CUDA and nvidia-smi both in PCI order), each arm's log in arm-<arm>$TAG.log, then the summary; RESP,
         # STEPS, TAG, V7_ARGS, AFTER (queue it behind another pair: start once that TAG's DONE exists), AFTER_FILE as
-        # v7_pair_bg (two Ray clusters share the host: no dashboards); v7_watch follows it. With SWAP=1, --swap-of=<the first pair's
-        # TAG> in V7_ARGS makes the summary say whether the two card assignments agree (benchmarks §4y)
+        # v7_pair_bg (two Ray clusters share the host: no dashboards); v7_watch follows it. With SWAP=1,
+        # --swap-of=<the first pair's TAG> in V7_ARGS makes the summary say whether the two card assignments agree
+        # (benchmarks §4y)
         step v7_pair_2gpu 30 bash -c 't='"$v7_tag"'; d='"$v7_dir"'; mkdir -p $d; rm -f $d/DONE$t;
             if [ "${SWAP:-0}" = 1 ]; then gb=1; gn=0; else gb=0; gn=1; fi;
             a="'"$v7_pair_opts"' --override +ray_kwargs.ray_init.include_dashboard=false ${V7_ARGS:-}";
