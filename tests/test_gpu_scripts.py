@@ -665,14 +665,14 @@ def test_v7_session_steps_take_the_shape():
 
 
 def _session(tmp_path, *steps, **env):
-    """Runs scripts/gpu/session.sh STEPS with its work folder under tmp_path; (seconds taken, status.txt, stderr)."""
-    import subprocess
-
+    """Runs scripts/gpu/session.sh STEPS with its work folder under tmp_path; (seconds taken, status.txt, each step's
+    stdout.log). The driver's own output (the step headers) is left in tmp_path / "session.out"."""
     work = tmp_path / "work"
     full = {**os.environ, "QERL_WORK": str(work), "OUT": str(tmp_path / "out"), **env}
     t0 = time.monotonic()
-    subprocess.run(["bash", str(GPU / "session.sh"), *steps], cwd=ROOT, env=full, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    with open(tmp_path / "session.out", "w") as driver_out:
+        subprocess.run(["bash", str(GPU / "session.sh"), *steps], cwd=ROOT, env=full, check=True,
+                       stdout=driver_out, stderr=subprocess.DEVNULL, timeout=120)
     taken = time.monotonic() - t0
     logs = {p.parent.name: p.read_text() for p in work.glob("*/stdout.log")}
     return taken, (work / "status.txt").read_text(), logs
@@ -693,11 +693,8 @@ def test_watch_steps_return_at_once_when_the_run_is_not_on_this_machine(tmp_path
 def test_step_header_is_one_short_line(tmp_path):
     """Each step's header line names the step and its limit, then at most 160 characters of its command on one line
     (v7_watch's is a multi-line script of ~700): the device reply stays short (benchmarks §4z)."""
-    import subprocess
-
-    full = {**os.environ, "QERL_WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"), "WATCH_S": "5"}
-    out = subprocess.run(["bash", str(GPU / "session.sh"), "v7_watch"], cwd=ROOT, env=full, capture_output=True,
-                         text=True, timeout=120).stdout
+    _session(tmp_path, "v7_watch", WATCH_S="5")
+    out = (tmp_path / "session.out").read_text()
     header = next(line for line in out.splitlines() if line.startswith("=== v7_watch (limit "))
     assert header.endswith(" ...") and len(header.split("s): ", 1)[1]) == 160 + len(" ...")
     assert header.split("s): ", 1)[1].startswith("bash -c t=-r512; d=" + str(tmp_path / "work" / "verl_7b"))
