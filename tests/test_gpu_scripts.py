@@ -345,6 +345,23 @@ def test_7b_pair_verdict_and_bound_from_the_ninth_sessions_2048_pair():
     assert v7.pair_verdict(b, {}, 1.5) == {"problems": ["a run lacks timed steps"]}
 
 
+def test_7b_pair_verdict_from_the_twentysixth_sessions_512_pair():
+    """§4ab's 512 pair, both arms back to back on one H100 (docs/gpu-runs/2026-11-28/twentysixth/calls11-13): 1.175x,
+    NVFP4 faster (1.41 s apart, spreads 0.83 / 0.61 s), neither GPU slowed, 1.5x not met; it would need a rollout 2.63x
+    faster than BF16's, and a free rollout would give 2.15x. Each arm's engine log names the path it asked for."""
+    v7 = _import_script("verl_7b_memory_step")
+    folder = ROOT / "docs/gpu-runs/2026-11-28/twentysixth/calls11-13/verl_7b"
+    recs = {r["phase"]: r for r in map(json.loads, (folder / "results.jsonl").read_text().splitlines())}
+    b, n = recs["bf16-r512p"], recs["nvfp4-r512p"]
+    assert not b["gpu_clocks"]["slowed"] and not n["gpu_clocks"]["slowed"] and b["problems"] == n["problems"] == []
+    v = v7.pair_verdict(b, n, v7.STEP_TARGETS[512])
+    assert (v["step_ratio"], v["rollout_ratio"], v["verdict"], v["met"]) == (1.175, 1.376, "nvfp4 faster", False)
+    assert (v["spreads_s"], v["difference_s"]) == ([0.825, 0.609], 1.41)
+    assert (v["ratio_with_free_rollout"], v["rollout_ratio_needed"]) == (2.15, 2.63)
+    assert "punica path (asked: punica" in (folder / "bf16-r512p" / "run.log").read_text()
+    assert "on the overlap path" in (folder / "nvfp4-r512p" / "run.log").read_text()
+
+
 def test_7b_pair_lora_path_reaches_vllms_command_line():
     """--bf16-lora / --nvfp4-lora: a run's composed config carries additional_config as JSON text; in the BF16 run
     (qerl off) verl turns it into vLLM's --additional-config argument as is, in the NVFP4 run qerl's rollout wrapper
