@@ -1,15 +1,16 @@
 """Speed at a glance: docs/speed.png from the raw GPU results committed under docs/gpu-runs (no GPU needed).
 
-Five panels, each from one run on one machine (one H100, or two H100s of one host for panel 2):
+Five panels; each comparison is from one run on one machine (one H100, or two H100s of one host for the 2048 pair of
+panel 2):
 
 1. 7B decode tokens/s at batch 1 / 8 / 64 (docs/benchmarks.md §4v call 2, random weights): BF16 + LoRA on vLLM's
    punica, ours as shipped (overlap LoRA with the kernel v3), and NVFP4 without LoRA (what the adapter costs); each
    NVFP4 bar carries its ratio against BF16 + LoRA, and the issue's target is drawn as a tick on ours. (vLLM's stock
    NVFP4A16 + LoRA was measured in another run, §4j: 1.47 / 1.49 / 1.13× BF16 + LoRA.)
-2. A 7B GRPO step in verl on the current default (§4aa), seconds per phase (median of the steady-state steps; the
-   bar's whisker is the step time's min-max), BF16 + LoRA on vLLM's punica and NVFP4 + LoRA at once, one per H100 of
-   one host, at 512- and 2048-token responses. The 2048 pair has a verdict; the 512 pair is marked as having none
-   (its swapped twin, which §4aa's criteria need, was lost with the machine).
+2. A 7B GRPO step in verl on the current default, seconds per phase (median of the steady-state steps; the bar's
+   whisker is the step time's min-max), BF16 + LoRA on vLLM's punica and NVFP4 + LoRA, at 512- and 2048-token
+   responses: each pair from one run on one machine, each with a verdict by the criteria fixed before it ran. The
+   512 pair ran back to back on one H100 (§4ab); the 2048 pair at once, one arm per H100 of one host (§4aa).
 3. Ratios against 16-bit LoRA: the paper's (read from its released figures, §7) next to ours, with the issue's targets.
 4. Against QLoRA (§4l lease 1): 7B decode of ours and of BF16 + LoRA, each over NF4 + LoRA as vLLM serves it (the
    bitsandbytes loader, punica), with the paper's 7B rollout figures against QLoRA as reference lines.
@@ -32,10 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "docs" / "gpu-runs"
 DECODE_7B = RUNS / "2026-11-27" / "twentieth" / "call2" / "bench-v3" / "a" / "bench_rollout.json"
 DECODE_32B = RUNS / "2026-11-25" / "eleventh" / "lease3" / "bench-gemv32" / "a" / "bench_rollout.json"
-STEP_PAIRS = RUNS / "2026-11-28" / "twentyfifth" / "calls09-10" / "verl_7b" / "results.jsonl"
-# Panel 2's pairs (response length -> BF16 run, NVFP4 run) and what §4aa's criteria, fixed before the run, gave each
-PAIRS = {"512": ("bf16-r512p", "nvfp4-r512p"), "2048": ("bf16-r2048p", "nvfp4-r2048p")}
-VERDICTS = {"512": "no verdict: the swapped pair was lost", "2048": "NVFP4 faster; target 1.8×"}
+# Panel 2's pairs: response length -> (results file, BF16 run, NVFP4 run, the verdict that the criteria fixed before
+# the run gave it)
+PAIRS = {
+    "512": (RUNS / "2026-11-28" / "twentysixth" / "calls11-13" / "verl_7b" / "results.jsonl",
+            "bf16-r512p", "nvfp4-r512p", "NVFP4 faster; target 1.5×"),
+    "2048": (RUNS / "2026-11-28" / "twentyfifth" / "calls09-10" / "verl_7b" / "results.jsonl",
+             "bf16-r2048p", "nvfp4-r2048p", "NVFP4 faster; target 1.8×"),
+}
 DECODE_QLORA = RUNS / "2026-11-27" / "thirteenth" / "lease1" / "bench-qlora" / "a" / "bench_rollout.json"
 ACTOR_7B = [RUNS / "2026-11-27" / "nineteenth" / "call1" / order / "check_actor_kernels.jsonl"
             for order in ("order1", "order2")]
@@ -112,15 +117,15 @@ def figure_data() -> dict:
     decode = decode_rows(DECODE_7B)
     base = decode["bf16-lora@punica-lora"]
     ratios = {k: {b: round(t / base[b], 3) for b, t in v.items()} for k, v in decode.items()}
-    steps = step_phases(STEP_PAIRS)
     pairs = {}
-    for resp, (bf16, nvfp4) in PAIRS.items():
+    for resp, (path, bf16, nvfp4, verdict) in PAIRS.items():
+        steps = step_phases(path)
         if bf16 not in steps or nvfp4 not in steps:
-            raise SpeedDataError(f"{STEP_PAIRS}: the {resp}-token pair ({bf16}, {nvfp4}) is not there")
+            raise SpeedDataError(f"{path}: the {resp}-token pair ({bf16}, {nvfp4}) is not there")
         pairs[resp] = {"bf16": steps[bf16], "nvfp4": steps[nvfp4],
                        "ratio": round(steps[bf16]["step"] / steps[nvfp4]["step"], 3),
                        "rollout_ratio": round(steps[bf16]["gen_s"] / steps[nvfp4]["gen_s"], 3),
-                       "verdict": VERDICTS[resp]}
+                       "verdict": verdict}
     d32 = decode_rows(DECODE_32B)
     ours32 = round(d32["nvfp4-lora@default"]["1"] / d32["bf16-lora@punica-lora"]["1"], 3)
     ours_vs_lora = {"7B rollout": pairs["2048"]["rollout_ratio"], "7B end to end": pairs["2048"]["ratio"],
@@ -204,8 +209,8 @@ def plot(data: dict, out: Path) -> None:
     top = max(pair[run]["step_max"] for pair in data["grpo_step"].values() for run in ("bf16", "nvfp4"))
     ax.set_ylim(0, top * 1.3)  # room for the ratios and verdicts above the bars
     ax.set_ylabel("seconds per GRPO step (median of 3 steady steps)")
-    ax.set_title("verl GRPO step, 7B shape, LoRA r32, both arms at once\n(two H100s of one host, random weights, "
-                 "§4aa)", fontsize=10)
+    ax.set_title("verl GRPO step, 7B shape, LoRA r32, random weights\n(512: one H100, arms back to back, §4ab; "
+                 "2048: two H100s at once, §4aa)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     # 3. against 16-bit LoRA: paper vs ours vs target
     ax = axes[2]
