@@ -681,15 +681,17 @@ def test_v7_session_steps_take_the_shape():
         assert "d='\"$v7_dir\"';" in steps[name] and "--shape '\"$v7_shape\"' --out $d" in steps[name], name
 
 
-def _session(tmp_path, *steps, **env):
-    """Runs scripts/gpu/session.sh STEPS with its work folder under tmp_path; (seconds taken, status.txt, each step's
-    stdout.log). The driver's own output (the step headers) is left in tmp_path / "session.out"."""
+def _session(tmp_path, *steps, rc=0, **env):
+    """Runs scripts/gpu/session.sh STEPS with its work folder under tmp_path and checks that it exits with ``rc``;
+    (seconds taken, status.txt, each step's stdout.log). The driver's own output (the step headers) is left in
+    tmp_path / "session.out"."""
     work = tmp_path / "work"
     full = {**os.environ, "QERL_WORK": str(work), "OUT": str(tmp_path / "out"), **env}
     t0 = time.monotonic()
     with open(tmp_path / "session.out", "w") as driver_out:
-        subprocess.run(["bash", str(GPU / "session.sh"), *steps], cwd=ROOT, env=full, check=True,
-                       stdout=driver_out, stderr=subprocess.DEVNULL, timeout=120)
+        done = subprocess.run(["bash", str(GPU / "session.sh"), *steps], cwd=ROOT, env=full,
+                              stdout=driver_out, stderr=subprocess.DEVNULL, timeout=120)
+    assert done.returncode == rc, (tmp_path / "session.out").read_text()
     taken = time.monotonic() - t0
     logs = {p.parent.name: p.read_text() for p in work.glob("*/stdout.log")}
     return taken, (work / "status.txt").read_text(), logs
@@ -704,6 +706,26 @@ def test_watch_steps_return_at_once_when_the_run_is_not_on_this_machine(tmp_path
     assert taken < 30
     assert f"{step} rc=3 " in status
     assert "nothing to watch: no run was started in" in logs[step] and "start it again" in logs[step]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
+@pytest.mark.parametrize("check_rc, passes", [(0, True), (4, False), (None, False)])
+def test_gpuok_stops_the_session_unless_this_machines_gpucheck_passed(tmp_path, check_rc, passes):
+    """gpuok, first in a call issued in a batch behind the gpucheck call: the later steps run only where this machine's
+    last gpucheck passed. A stand-in for gpu_clocks.py exits 0 (passed) or 4 (a GPU slowed itself down); with no
+    gpucheck at all (a fresh machine: the checked one went back) the session stops too, with rc 5, and says why."""
+    fake = tmp_path / "clocks.sh"
+    fake.write_text(f"#!/bin/bash\necho stand-in for gpu_clocks.py\nexit {check_rc or 0}\n")
+    fake.chmod(0o755)
+    if check_rc is not None:
+        _, status, _ = _session(tmp_path, "gpucheck", PYTHON=str(fake))
+        assert f"gpucheck rc={check_rc} " in status
+    _, status, logs = _session(tmp_path, "gpuok", "v7_watch", rc=0 if passes else 5, WATCH_S="1")
+    assert ("v7_watch rc=3 " in status) is passes  # the watch ran (nothing to watch here) only after a passed check
+    if not passes:
+        reason = f"gpucheck rc={check_rc} " if check_rc is not None else "none ran here"
+        assert "gpuok rc=5: no passed gpucheck on this machine (" in status and reason in status
+        assert "gpuok rc=5" in (tmp_path / "out" / "status.txt").read_text()  # packed: it reaches the device reply
 
 
 @pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")

@@ -98,6 +98,18 @@ run_step() {
         # (heat, power brake), as one H100 did through a whole pair on 2026-11-27 (§4x); before timed work; on rc 4 take
         # another machine
         step gpucheck 90 ${PYTHON:-python3} scripts/gpu/gpu_clocks.py --seconds "${CLOCK_S:-20}" --gpu all ;;
+    gpuok)  # a guard for a call issued in a batch behind the one that ran gpucheck: the session stops here (rc 5, no
+        # later step runs) unless this machine's last gpucheck passed. It catches a GPU that slowed itself down and a
+        # fresh machine (the one checked went back between two calls: its status.txt is gone with /tmp)
+        local last
+        last=$(grep "^gpucheck rc=" "$work/status.txt" 2>/dev/null | tail -n 1)
+        if [[ "$last" != "gpucheck rc=0 "* ]]; then
+            echo "gpuok rc=5: no passed gpucheck on this machine (${last:-none ran here}): run gpucheck first, or give a" \
+                "slowed GPU back and take another machine" | tee -a "$work/status.txt"
+            pack
+            exit 5
+        fi
+        echo "gpuok: $last" ;;
     gputests) step gputests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
     aqn) step aqn 560 python3 scripts/gpu/check_aqn_vllm.py ;;
     entropy32) step entropy32 300 python3 scripts/gpu/check_aqn_vllm.py --phases build,entropy32 ;;
