@@ -13,9 +13,9 @@ Each rank is a subprocess that builds the actor the way verl 0.9.1's ``FSDPEngin
 Two stand-ins, because these ranks are CPUs on gloo: verl's ``get_device_id`` (it asks CUDA) returns "cpu", and
 ``torch.distributed.broadcast`` sends float8_e4m3fn tensors (``weight_scale`` in the state dict) as their uint8
 bytes (gloo has no FP8 type). ``test_two_gpus_over_nccl`` (marked gpu, needs 2 GPUs; passed on two H200s,
-benchmarks §6a) runs the same code on CUDA over NCCL without either stand-in. ``MixedPrecisionPolicy`` is fp32 for parameters
-and reductions (verl's default is bf16 parameters): that makes the comparison a test of the sharding, not of
-bf16 rounding.
+benchmarks §6a) runs the same code on CUDA over NCCL without either stand-in. ``MixedPrecisionPolicy`` is fp32
+for parameters and reductions (verl's default is bf16 parameters): that makes the comparison a test of the
+sharding, not of bf16 rounding.
 
 The batch: 4 sequences with different lengths (right-padded) and per-sequence weights of both signs (a
 policy-gradient-like loss ``sum(w_i * nll_it) / global_tokens``, as verl's token-mean over the global batch);
