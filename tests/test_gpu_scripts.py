@@ -330,10 +330,7 @@ def test_7b_pair_verdict_and_bound_from_the_ninth_sessions_2048_pair():
     (4.6 s apart, spreads under 0.5 s), 1.8x not met, at most 2.44x with a free rollout, and 1.8x would need a
     rollout 4.1x faster than BF16's; a gap inside a spread gives no verdict, an unreachable target no ratio."""
     v7 = _import_script("verl_7b_memory_step")
-    recs = {}
-    for line in (ROOT / "docs/gpu-runs/2026-11-24/ninth/lease1/verl_7b/results.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        recs[r["phase"]] = r
+    recs = v7.latest_records(ROOT / "docs/gpu-runs/2026-11-24/ninth/lease1/verl_7b/results.jsonl")
     v = v7.pair_verdict(recs["bf16-r2048f"], recs["nvfp4-r2048f"], v7.STEP_TARGETS[2048])
     assert (v["step_ratio"], v["rollout_ratio"], v["verdict"], v["met"]) == (1.174, 1.349, "nvfp4 faster", False)
     assert (v["ratio_with_free_rollout"], v["rollout_ratio_needed"]) == (2.44, 4.1)
@@ -345,13 +342,24 @@ def test_7b_pair_verdict_and_bound_from_the_ninth_sessions_2048_pair():
     assert v7.pair_verdict(b, {}, 1.5) == {"problems": ["a run lacks timed steps"]}
 
 
+def test_latest_records_keeps_each_phases_last_record(tmp_path):
+    """results.jsonl grows by one line per phase run; a phase run again (same tag) is read as its last record, and a
+    folder where nothing ran yet reads as no records."""
+    v7 = _import_script("verl_7b_memory_step")
+    path = tmp_path / "results.jsonl"
+    assert v7.latest_records(path) == {}
+    lines = [{"phase": "build", "model_gb": 14.19}, {"phase": "bf16-r512p", "rc": 1}, {"phase": "bf16-r512p", "rc": 0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert v7.latest_records(path) == {"build": lines[0], "bf16-r512p": lines[2]}
+
+
 def test_7b_pair_verdict_from_the_twentysixth_sessions_512_pair():
     """§4ab's 512 pair, both arms back to back on one H100 (docs/gpu-runs/2026-11-28/twentysixth/calls11-13): 1.175x,
     NVFP4 faster (1.41 s apart, spreads 0.83 / 0.61 s), neither GPU slowed, 1.5x not met; it would need a rollout 2.63x
     faster than BF16's, and a free rollout would give 2.15x. Each arm's engine log names the path it asked for."""
     v7 = _import_script("verl_7b_memory_step")
     folder = ROOT / "docs/gpu-runs/2026-11-28/twentysixth/calls11-13/verl_7b"
-    recs = {r["phase"]: r for r in map(json.loads, (folder / "results.jsonl").read_text().splitlines())}
+    recs = v7.latest_records(folder / "results.jsonl")
     b, n = recs["bf16-r512p"], recs["nvfp4-r512p"]
     assert not b["gpu_clocks"]["slowed"] and not n["gpu_clocks"]["slowed"] and b["problems"] == n["problems"] == []
     v = v7.pair_verdict(b, n, v7.STEP_TARGETS[512])
@@ -911,10 +919,7 @@ def test_pair_with_a_slowed_gpu_gets_no_verdict():
     """§4i's 2048 pair (NVFP4 faster, 1.174x) with a slowed GPU recorded in one arm, then in both: the ratios stay as
     measured, the verdict says why there is none, and a target is never met; a healthy record changes nothing."""
     v7 = _import_script("verl_7b_memory_step")
-    recs = {}
-    for line in (ROOT / "docs/gpu-runs/2026-11-24/ninth/lease1/verl_7b/results.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        recs[r["phase"]] = r
+    recs = v7.latest_records(ROOT / "docs/gpu-runs/2026-11-24/ninth/lease1/verl_7b/results.jsonl")
     b, n = recs["bf16-r2048f"], recs["nvfp4-r2048f"]
     slowed, healthy = {"slowed": True, "slowdown_share": 0.4}, {"slowed": False, "slowdown_share": 0.0}
     v = v7.pair_verdict({**b, "gpu_clocks": healthy}, {**n, "gpu_clocks": healthy}, 1.1)
@@ -933,7 +938,7 @@ def test_swapped_cards_check_on_the_h200_pairs(tmp_path):
     disagree; the summary prints the check where --swap-of names a pair it has, and says what is missing otherwise."""
     v7 = _import_script("verl_7b_memory_step")
     src = ROOT / "docs/gpu-runs/2026-11-27/twentythird/all/verl_7b/results.jsonl"
-    recs = {r["phase"]: r for r in map(json.loads, src.read_text().splitlines())}
+    recs = v7.latest_records(src)
     arms = lambda tag: (recs[f"bf16{tag}"], recs[f"nvfp4{tag}"])
     c = v7.swap_check(arms("-r512p"), arms("-r512s"))
     assert (c["step_ratios"], c["apart"], c["widest_spread"]) == ([1.117, 1.145], 0.0253, 0.1603)

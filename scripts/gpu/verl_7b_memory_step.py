@@ -302,6 +302,14 @@ def run(name: str, out: Path, args) -> dict:
 STEP_TARGETS = {512: 1.5, 2048: 1.8}
 
 
+def latest_records(path: Path) -> dict[str, dict]:
+    """The last record of each phase in a results.jsonl (``{"bf16-r512p": {...}, "build": {...}}``); {} where the file
+    does not exist yet."""
+    if not Path(path).exists():
+        return {}
+    return {r["phase"]: r for r in map(json.loads, Path(path).read_text().splitlines())}
+
+
 def _median(rec: dict, key: str) -> float | None:
     """The median of a record's ``<key>`` spread (e.g. step_s_spread); None where it has none."""
     return (rec.get(key) or {}).get("median")
@@ -429,11 +437,7 @@ def main() -> int:
             fh.write(json.dumps(rec) + "\n")
         log(json.dumps(rec))
 
-    latest = {}
-    if results_file.exists():
-        for line in results_file.read_text().splitlines():
-            r = json.loads(line)
-            latest[r["phase"]] = r
+    latest = latest_records(results_file)
     cols = ("gen_s", "old_log_prob_s", "update_actor_s", "update_weights_s", "step_s", "actor_peak_alloc_gb",
             "device_peak_used_gb", "vllm_weights_gib", "vllm_kv_cache_gib")  # fmt: skip
     print("\n" + "=" * 110)
