@@ -296,6 +296,21 @@ run_step() {
         # python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         #   --platform manylinux_2_24_x86_64 -d .whl bitsandbytes==0.50.2      (43 MB; its CUDA 13.0 library included)
         step bnb 120 bash -c 'ls .whl/bitsandbytes-*.whl >/dev/null 2>&1 || { echo "no .whl/bitsandbytes-*.whl: carry .whl (see session.sh bnb)"; exit 1; }; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/bitsandbytes-*.whl && python3 -c "import bitsandbytes, torch; print(\"bitsandbytes\", bitsandbytes.__version__, \"cuda\", torch.version.cuda)"' ;;
+    humming)  # vLLM's humming W4A16 kernels (the humming-kernels wheel, 0.2 MB, carried in .whl/; ignored by git): fetch
+        # it here with python3 -m pip download --no-deps -d .whl humming-kernels==0.1.6. It JIT-compiles with the
+        # image's CUDA toolkit (NVRTC, g++, ninja); the step prints what it finds
+        step humming 240 bash -c 'ls .whl/humming_kernels-*.whl >/dev/null 2>&1 || { echo "no .whl/humming_kernels-*.whl: \
+carry .whl (see session.sh humming)"; exit 1; }; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+--upgrade --target /tmp/site .whl/humming_kernels-*.whl && python3 scripts/gpu/sweep_humming.py --probe' ;;
+    sweep_humming)  # humming vs Marlin vs BF16 cuBLAS on the 7B decode linears at 1, 8, 64 rows (§4ac); needs `humming` first
+        step sweep_humming 560 python3 scripts/gpu/sweep_humming.py ${HUM_ARGS:-} ;;
+    bench_humming)  # 7B decode (§4ac): ours as shipped (Marlin + the overlap LoRA), the same checkpoint through vLLM's humming
+        # W4A16 GEMM (--quantization humming, the overlap LoRA), BF16 + punica LoRA; b1/b8/b64, 3 repeats; on ckpt7b's
+        # checkpoint; needs `humming` first. In the background into $work/bench-humming (`TAG=-humming session.sh bench_watch`)
+        run_step ckpt7b
+        TAG=-humming BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,humming-nvfp4-lora,bf16-lora \
+--variants default,punica-lora --runs nvfp4-lora@default,humming-nvfp4-lora@default,bf16-lora@punica-lora \
+--batches ${HUM_BATCHES:-1,8,64} --new-tokens 256 --repeats ${HUM_REPEATS:-3}" run_step bench_bg ;;
     ckpt7b_bf16)  # a random 7B BF16 checkpoint (~15 GB) for the nf4 (QLoRA) configs: $work/ckpt_7b_bf16
         step ckpt7b_bf16 300 python3 scripts/gpu/random_checkpoint.py "$work/ckpt_7b_bf16" --shape 7B --kind bf16 --if-missing ;;
     bench_qlora)  # 7B decode against QLoRA's base (§4l): ours as shipped, NF4 + LoRA through vLLM's bitsandbytes loader on

@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""vLLM's humming W4A16 GEMM against Marlin and BF16 cuBLAS on the linears of the 7B (and 32B) decode step, at the
+issue's batch sizes (1, 8, 64 rows), with the weights streamed from HBM.
+
+humming (the ``humming-kernels`` package, vLLM's ``--quantization humming``) JIT-compiles Hopper kernels with TMA,
+warp specialisation and warpgroup MMA; Marlin, the NVFP4 default here, is an mma.sync kernel. Until this script no
+run of this project had timed it (the bench's ``humming-*`` configs never ran: the wheel was not staged).
+Run from the repository root on the GPU machine, with humming installed (``session.sh humming``):
+
+    PYTHONPATH=. python3 scripts/gpu/sweep_humming.py [--rows 1,8,64] [--shapes 7B] [--reps 5]
+
+For each linear and row count:
+  1. humming and Marlin each run once on the same ``x``; their error against the float64 product with the exact
+     (dequantized) weight is recorded as max |error| / max |exact|. humming counts as correct where its error is at
+     most max(2 x Marlin's, 2^-8), and where two calls give the same bits; only then is it timed.
+  2. humming, Marlin and BF16 cuBLAS are timed ``--reps`` times each, interleaved (``--iters`` calls per CUDA graph,
+     cycling through weight copies so that one pass reads >= ``--cold-mib`` MiB): median and spread (max - min).
+     Per decode step: the medians summed over the four linears times the layer count.
+
+"Faster" where the difference of the medians exceeds both spreads (docs/benchmarks.md's rule). Writes
+$OUT/sweep_humming.jsonl (one JSON object per measurement) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT, ROOT / "scripts" / "gpu"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from check_gemv import (  # noqa: E402
+    LAYERS, LINEARS, add_timing_args, copies_for, jsonl_recorder, per_step_ms, streamed_weight, summarize, verdict)
+
+KEYS = ("humming", "marlin", "bf16")
+
+
+def rel_error(y, exact) -> float:  # noqa: ANN001
+    """max |y - exact| / max |exact| (float64)."""
+    return ((y.double() - exact).abs().max() / exact.abs().max()).item()
+
+
+def correct(humming_err: float, marlin_err: float, same_bits: bool) -> bool:
+    """humming's output is taken as correct: its error at most twice Marlin's on the same input, or within the bf16
+    output's rounding (2^-8 relative), and the same bits on a second call."""
+    return same_bits and humming_err <= max(2.0 * marlin_err, 2.0**-8)
+
+
+def probe() -> int:
+    """What humming's JIT finds on this machine, then one small GEMM through it (compiles its launcher and kernels)."""
+    import shutil
+
+    import torch
+
+    for tool in ("nvcc", "g++", "ninja"):
+        print(f"{tool}: {shutil.which(tool) or 'missing'}")
+    import humming
+    from humming.utils.cuda import filter_cuda_paths
+
+    from qerl_plugin import nvfp4
+    from vllm_ext.bench.kernels import humming_linear
+
+    env = filter_cuda_paths(required_headers=["cuda.h", "crt/host_defines.h", "cuda/std/cstdint", "nvrtc.h"])
+    print(f"humming {humming.__version__}: CUDA {env['major']} from {env['source']} {env['path']}")
+    torch.manual_seed(0)
+    w = (torch.randn(512, 1024, device="cuda") * 0.02).to(torch.bfloat16)
+    q = nvfp4.quantize(w)
+    x = torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    y = humming_linear(q.packed, q.scale, q.global_scale)(x)
+    torch.cuda.synchronize()
+    exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
+    err = rel_error(y, exact)
+    print(f"one humming GEMM (2 x 1024 @ 1024 x 512) in {time.perf_counter() - t0:.1f} s with its compilation: "
+          f"max |error| / max |exact| = {err:.2e}")
+    return 0 if err <= 2.0**-7 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1,8,64", help="rows of x per call (default 1,8,64)")
+    p.add_argument("--shapes", default="7B", help="Qwen2.5 shapes, comma-separated (7B, 32B; default 7B)")
+    p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
+    add_timing_args(p)
+    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+    p.add_argument("--probe", action="store_true",
+                   help="only say what humming compiles with (nvcc, g++, ninja, the CUDA headers it picks) and run one "
+                   "small GEMM (2 rows, 512 x 1024) against the dequantized weight")
+    args = p.parse_args(argv)
+    if args.probe:
+        return probe()
+
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        print("sweep_humming: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    try:
+        import humming
+    except ImportError as exc:
+        print(f"sweep_humming: humming is not installed ({exc}); install the humming-kernels wheel first "
+              "(scripts/gpu/session.sh humming)", file=sys.stderr)
+        return 1
+    import vllm._custom_ops  # noqa: F401  (Marlin's kernels)
+
+    from qerl_plugin import nvfp4
+    from vllm_ext.bench.kernels import capture_graph, humming_linear, marlin_linear, replay_us
+
+    record = jsonl_recorder(args.out, "sweep_humming.jsonl")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "humming": humming.__version__, "vllm": __import__("vllm").__version__, "rows": rows_list,
+            "cold_mib": args.cold_mib, "iters": args.iters, "reps": args.reps, "shapes": args.shapes,
+            "linears": args.linears})
+    finals: list[dict[str, Any]] = []
+    refused = 0
+    for shape in args.shapes.split(","):
+        for lname in args.linears.split(","):
+            k, n = LINEARS[shape][lname]
+            w, q, raw_bytes, raws = streamed_weight(n, k, args.cold_mib, dev)
+            w_exact = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double()
+            t0 = time.perf_counter()
+            hums = [humming_linear(p_, s_, q.global_scale, bf16) for p_, s_ in raws]
+            marlins = [marlin_linear(p_, s_, q.global_scale, bf16) for p_, s_ in raws]
+            c_bf16 = copies_for(2 * n * k, args.cold_mib)
+            bf16s = [w.clone() for _ in range(c_bf16)]
+            iters = max(args.iters, len(raws))
+            record({"what": "linear", "shape": shape, "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes,
+                    "copies": len(raws), "bf16_copies": c_bf16, "setup_s": round(time.perf_counter() - t0, 1)})
+            for rows in rows_list:
+                x = torch.randn(rows, k, device=dev, dtype=bf16)
+                exact = x.double() @ w_exact.t()
+                t0 = time.perf_counter()
+                y1 = hums[0](x)
+                first_s = time.perf_counter() - t0  # the first call of a row count compiles humming's kernels
+                y2 = hums[0](x)
+                torch.cuda.synchronize()
+                errs = {"humming": rel_error(y1, exact), "marlin": rel_error(marlins[0](x), exact),
+                        "bf16": rel_error(F.linear(x, w), exact)}
+                same = bool(torch.equal(y1, y2))
+                case = {"shape": shape, "linear": lname, "rows": rows}
+                record({"what": "check", **case, "rel_error": errs, "same_bits": same,
+                        "humming_first_call_s": round(first_s, 2)})
+                if not correct(errs["humming"], errs["marlin"], same):
+                    refused += 1
+                    record({"what": "final", **case, "error": "humming refused: error beyond 2 x Marlin's and the "
+                            "bf16 rounding, or not the same bits twice", "rel_error": errs, "same_bits": same})
+                    continue
+                graphs = {"humming": (capture_graph([(lambda h_=h_: h_(x)) for h_ in hums], iters), iters),
+                          "marlin": (capture_graph([(lambda r_=r_: r_(x)) for r_ in marlins], iters), iters),
+                          "bf16": (capture_graph([(lambda w_=w_: F.linear(x, w_)) for w_ in bf16s],
+                                                 max(args.iters, c_bf16)), max(args.iters, c_bf16))}
+                times: dict[str, list[float]] = {key: [] for key in graphs}
+                for _ in range(args.reps):
+                    for key, (g, its) in graphs.items():
+                        times[key].append(replay_us(g, its))
+                del graphs
+                res = {key: summarize(v) for key, v in times.items()}
+                fin = {"what": "final", **case, **res, "rel_error": errs,
+                       "humming_gb_s": round(raw_bytes / res["humming"]["median_us"] / 1e3, 1),
+                       "marlin_gb_s": round(raw_bytes / res["marlin"]["median_us"] / 1e3, 1),
+                       "humming_vs_marlin": verdict(res["humming"], res["marlin"]),
+                       "marlin_over_humming": round(res["marlin"]["median_us"] / res["humming"]["median_us"], 3)}
+                record(fin)
+                finals.append(fin)
+            del raws, hums, marlins, bf16s, w_exact
+            torch.cuda.empty_cache()
+
+    lines = ["", "humming vs Marlin (NVFP4) and BF16 cuBLAS, weights streamed from HBM: us per call, median of "
+             f"{args.reps} (spread); GB/s = NVFP4 bytes (codes + FP8 scales) / time",
+             f"{'shape':<5} {'linear':<8}{'rows':>5}" + "".join(f"{k_:>17}" for k_ in KEYS)
+             + f"{'hum GB/s':>9}{'mar GB/s':>9}  humming vs Marlin"]
+    for f in finals:
+        cell = lambda r: f"{r['median_us']:>9.2f} ±{r['spread_us']:<5.2f}"  # noqa: E731
+        lines.append(f"{f['shape']:<5} {f['linear']:<8}{f['rows']:>5}" + "".join(cell(f[k_]) for k_ in KEYS)
+                     + f"{f['humming_gb_s']:>9.0f}{f['marlin_gb_s']:>9.0f}  {f['humming_vs_marlin']}"
+                     + f" ({f['marlin_over_humming']:.3f}x)")
+    for shape in args.shapes.split(","):
+        for rows in rows_list:
+            sel = [f for f in finals if f["shape"] == shape and f["rows"] == rows]
+            if len(sel) != len(args.linears.split(",")):
+                continue
+            step, spread = per_step_ms(sel, KEYS, LAYERS[shape])
+            faster = verdict({"median_us": step["humming"], "spread_us": spread["humming"]},
+                             {"median_us": step["marlin"], "spread_us": spread["marlin"]})
+            record({"what": "per_step_ms", "shape": shape, "rows": rows, "median": step, "spread": spread,
+                    "humming_vs_marlin": faster})
+            lines.append(f"per {shape} decode step (x{LAYERS[shape]}), {rows} rows: "
+                         + ", ".join(f"{k_} {step[k_]:.3f} ms (±{spread[k_]:.3f})" for k_ in KEYS)
+                         + f"; humming vs Marlin: {faster}")
+    lines.append(f"cases refused (humming's error beyond 2 x Marlin's and the bf16 rounding, or bits differing): "
+                 f"{refused}")
+    print("\n".join(lines), flush=True)
+    return 1 if refused else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
