@@ -1247,3 +1247,46 @@ def test_clock_poll_cost_refuses_bad_input(argv, capsys):
     with pytest.raises(SystemExit):
         cost.main(argv)
     assert "--window must be positive and --rounds >= 1 (got" in capsys.readouterr().err
+
+
+def _sweep_lines(per_step: dict[int, tuple[float, float, str]]) -> str:
+    """sweep_humming.jsonl's per-step records: rows -> (humming ms, Marlin ms, verdict)."""
+    return "".join(json.dumps({"what": "per_step_ms", "shape": "7B", "rows": r,
+                               "median": {"humming": h, "marlin": m, "bf16": 9.0},
+                               "spread": {"humming": 0.01, "marlin": 0.01, "bf16": 0.01}, "humming_vs_marlin": v}) + "\n"
+                   for r, (h, m, v) in per_step.items())
+
+
+@pytest.mark.parametrize("per_step, passes", [
+    ({1: (3.0, 2.0, "slower"), 8: (2.0, 2.36, "faster"), 64: (4.0, 3.89, "slower")}, True),
+    ({8: (2.30, 2.36, "faster"), 64: (3.85, 3.89, "faster")}, False),  # faster, by less than 0.10 ms
+    ({1: (1.0, 2.0, "faster"), 8: (2.5, 2.36, "slower")}, False),  # only at one row, which the gate does not count
+    ({8: (2.0, 2.36, "equal")}, False),  # within the spreads
+    ({}, False),
+])
+def test_humming_gate_needs_a_faster_step_at_8_or_64_rows(tmp_path, per_step, passes):
+    sweep = _import_script("sweep_humming")
+    path = tmp_path / "sweep_humming.jsonl"
+    path.write_text(json.dumps({"what": "setup"}) + "\n" + _sweep_lines(per_step))
+    passed, why = sweep.gate(path)
+    assert passed is passes
+    assert why.startswith("gate passed: " if passes else "gate not passed")
+    if not per_step:
+        assert "8 rows: not measured; 64 rows: not measured" in why
+
+
+@pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
+@pytest.mark.parametrize("passes", [True, False])
+def test_humming_gate_step_stops_the_session_unless_the_sweep_passed(tmp_path, passes):
+    """humming_gate between sweep_humming and bench_humming: the later steps run only after a passing sweep (a watch
+    stands in for the engine run here: nothing to watch, rc 3); otherwise the session ends with rc 6 and says why."""
+    folder = tmp_path / "work" / "sweep_humming"
+    folder.mkdir(parents=True)
+    (folder / "sweep_humming.jsonl").write_text(_sweep_lines({8: (2.0 if passes else 2.5, 2.36,
+                                                                  "faster" if passes else "slower")}))
+    _, status, _ = _session(tmp_path, "humming_gate", "bench_watch", rc=0 if passes else 6, WATCH_S="1", TAG="-humming")
+    assert ("bench_watch rc=3 " in status) is passes
+    assert ("humming_gate: gate passed: 8 rows: humming 2.000 ms" in status) is passes
+    if not passes:
+        assert "gate not passed" in status and "humming_gate rc=6: no engine run" in status
+        assert "humming_gate rc=6" in (tmp_path / "out" / "status.txt").read_text()

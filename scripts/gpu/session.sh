@@ -304,6 +304,17 @@ carry .whl (see session.sh humming)"; exit 1; }; python3 -m pip install -q --no-
 --upgrade --target /tmp/site .whl/humming_kernels-*.whl && python3 scripts/gpu/sweep_humming.py --probe' ;;
     sweep_humming)  # humming vs Marlin vs BF16 cuBLAS on the 7B decode linears at 1, 8, 64 rows (§4ac); needs `humming` first
         step sweep_humming 560 python3 scripts/gpu/sweep_humming.py ${HUM_ARGS:-} ;;
+    humming_gate)  # after sweep_humming: the session stops here (rc 6, no later step runs) unless humming was faster than
+        # Marlin per 7B step by >= 0.10 ms at 8 or 64 rows (§4ac's gate for bench_humming)
+        local why grc
+        why=$(python3 scripts/gpu/sweep_humming.py --gate "$work/sweep_humming/sweep_humming.jsonl" 2>&1)
+        grc=$?
+        echo "humming_gate: $why" | tail -n 3 | tee -a "$work/status.txt"
+        if [ "$grc" -ne 0 ]; then
+            echo "humming_gate rc=6: no engine run" | tee -a "$work/status.txt"
+            pack
+            exit 6
+        fi ;;
     bench_humming)  # 7B decode (§4ac): ours as shipped (Marlin + the overlap LoRA), the same checkpoint through vLLM's humming
         # W4A16 GEMM (--quantization humming, the overlap LoRA), BF16 + punica LoRA; b1/b8/b64, 3 repeats; on ckpt7b's
         # checkpoint; needs `humming` first. In the background into $work/bench-humming (`TAG=-humming session.sh bench_watch`)

@@ -51,6 +51,35 @@ def correct(humming_err: float, marlin_err: float, same_bits: bool) -> bool:
     return same_bits and humming_err <= max(2.0 * marlin_err, 2.0**-8)
 
 
+GATE_ROWS = (8, 64)
+GATE_MS = 0.10
+
+
+def gate(path: str | Path, rows: tuple[int, ...] = GATE_ROWS, min_ms: float = GATE_MS) -> tuple[bool, str]:
+    """§4ac's gate for an engine run, from a sweep's JSON lines: humming faster than Marlin per 7B step (beyond both
+    summed spreads) by at least ``min_ms`` at one of ``rows``. ``(passed, why)``."""
+    import json
+
+    steps = {}
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("what") == "per_step_ms" and rec.get("shape") == "7B":
+            steps[rec["rows"]] = rec
+    found = []
+    for r in rows:
+        rec = steps.get(r)
+        if rec is None:
+            found.append(f"{r} rows: not measured")
+            continue
+        gain = rec["median"]["marlin"] - rec["median"]["humming"]
+        found.append(f"{r} rows: humming {rec['median']['humming']:.3f} ms vs Marlin {rec['median']['marlin']:.3f} "
+                     f"({rec['humming_vs_marlin']}, {gain:+.3f} ms)")
+        if rec["humming_vs_marlin"] == "faster" and gain >= min_ms:
+            return True, "gate passed: " + "; ".join(found)
+    return False, f"gate not passed (humming faster by >= {min_ms} ms per 7B step at {' or '.join(map(str, rows))} " \
+                  "rows): " + "; ".join(found)
+
+
 def probe() -> int:
     """What humming's JIT finds on this machine, then one small GEMM through it (compiles its launcher and kernels)."""
     import shutil
@@ -91,9 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe", action="store_true",
                    help="only say what humming compiles with (nvcc, g++, ninja, the CUDA headers it picks) and run one "
                    "small GEMM (2 rows, 512 x 1024) against the dequantized weight")
+    p.add_argument("--gate", default=None, metavar="JSONL",
+                   help="only judge a finished sweep's JSON lines by §4ac's gate for an engine run: exit 0 if passed, 6 "
+                   "if not")
     args = p.parse_args(argv)
     if args.probe:
         return probe()
+    if args.gate:
+        passed, why = gate(args.gate)
+        print(why, flush=True)
+        return 0 if passed else 6
 
     import torch
     import torch.nn.functional as F
