@@ -1251,9 +1251,9 @@ def test_clock_poll_cost_refuses_bad_input(argv, capsys):
 
 def _sweep_lines(per_step: dict[int, tuple[float, float, str]]) -> str:
     """sweep_humming.jsonl's per-step records: rows -> (humming ms, Marlin ms, verdict)."""
-    return "".join(json.dumps({"what": "per_step_ms", "shape": "7B", "rows": r,
-                               "median": {"humming": h, "marlin": m, "bf16": 9.0},
-                               "spread": {"humming": 0.01, "marlin": 0.01, "bf16": 0.01}, "humming_vs_marlin": v}) + "\n"
+    spread = {"humming": 0.01, "marlin": 0.01, "bf16": 0.01}
+    return "".join(json.dumps({"what": "per_step_ms", "shape": "7B", "rows": r, "median": {"humming": h, "marlin": m,
+                               "bf16": 9.0}, "spread": spread, "humming_vs_marlin": v}) + "\n"
                    for r, (h, m, v) in per_step.items())
 
 

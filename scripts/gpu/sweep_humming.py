@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="only say what humming compiles with (nvcc, g++, ninja, the CUDA headers it picks) and run one "
                    "small GEMM (2 rows, 512 x 1024) against the dequantized weight")
     p.add_argument("--gate", default=None, metavar="JSONL",
-                   help="only judge a finished sweep's JSON lines by §4ac's gate for an engine run: exit 0 if passed, 6 "
-                   "if not")
+                   help="only judge a finished sweep's JSON lines by §4ac's gate for an engine run: exit 0 if "
+                   "passed, 6 if not")
     args = p.parse_args(argv)
     if args.probe:
         return probe()

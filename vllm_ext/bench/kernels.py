@@ -69,9 +69,10 @@ HUMMING_NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-qua
 
 
 def humming_tensors(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
-    """An NVFP4 triple in humming's own schema, converted as vLLM's ``HummingLinearMethod`` converts a compressed-tensors
-    ``nvfp4-pack-quantized`` layer (``convert_humming``): ``(schema, {"weight", "weight_scale", "global_scale"})``, the
-    codes as int32 words, the FP8 scales as they are, and the global scale as a multiplier (1 / the divisor)."""
+    """An NVFP4 triple in humming's own schema, converted as vLLM's ``HummingLinearMethod`` converts a
+    compressed-tensors ``nvfp4-pack-quantized`` layer (``convert_humming``): ``(schema, {"weight", "weight_scale",
+    "global_scale"})``, the codes as int32 words, the FP8 scales as they are, and the global scale as a multiplier
+    (1 / the divisor)."""
     import torch
     from humming.schema import BaseWeightSchema
 
