@@ -1249,11 +1249,12 @@ def test_clock_poll_cost_refuses_bad_input(argv, capsys):
     assert "--window must be positive and --rounds >= 1 (got" in capsys.readouterr().err
 
 
-def _sweep_lines(per_step: dict[int, tuple[float, float, str]]) -> str:
+def _sweep_lines(per_step: dict[int, tuple[float, float, str]], refused: int = 0) -> str:
     """sweep_humming.jsonl's per-step records: rows -> (humming ms, Marlin ms, verdict)."""
     spread = {"humming": 0.01, "marlin": 0.01, "bf16": 0.01}
     return "".join(json.dumps({"what": "per_step_ms", "shape": "7B", "rows": r, "median": {"humming": h, "marlin": m,
-                               "bf16": 9.0}, "spread": spread, "humming_vs_marlin": v}) + "\n"
+                               "bf16": 9.0}, "spread": spread, "humming_vs_marlin": v,
+                               "refused_cases": refused}) + "\n"
                    for r, (h, m, v) in per_step.items())
 
 
@@ -1270,6 +1271,11 @@ def test_humming_gate_needs_a_faster_step_at_8_or_64_rows(tmp_path, per_step, pa
     path.write_text(json.dumps({"what": "setup"}) + "\n" + _sweep_lines(per_step))
     passed, why = sweep.gate(path)
     assert passed is passes
+    if passes:  # the same step timed with a linear that failed the correctness check (--time-refused) does not count
+        path.write_text(_sweep_lines(per_step, refused=1))
+        refused, why_refused = sweep.gate(path)
+        assert not refused and "8 rows: humming 2.000 ms vs Marlin 2.360 (faster, +0.360 ms; 1 linears refused)" in \
+            why_refused
     assert why.startswith("gate passed: " if passes else "gate not passed")
     if not per_step:
         assert "8 rows: not measured; 64 rows: not measured" in why

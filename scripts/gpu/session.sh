@@ -304,6 +304,8 @@ carry .whl (see session.sh humming)"; exit 1; }; python3 -m pip install -q --no-
 --upgrade --target /tmp/site .whl/humming_kernels-*.whl && python3 scripts/gpu/sweep_humming.py --probe' ;;
     sweep_humming)  # humming vs Marlin vs BF16 cuBLAS on the 7B decode linears at 1, 8, 64 rows (§4ac); needs `humming` first
         step sweep_humming 560 python3 scripts/gpu/sweep_humming.py ${HUM_ARGS:-} ;;
+    sweep_humming_bi)  # the same in humming's batch-invariant mode (no stream-K), the refused cases timed too (§4ac amended)
+        step sweep_humming_bi 560 python3 scripts/gpu/sweep_humming.py --batch-invariant --time-refused ${HUM_ARGS:-} ;;
     humming_gate)  # after sweep_humming: the session stops here (rc 6, no later step runs) unless humming was faster than
         # Marlin per 7B step by >= 0.10 ms at 8 or 64 rows (§4ac's gate for bench_humming)
         local why grc

@@ -57,7 +57,8 @@ GATE_MS = 0.10
 
 def gate(path: str | Path, rows: tuple[int, ...] = GATE_ROWS, min_ms: float = GATE_MS) -> tuple[bool, str]:
     """§4ac's gate for an engine run, from a sweep's JSON lines: humming faster than Marlin per 7B step (beyond both
-    summed spreads) by at least ``min_ms`` at one of ``rows``. ``(passed, why)``."""
+    summed spreads) by at least ``min_ms`` at one of ``rows``, with none of that step's linears refused by the
+    correctness check (``--time-refused`` times those too). ``(passed, why)``."""
     import json
 
     steps = {}
@@ -72,9 +73,10 @@ def gate(path: str | Path, rows: tuple[int, ...] = GATE_ROWS, min_ms: float = GA
             found.append(f"{r} rows: not measured")
             continue
         gain = rec["median"]["marlin"] - rec["median"]["humming"]
+        bad = rec.get("refused_cases", 0)
         found.append(f"{r} rows: humming {rec['median']['humming']:.3f} ms vs Marlin {rec['median']['marlin']:.3f} "
-                     f"({rec['humming_vs_marlin']}, {gain:+.3f} ms)")
-        if rec["humming_vs_marlin"] == "faster" and gain >= min_ms:
+                     f"({rec['humming_vs_marlin']}, {gain:+.3f} ms" + (f"; {bad} linears refused)" if bad else ")"))
+        if rec["humming_vs_marlin"] == "faster" and gain >= min_ms and not bad:
             return True, "gate passed: " + "; ".join(found)
     return False, f"gate not passed (humming faster by >= {min_ms} ms per 7B step at {' or '.join(map(str, rows))} " \
                   "rows): " + "; ".join(found)
@@ -117,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
     add_timing_args(p)
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="humming's batch-invariant mode (no stream-K), as VLLM_BATCH_INVARIANT=1 runs it; writes "
+                   "sweep_humming_bi.jsonl")
+    p.add_argument("--time-refused", action="store_true",
+                   help="time the cases the correctness check refused too (marked refused; the gate ignores them)")
     p.add_argument("--probe", action="store_true",
                    help="only say what humming compiles with (nvcc, g++, ninja, the CUDA headers it picks) and run one "
                    "small GEMM (2 rows, 512 x 1024) against the dequantized weight")
@@ -148,13 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     from qerl_plugin import nvfp4
     from vllm_ext.bench.kernels import capture_graph, humming_linear, marlin_linear, replay_us
 
-    record = jsonl_recorder(args.out, "sweep_humming.jsonl")
+    record = jsonl_recorder(args.out, "sweep_humming_bi.jsonl" if args.batch_invariant else "sweep_humming.jsonl")
     rows_list = [int(r) for r in args.rows.split(",")]
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "humming": humming.__version__, "vllm": __import__("vllm").__version__, "rows": rows_list,
             "cold_mib": args.cold_mib, "iters": args.iters, "reps": args.reps, "shapes": args.shapes,
-            "linears": args.linears})
+            "linears": args.linears, "batch_invariant": args.batch_invariant, "time_refused": args.time_refused})
     finals: list[dict[str, Any]] = []
     refused = 0
     for shape in args.shapes.split(","):
@@ -163,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             w, q, raw_bytes, raws = streamed_weight(n, k, args.cold_mib, dev)
             w_exact = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double()
             t0 = time.perf_counter()
-            hums = [humming_linear(p_, s_, q.global_scale, bf16) for p_, s_ in raws]
+            hums = [humming_linear(p_, s_, q.global_scale, bf16, batch_invariant=args.batch_invariant)
+                    for p_, s_ in raws]
             marlins = [marlin_linear(p_, s_, q.global_scale, bf16) for p_, s_ in raws]
             c_bf16 = copies_for(2 * n * k, args.cold_mib)
             bf16s = [w.clone() for _ in range(c_bf16)]
@@ -184,11 +192,13 @@ def main(argv: list[str] | None = None) -> int:
                 case = {"shape": shape, "linear": lname, "rows": rows}
                 record({"what": "check", **case, "rel_error": errs, "same_bits": same,
                         "humming_first_call_s": round(first_s, 2)})
-                if not correct(errs["humming"], errs["marlin"], same):
+                ok = correct(errs["humming"], errs["marlin"], same)
+                if not ok:
                     refused += 1
                     record({"what": "final", **case, "error": "humming refused: error beyond 2 x Marlin's and the "
                             "bf16 rounding, or not the same bits twice", "rel_error": errs, "same_bits": same})
-                    continue
+                    if not args.time_refused:
+                        continue
                 graphs = {"humming": (capture_graph([(lambda h_=h_: h_(x)) for h_ in hums], iters), iters),
                           "marlin": (capture_graph([(lambda r_=r_: r_(x)) for r_ in marlins], iters), iters),
                           "bf16": (capture_graph([(lambda w_=w_: F.linear(x, w_)) for w_ in bf16s],
@@ -199,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                         times[key].append(replay_us(g, its))
                 del graphs
                 res = {key: summarize(v) for key, v in times.items()}
-                fin = {"what": "final", **case, **res, "rel_error": errs,
+                fin = {"what": "final" if ok else "timed_refused", "refused": not ok, **case, **res,
+                       "rel_error": errs, "same_bits": same,
                        "humming_gb_s": round(raw_bytes / res["humming"]["median_us"] / 1e3, 1),
                        "marlin_gb_s": round(raw_bytes / res["marlin"]["median_us"] / 1e3, 1),
                        "humming_vs_marlin": verdict(res["humming"], res["marlin"]),
@@ -217,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         cell = lambda r: f"{r['median_us']:>9.2f} ±{r['spread_us']:<5.2f}"  # noqa: E731
         lines.append(f"{f['shape']:<5} {f['linear']:<8}{f['rows']:>5}" + "".join(cell(f[k_]) for k_ in KEYS)
                      + f"{f['humming_gb_s']:>9.0f}{f['marlin_gb_s']:>9.0f}  {f['humming_vs_marlin']}"
-                     + f" ({f['marlin_over_humming']:.3f}x)")
+                     + f" ({f['marlin_over_humming']:.3f}x)" + (" [refused]" if f["refused"] else ""))
     for shape in args.shapes.split(","):
         for rows in rows_list:
             sel = [f for f in finals if f["shape"] == shape and f["rows"] == rows]
@@ -226,11 +237,13 @@ def main(argv: list[str] | None = None) -> int:
             step, spread = per_step_ms(sel, KEYS, LAYERS[shape])
             faster = verdict({"median_us": step["humming"], "spread_us": spread["humming"]},
                              {"median_us": step["marlin"], "spread_us": spread["marlin"]})
+            n_refused = sum(bool(f["refused"]) for f in sel)
             record({"what": "per_step_ms", "shape": shape, "rows": rows, "median": step, "spread": spread,
-                    "humming_vs_marlin": faster})
+                    "humming_vs_marlin": faster, "refused_cases": n_refused})
             lines.append(f"per {shape} decode step (x{LAYERS[shape]}), {rows} rows: "
                          + ", ".join(f"{k_} {step[k_]:.3f} ms (±{spread[k_]:.3f})" for k_ in KEYS)
-                         + f"; humming vs Marlin: {faster}")
+                         + f"; humming vs Marlin: {faster}"
+                         + (f" ({n_refused} of its linears refused by the check)" if n_refused else ""))
     lines.append(f"cases refused (humming's error beyond 2 x Marlin's and the bf16 rounding, or bits differing): "
                  f"{refused}")
     print("\n".join(lines), flush=True)

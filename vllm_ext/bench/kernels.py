@@ -84,10 +84,11 @@ def humming_tensors(packed, scale, global_scale, dtype=None):  # noqa: ANN001, A
                                   param_dtype=dtype or torch.bfloat16)
 
 
-def humming_linear(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
+def humming_linear(packed, scale, global_scale, dtype=None, batch_invariant: bool = False):  # noqa: ANN001, ANN201
     """vLLM's humming W4A16 GEMM (the ``humming-kernels`` package, JIT-compiled on its first call) on an NVFP4 triple,
     set up as vLLM 0.24's ``HummingLinearMethod.process_weights_after_loading`` does (N padded to 256, K to 128,
-    vLLM's compute config): ``run(x) -> x @ W.T``. The inputs stay as they are; the layer holds new tensors."""
+    vLLM's compute config): ``run(x) -> x @ W.T``. The inputs stay as they are; the layer holds new tensors.
+    ``batch_invariant``: humming's batch-invariant mode (what ``VLLM_BATCH_INVARIANT=1`` asks of it; no stream-K)."""
     import json
 
     import torch
@@ -103,7 +104,7 @@ def humming_linear(packed, scale, global_scale, dtype=None):  # noqa: ANN001, AN
     HummingMethod.prepare_layer_meta(layer=layer, shape_n=n, shape_k=k, weight_schema=schema, pad_n_to_multiple=256,
                                      pad_k_to_multiple=128, has_bias=False, torch_dtype=dtype)
     HummingMethod.transform_humming_layer(layer)
-    compute = json.dumps({"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "dense"})
+    compute = json.dumps({"use_batch_invariant": bool(batch_invariant), "use_f16_accum": False, "gemm_type": "dense"})
 
     def run(x):  # noqa: ANN001, ANN202
         return HummingMethod.forward_layer(layer=layer, inputs=x, compute_config=compute)
