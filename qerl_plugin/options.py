@@ -7,7 +7,8 @@ Engine options are keys of vLLM's ``additional_config``, which is part of vLLM's
 engine built with AQN never reuses a graph compiled without it)::
 
     {"qerl_aqn": true}                                          AQN: every RMSNorm gets a noise buffer
-    {"qerl_nvfp4": {"backend": "emulation", "fp32_reduce": false}}   how nvfp4 layers run
+    {"qerl_nvfp4": {"backend": "emulation", "fp32_reduce": false}}   how nvfp4 layers run (backend: auto = marlin,
+                                                                humming (opt-in, vLLM's humming kernels), emulation)
     {"qerl_nvfp4": {"decode_gemv": true}}                       one-row calls on vllm_ext.nvfp4_gemv's kernel
                                                                 (experimental; keeps a second copy of the weights);
                                                                 in the overlap mode with the LoRA inside it
@@ -57,7 +58,7 @@ FORMAT = "nvfp4-pack-quantized"
 # additional_config keys (see the module docstring).
 AQN_KEY = "qerl_aqn"
 NVFP4_KEY = "qerl_nvfp4"
-NVFP4_BACKENDS = ("auto", "marlin", "emulation")
+NVFP4_BACKENDS = ("auto", "marlin", "humming", "emulation")
 LORA_KEY = "qerl_lora"
 # vllm_ext.lora_fused | vLLM's multi-adapter kernels | vllm_ext.lora_dense | lora_fused's kernel on a side stream
 LORA_MODES = ("fused", "punica", "dense", "overlap")
@@ -132,7 +133,7 @@ def lora_mode(additional_config: Mapping[str, Any] | None) -> str:
 
 
 def parse_backend(value: Any, what: str) -> str:
-    """An nvfp4 backend name (auto, marlin, emulation), any case; else ValueError naming ``what``."""
+    """An nvfp4 backend name (auto, marlin, humming, emulation), any case; else ValueError naming ``what``."""
     choice = str(value).strip().lower()
     if choice not in NVFP4_BACKENDS:
         raise ValueError(f"{what}={value!r}: expected {', '.join(NVFP4_BACKENDS[:-1])} or {NVFP4_BACKENDS[-1]}")

@@ -1,8 +1,9 @@
 """How a layer's NVFP4 weight is run: the backends of the ``nvfp4`` method and how one is chosen.
 
 A backend installs the NVFP4 triple as the layer's kernel tensors (flagged, so reloads copy into them) and
-runs the GEMM: ``marlin`` (vLLM's Marlin FP4 kernel, CUDA sm75+) or ``emulation`` (dequantize + ``F.linear``;
-where there is no CUDA, or forced to debug). Options: ``additional_config={"qerl_nvfp4": {"backend": ...,
+runs the GEMM: ``marlin`` (vLLM's Marlin FP4 kernel, CUDA sm75+), ``humming`` (vLLM's optional humming W4A16 kernels,
+opt-in; see :class:`HummingBackend`) or ``emulation`` (dequantize + ``F.linear``; where there is no CUDA, or forced to
+debug). Options: ``additional_config={"qerl_nvfp4": {"backend": ...,
 "fp32_reduce": ...}}`` (:mod:`qerl_plugin.options`), else ``QERL_NVFP4_BACKEND`` / ``QERL_NVFP4_FP32_REDUCE``.
 """
 
@@ -29,6 +30,8 @@ __all__ = [
     "KERNEL_FLAG",
     "Backend",
     "EmulationBackend",
+    "HUMMING_NVFP4",
+    "HummingBackend",
     "MarlinBackend",
     "is_nvfp4_layer",
     "kernel_tensors",
@@ -82,6 +85,8 @@ def select_backend() -> Backend:
     choice = _option("backend", BACKEND_ENV, "auto", options.parse_backend)
     if choice == "emulation":
         return EmulationBackend()
+    if choice == "humming":
+        return HummingBackend()
     if choice == "auto" and not current_platform.is_cuda():
         warn_once(
             "emulation",
@@ -276,6 +281,104 @@ class MarlinBackend(Backend):
             )  # fmt: skip
         return marlin_gemm(x, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.workspace,
                             layer.output_size_per_partition, layer.input_size_per_partition, bias, self.fp32_reduce)
+
+
+# vLLM's compressed-tensors NVFP4A16 weight group (``quantization_config.config_groups.*.weights`` of a `qerl quantize`
+# checkpoint), as vLLM's HummingConfig hands it to humming's schema (with the format and method of the whole config)
+HUMMING_NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "type": "float", "num_bits": 4,
+                 "strategy": "tensor_group", "group_size": 16, "symmetric": True}
+
+
+def humming_tensors(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
+    """An NVFP4 triple in humming's own schema, converted as vLLM's ``HummingLinearMethod`` converts a
+    compressed-tensors ``nvfp4-pack-quantized`` layer (``convert_humming``): ``(schema, {"weight", "weight_scale",
+    "global_scale"})``, the codes as int32 words, the FP8 scales as they are, and the global scale as a multiplier
+    (1 / the divisor)."""
+    from humming.schema import BaseWeightSchema
+
+    n, k = packed.shape[0], packed.shape[1] * 2
+    schema = BaseWeightSchema.from_config(dict(HUMMING_NVFP4))
+    tensors = {"weight_packed": packed.contiguous(), "weight_scale": scale.contiguous(),
+               "weight_global_scale": global_scale.reshape(-1)[:1].to(torch.float32)}
+    return schema.convert_humming(tensors=tensors, shape_n_stacks=[n], shape_k_stacks=[k],
+                                  param_dtype=dtype or torch.bfloat16)
+
+
+class HummingBackend(Backend):
+    """vLLM's humming W4A16 GEMM (the optional ``humming-kernels`` package: Hopper kernels with TMA loads, warp
+    specialisation and warpgroup MMA, JIT-compiled by the engine's first calls), set up as vLLM 0.24's
+    ``HummingLinearMethod`` sets up a compressed-tensors NVFP4A16 layer. Its split-K (stream-K) partial sums are added
+    into the bf16 output with atomics: on the 7B decode linears it was 1.31x Marlin at 64 rows and level at 1 and 8
+    (docs/benchmarks.md §4ac), at ~2.5x Marlin's GEMM error and not bit-reproducible from call to call. Opt-in:
+    ``additional_config={"qerl_nvfp4": {"backend": "humming"}}``. Fused layers' parts share one global scale (as
+    `qerl quantize` writes them); the bias is added after the GEMM, in natural order."""
+
+    name = "humming"
+    # vLLM's compute config for humming linears (VLLM_BATCH_INVARIANT and VLLM_HUMMING_USE_F16_ACCUM off)
+    COMPUTE = '{"use_batch_invariant": false, "use_f16_accum": false, "gemm_type": "dense"}'
+
+    def __init__(self):
+        if not current_platform.is_cuda():
+            raise NVFP4Error("nvfp4 backend 'humming' needs an NVIDIA GPU; this platform is "
+                             f"{getattr(current_platform, 'device_name', '?')!r}. Use backend 'auto' (Marlin)")
+        try:
+            import humming  # noqa: F401
+        except ImportError as exc:
+            raise NVFP4Error(
+                f"nvfp4 backend 'humming' needs vLLM's optional humming kernels ({exc}): pip install "
+                "humming-kernels==0.1.6, on a machine with a CUDA toolkit for its JIT (NVRTC or nvcc, g++, ninja); "
+                "or use backend 'auto' (Marlin)"
+            ) from None
+        warn_once("humming", "nvfp4: backend humming - vLLM's humming W4A16 kernels (split-K partial sums added in "
+                  "bf16 with atomics: not bit-reproducible, ~2.5x Marlin's GEMM error; docs/benchmarks.md §4ac)")
+
+    @staticmethod
+    def _humming(n: int, k: int, packed, scale, gscale, dtype) -> torch.nn.Module:  # noqa: ANN001
+        """A scratch module with humming's tensors of the triple (``weight``, ``weight_scale``, ``global_scale``),
+        its stream-K ``locks`` and its layer config string (``config``); N padded to 256 and K to 128, as vLLM."""
+        from humming.layer import HummingMethod
+
+        schema, tensors = humming_tensors(packed, scale, gscale.max().reshape(1), dtype)
+        scratch = torch.nn.Module()
+        for name, tensor in tensors.items():
+            scratch.register_parameter(name, Parameter(tensor.clone(), requires_grad=False))
+        scratch.register_buffer("locks", torch.zeros(1024, dtype=torch.int32, device=packed.device))
+        meta = HummingMethod.prepare_layer_meta(layer=scratch, shape_n=n, shape_k=k, weight_schema=schema,
+                                                pad_n_to_multiple=256, pad_k_to_multiple=128, has_bias=False,
+                                                torch_dtype=dtype)
+        HummingMethod.transform_humming_layer(scratch)
+        scratch.config = meta.to_str()
+        return scratch
+
+    def install(self, layer, packed, scale, gscale, raw_bias) -> None:  # noqa: ANN001
+        h = self._humming(layer.output_size_per_partition, layer.input_size_per_partition, packed, scale, gscale,
+                          layer.params_dtype)
+        _set_kernel(layer, "weight", h.weight.data)
+        _set_kernel(layer, "weight_scale", h.weight_scale.data)
+        _set_kernel(layer, "weight_global_scale", h.global_scale.data)
+        if raw_bias is not None:
+            _set_kernel(layer, "bias", raw_bias)
+        layer.qerl_humming_config = h.config
+        if getattr(layer, "qerl_humming_locks", None) is None:
+            layer.qerl_humming_locks = h.locks  # plain attribute: kept across reloads (CUDA graphs hold it)
+
+    def refresh_bias(self, layer: torch.nn.Module, raw_bias: torch.Tensor) -> None:
+        _set_kernel(layer, "bias", raw_bias)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = humming_gemm(x, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.qerl_humming_locks,
+                         layer.qerl_humming_config, self.COMPUTE)
+        return y if bias is None else y + bias
+
+
+def humming_gemm(x, weight, weight_scale, global_scale, locks, config: str, compute: str):  # noqa: ANN001, ANN201
+    """``x @ W.T`` on humming's GEMM op, from the tensors and config :meth:`HummingBackend._humming` makes."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch.ops.humming.humming_gemm(config, compute, None, x2, weight, weight_scale=weight_scale,
+                                       global_scale=global_scale, locks=locks)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def marlin_gemm(x, weight, weight_scale, weight_global_scale, workspace, size_n, size_k, bias, fp32_reduce):  # noqa: ANN001, ANN202

@@ -324,6 +324,15 @@ carry .whl (see session.sh humming)"; exit 1; }; python3 -m pip install -q --no-
         TAG=-humming BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,humming-nvfp4-lora,bf16-lora \
 --variants default,punica-lora --runs nvfp4-lora@default,humming-nvfp4-lora@default,bf16-lora@punica-lora \
 --batches ${HUM_BATCHES:-1,8,64} --new-tokens 256 --repeats ${HUM_REPEATS:-3}" run_step bench_bg ;;
+    humming_tests)  # the GPU tests of the humming backend and adapter (needs `humming` first)
+        step humming_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -k humming \
+            tests/vllm_ext/test_nvfp4_backends_gpu.py tests/vllm_ext/test_bench_humming.py ;;
+    bench_humbe)  # 7B decode (§4ad): ours as shipped (Marlin), ours on backend humming, ours on punica LoRA (the greedy
+        # floor), BF16 + punica LoRA; b1/b8/b64, 3 repeats, random weights; needs `humming` first. In the background
+        # into $work/bench-humbe (`TAG=-humbe session.sh bench_watch`)
+        TAG=-humbe BENCH_ARGS="--shape 7B --configs nvfp4-lora,bf16-lora --variants default,humming-backend,punica-lora \
+--runs nvfp4-lora@default,nvfp4-lora@humming-backend,nvfp4-lora@punica-lora,bf16-lora@punica-lora \
+--batches ${HUM_BATCHES:-1,8,64} --new-tokens 256 --repeats ${HUM_REPEATS:-3}" run_step bench_bg ;;
     ckpt7b_bf16)  # a random 7B BF16 checkpoint (~15 GB) for the nf4 (QLoRA) configs: $work/ckpt_7b_bf16
         step ckpt7b_bf16 300 python3 scripts/gpu/random_checkpoint.py "$work/ckpt_7b_bf16" --shape 7B --kind bf16 --if-missing ;;
     bench_qlora)  # 7B decode against QLoRA's base (§4l): ours as shipped, NF4 + LoRA through vLLM's bitsandbytes loader on

@@ -43,7 +43,7 @@ def test_nvfp4_options():
     assert options.nvfp4_options({"qerl_nvfp4": {"decode_gemv": "1"}}) == {"decode_gemv": True}
     with pytest.raises(ValueError, match="decode_gemv"):
         options.nvfp4_options({"qerl_nvfp4": {"decode_gemv": "often"}})
-    with pytest.raises(ValueError, match="backend='cutlass': expected auto, marlin or emulation"):
+    with pytest.raises(ValueError, match="backend='cutlass': expected auto, marlin, humming or emulation"):
         options.nvfp4_options({"qerl_nvfp4": {"backend": "cutlass"}})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['tile'\]"):
         options.nvfp4_options({"qerl_nvfp4": {"tile": 64}})

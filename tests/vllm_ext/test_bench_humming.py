@@ -25,7 +25,7 @@ def test_conversion_keeps_codes_and_scales_and_inverts_the_global_scale():
     from humming import dtypes
     from humming.config.enum import WeightScaleType
 
-    from vllm_ext.bench.kernels import humming_tensors
+    from vllm_ext.nvfp4_backends import humming_tensors
 
     q = _weight()
     schema, t = humming_tensors(q.packed, q.scale, q.global_scale)
@@ -40,7 +40,7 @@ def test_humming_reading_of_the_converted_tensors_is_the_codec_weight():
     """Decode the converted tensors the way humming's GROUP_TENSOR schema reads them (low nibble first, E2M1 magnitude
     with the high bit as the sign, times the FP8 scale of each 16 inputs, times the global multiplier) and compare with
     the codec's own dequantization."""
-    from vllm_ext.bench.kernels import humming_tensors
+    from vllm_ext.nvfp4_backends import humming_tensors
 
     q = _weight(n=32, k=256, seed=1)
     _, t = humming_tensors(q.packed, q.scale, q.global_scale)

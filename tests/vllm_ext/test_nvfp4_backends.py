@@ -17,7 +17,7 @@ def test_backend_options_from_additional_config(cpu_config, monkeypatch):
     ok = VllmConfig(device_config=DeviceConfig(device="cpu"), additional_config={"qerl_nvfp4": {"backend": "emulation"}})
     assert make_qkv(ok, nvfp4_config(ct=False)).quant_method.backend.name == "emulation"
     bad = VllmConfig(device_config=DeviceConfig(device="cpu"), additional_config={"qerl_nvfp4": {"backend": "bogus"}})
-    with pytest.raises(NVFP4Error, match="backend='bogus'.*expected auto, marlin or emulation"):
+    with pytest.raises(NVFP4Error, match="backend='bogus'.*expected auto, marlin, humming or emulation"):
         make_qkv(bad, nvfp4_config(ct=False))
     monkeypatch.setenv("QERL_NVFP4_BACKEND", "marlin")  # no CUDA here: a clear error, not a crash later
     with pytest.raises(NVFP4Error, match="needs an NVIDIA GPU"):
@@ -35,3 +35,27 @@ def test_gpu_below_marlin_requirement_is_refused(monkeypatch):
     monkeypatch.setattr(type(current_platform), "get_device_capability", classmethod(lambda cls, device_id=0: DeviceCapability(7, 0)))
     with pytest.raises(NVFP4Error, match=r"compute capability >= 7\.5.*this GPU is 7\.0.*without --quantization"):
         MarlinBackend()
+
+
+def test_humming_backend_refusals_name_the_fix(cpu_config, monkeypatch):
+    """backend humming without a GPU, and without the humming-kernels package: clear errors that name the fix."""
+    import builtins
+
+    from vllm.platforms import current_platform
+
+    from vllm_ext.nvfp4_backends import HummingBackend
+
+    monkeypatch.setenv("QERL_NVFP4_BACKEND", "humming")
+    with pytest.raises(NVFP4Error, match="backend 'humming' needs an NVIDIA GPU.*Use backend 'auto'"):
+        make_qkv(cpu_config, nvfp4_config(ct=False))
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda *a: True)
+    real_import = builtins.__import__
+
+    def no_humming(name, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if name == "humming":
+            raise ImportError("No module named 'humming'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_humming)
+    with pytest.raises(NVFP4Error, match=r"pip install humming-kernels==0\.1\.6.*or use backend 'auto'"):
+        HummingBackend()

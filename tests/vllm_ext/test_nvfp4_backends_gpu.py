@@ -155,3 +155,41 @@ def test_fp32_reduce_switch(cfg, monkeypatch):
     x = _w((4, HIDDEN), 9, 1.0)
     ref = F.linear(x.float(), w)
     assert ((layer(x)[0].float() - ref).abs().max() / ref.abs().max()) < 3e-2
+
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_humming_backend_matches_the_dequantized_reference_and_reloads_in_place(cfg, m, monkeypatch):
+    """backend humming (vLLM's humming kernels, opt-in) on a q/k/v layer with a bias: within twice Marlin's error of
+    the float64 product with the dequantized weight (humming adds its split-K partials in bf16), and a reload copies
+    into the same buffers (CUDA graphs hold them) and gives the new weights' product."""
+    pytest.importorskip("humming", reason="humming-kernels (vLLM's optional humming package) is not installed")
+    from vllm_ext.nvfp4_backends import HummingBackend
+
+    parts, bias = _parts(), _w(((NH + 2 * NKV) * HEAD,), 4)
+    x = _w((m, HIDDEN), 6, 1.0)
+
+    def exact(ws, b):  # noqa: ANN001, ANN202
+        w = torch.cat([r.dequantize(torch.float32) for r in nvfp4.quantize_fused([p.cpu() for p in ws])]).cuda()
+        return x.double() @ w.double().t() + b.double()
+
+    def rel(out, ref):  # noqa: ANN001, ANN202
+        return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+    layers = {}
+    for backend in ("humming", "marlin"):
+        monkeypatch.setenv("QERL_NVFP4_BACKEND", backend)
+        layers[backend] = _qkv(cfg, _nvfp4_config(ct=False))
+        _load_bf16(layers[backend], parts, bias)
+    hum = layers["humming"]
+    assert isinstance(hum.quant_method.backend, HummingBackend)
+    ref = exact(parts, bias)
+    err = {b: rel(layer(x)[0], ref) for b, layer in layers.items()}
+    assert err["humming"] <= max(2 * err["marlin"], 2.0**-8), err
+
+    ptrs = {n: p.data_ptr() for n, p in hum.named_parameters()}
+    locks = hum.qerl_humming_locks.data_ptr()
+    new, new_bias = [p * 3 for p in parts], _w(((NH + 2 * NKV) * HEAD,), 8)
+    _load_bf16(hum, new, new_bias)
+    assert {n: p.data_ptr() for n, p in hum.named_parameters()} == ptrs and hum.qerl_humming_locks.data_ptr() == locks
+    assert rel(hum(x)[0], exact(new, new_bias)) <= max(2 * err["marlin"], 2.0**-8)

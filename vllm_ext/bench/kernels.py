@@ -62,52 +62,24 @@ def marlin_linear(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN
     return run
 
 
-# vLLM's compressed-tensors NVFP4A16 weight group (``quantization_config.config_groups.*.weights`` of a `qerl quantize`
-# checkpoint), as vLLM's HummingConfig hands it to humming's schema (with the format and method of the whole config)
-HUMMING_NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "type": "float", "num_bits": 4,
-                 "strategy": "tensor_group", "group_size": 16, "symmetric": True}
-
-
-def humming_tensors(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
-    """An NVFP4 triple in humming's own schema, converted as vLLM's ``HummingLinearMethod`` converts a
-    compressed-tensors ``nvfp4-pack-quantized`` layer (``convert_humming``): ``(schema, {"weight", "weight_scale",
-    "global_scale"})``, the codes as int32 words, the FP8 scales as they are, and the global scale as a multiplier
-    (1 / the divisor)."""
-    import torch
-    from humming.schema import BaseWeightSchema
-
-    n, k = packed.shape[0], packed.shape[1] * 2
-    schema = BaseWeightSchema.from_config(dict(HUMMING_NVFP4))
-    tensors = {"weight_packed": packed.contiguous(), "weight_scale": scale.contiguous(),
-               "weight_global_scale": global_scale.reshape(1).to(torch.float32)}
-    return schema.convert_humming(tensors=tensors, shape_n_stacks=[n], shape_k_stacks=[k],
-                                  param_dtype=dtype or torch.bfloat16)
-
-
 def humming_linear(packed, scale, global_scale, dtype=None, batch_invariant: bool = False):  # noqa: ANN001, ANN201
     """vLLM's humming W4A16 GEMM (the ``humming-kernels`` package, JIT-compiled on its first call) on an NVFP4 triple,
-    set up as vLLM 0.24's ``HummingLinearMethod.process_weights_after_loading`` does (N padded to 256, K to 128,
-    vLLM's compute config): ``run(x) -> x @ W.T``. The inputs stay as they are; the layer holds new tensors.
-    ``batch_invariant``: humming's batch-invariant mode (what ``VLLM_BATCH_INVARIANT=1`` asks of it; no stream-K)."""
+    made by the nvfp4 backend's own :meth:`HummingBackend._humming` (as vLLM 0.24's ``HummingLinearMethod`` sets a
+    layer up: N padded to 256, K to 128) and run with vLLM's compute config: ``run(x) -> x @ W.T``. The inputs stay
+    as they are. ``batch_invariant``: humming's batch-invariant mode (what ``VLLM_BATCH_INVARIANT=1`` asks of it;
+    no stream-K)."""
     import json
 
     import torch
-    from humming.layer import HummingMethod
 
-    dtype = dtype or torch.bfloat16
+    from vllm_ext.nvfp4_backends import HummingBackend, humming_gemm
+
     n, k = packed.shape[0], packed.shape[1] * 2
-    schema, tensors = humming_tensors(packed.clone(), scale.clone(), global_scale.clone(), dtype)
-    layer = torch.nn.Module()
-    for name, tensor in tensors.items():
-        layer.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
-    layer.register_buffer("locks", torch.zeros(1024, dtype=torch.int32, device=packed.device))
-    HummingMethod.prepare_layer_meta(layer=layer, shape_n=n, shape_k=k, weight_schema=schema, pad_n_to_multiple=256,
-                                     pad_k_to_multiple=128, has_bias=False, torch_dtype=dtype)
-    HummingMethod.transform_humming_layer(layer)
+    h = HummingBackend._humming(n, k, packed, scale, global_scale, dtype or torch.bfloat16)
     compute = json.dumps({"use_batch_invariant": bool(batch_invariant), "use_f16_accum": False, "gemm_type": "dense"})
 
     def run(x):  # noqa: ANN001, ANN202
-        return HummingMethod.forward_layer(layer=layer, inputs=x, compute_config=compute)
+        return humming_gemm(x, h.weight, h.weight_scale, h.global_scale, h.locks, h.config, compute)
 
     return run
 
