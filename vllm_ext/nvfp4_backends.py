@@ -308,8 +308,9 @@ class HummingBackend(Backend):
     """vLLM's humming W4A16 GEMM (the optional ``humming-kernels`` package: Hopper kernels with TMA loads, warp
     specialisation and warpgroup MMA, JIT-compiled by the engine's first calls), set up as vLLM 0.24's
     ``HummingLinearMethod`` sets up a compressed-tensors NVFP4A16 layer. Its split-K (stream-K) partial sums are added
-    into the bf16 output with atomics: on the 7B decode linears it was 1.31x Marlin at 64 rows and level at 1 and 8
-    (docs/benchmarks.md §4ac), at ~2.5x Marlin's GEMM error and not bit-reproducible from call to call. Opt-in:
+    into the bf16 output with atomics: on the 7B decode linears it was 1.31x Marlin at 64 rows and 2-3 % faster at 1
+    and 8 (docs/benchmarks.md §4ac), and the 7B engine decoded 13.8 % faster at batch 64, level at 1 and 8 (§4ad); at
+    1.8-3.5x Marlin's GEMM error and not bit-reproducible from call to call. Experimental and opt-in:
     ``additional_config={"qerl_nvfp4": {"backend": "humming"}}``. Fused layers' parts share one global scale (as
     `qerl quantize` writes them); the bias is added after the GEMM, in natural order."""
 
@@ -330,7 +331,7 @@ class HummingBackend(Backend):
                 "or use backend 'auto' (Marlin)"
             ) from None
         warn_once("humming", "nvfp4: backend humming - vLLM's humming W4A16 kernels (split-K partial sums added in "
-                  "bf16 with atomics: not bit-reproducible, ~2.5x Marlin's GEMM error; docs/benchmarks.md §4ac)")
+                  "bf16 with atomics: not bit-reproducible, 1.8-3.5x Marlin's GEMM error; docs/benchmarks.md §4ac)")
 
     @staticmethod
     def _humming(n: int, k: int, packed, scale, gscale, dtype) -> torch.nn.Module:  # noqa: ANN001
