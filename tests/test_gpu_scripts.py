@@ -1296,3 +1296,32 @@ def test_humming_gate_step_stops_the_session_unless_the_sweep_passed(tmp_path, p
     if not passes:
         assert "gate not passed" in status and "humming_gate rc=6: no engine run" in status
         assert "humming_gate rc=6" in (tmp_path / "out" / "status.txt").read_text()
+
+
+def test_humming_verdicts_from_the_twentyseventh_sessions_raw_results():
+    """§4ac and §4ad, recomputed from the committed raw files: the kernel check refused all 12 humming cases (error
+    above 2x Marlin's in 10, never the same bits twice); the refused mode was 1.31x Marlin per 7B step at 64 rows; in
+    the engine the humming backend was faster than the default at b64 only (ranges apart), 1.482x BF16 + LoRA."""
+    runs = ROOT / "docs" / "gpu-runs" / "2026-11-28" / "twentyseventh"
+    sweep = _import_script("sweep_humming")
+    checks = [json.loads(line) for line in (runs / "A-calls01-12" / "sweep_humming" / "sweep_humming.jsonl")
+              .read_text().splitlines()]
+    checks = [c for c in checks if c["what"] == "check"]
+    assert len(checks) == 12 and not any(c["same_bits"] for c in checks)
+    assert sum(c["rel_error"]["humming"] > 2 * c["rel_error"]["marlin"] for c in checks) == 10
+    passed, why = sweep.gate(runs / "B-calls13-21" / "sweep_humming" / "sweep_humming.jsonl")
+    assert not passed and "64 rows: humming 2.988 ms vs Marlin 3.929 (faster, +0.941 ms; 4 linears refused)" in why
+    bench = json.loads((runs / "C-calls22-32" / "bench-humbe" / "a" / "bench_rollout.json").read_text())
+    by = {(r["config"], r["variant"]): r["batches"] for r in bench["results"]}
+    default, hum = by[("nvfp4-lora", "default")], by[("nvfp4-lora", "humming-backend")]
+    bf16 = by[("bf16-lora", "punica-lora")]
+    for b, verdict in (("1", "equal"), ("8", "equal"), ("64", "faster")):
+        d, h = default[b]["decode_runs_tok_s"], hum[b]["decode_runs_tok_s"]
+        diff = hum[b]["decode_tok_s"] - default[b]["decode_tok_s"]
+        got = "faster" if diff > max(max(d) - min(d), max(h) - min(h)) else "equal"
+        assert got == verdict, (b, diff)
+    assert min(hum["64"]["decode_runs_tok_s"]) > max(default["64"]["decode_runs_tok_s"])  # ranges apart
+    assert round(hum["64"]["decode_tok_s"] / bf16["64"]["decode_tok_s"], 3) == 1.482
+    greedy = bench["summary"]["greedy"]
+    assert greedy["nvfp4-lora@humming-backend"]["max_abs_logprob_diff"] == 1e-05
+    assert greedy["nvfp4-lora@punica-lora"]["max_abs_logprob_diff"] == 0.0  # the floor: 2 x 0 = 0, so the rule fails
