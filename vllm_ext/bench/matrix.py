@@ -31,7 +31,8 @@ CONFIGS: dict[str, BenchConfig] = {
     # vLLM's own compressed-tensors NVFP4A16 scheme (same Marlin kernel): the stock reference
     "stock-nvfp4": BenchConfig("stock"),
     "stock-nvfp4-lora": BenchConfig("stock", lora=True),
-    # the same checkpoint through `--quantization humming` (JIT GEMMs, FP4 weights x BF16; needs nvcc):
+    # the same checkpoint through `--quantization humming` (JIT GEMMs, FP4 weights x BF16; needs the humming-kernels
+    # package and a CUDA toolkit; ours on humming's GEMM is the humming-backend variant, §4ad):
     # a candidate faster small-batch kernel than Marlin, measured here before any integration
     "humming-nvfp4": BenchConfig("humming"),
     "humming-nvfp4-lora": BenchConfig("humming", lora=True),
