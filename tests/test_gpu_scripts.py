@@ -1325,3 +1325,19 @@ def test_humming_verdicts_from_the_twentyseventh_sessions_raw_results():
     greedy = bench["summary"]["greedy"]
     assert greedy["nvfp4-lora@humming-backend"]["max_abs_logprob_diff"] == 1e-05
     assert greedy["nvfp4-lora@punica-lora"]["max_abs_logprob_diff"] == 0.0  # the floor: 2 x 0 = 0, so the rule fails
+
+
+def test_timed_interleaved_replays_each_graph_per_repeat_in_turn():
+    """The sweeps' shared timing: every repeat replays each graph once, in the order given, with its own call count;
+    the summary is each key's median and max - min over the repeats."""
+    check_gemv = _import_script("check_gemv")
+    seen, clock = [], iter([5.0, 1.0, 7.0, 2.0, 6.0, 3.0])
+
+    def replay(graph, iters):  # noqa: ANN001, ANN202
+        seen.append((graph, iters))
+        return next(clock)
+
+    res = check_gemv.timed_interleaved({"a": ("ga", 64), "b": ("gb", 9)}, 3, replay=replay)
+    assert seen == [("ga", 64), ("gb", 9)] * 3
+    assert res["a"] == {"median_us": 6.0, "spread_us": 2.0, "runs_us": [5.0, 7.0, 6.0]}
+    assert res["b"] == {"median_us": 2.0, "spread_us": 2.0, "runs_us": [1.0, 2.0, 3.0]}

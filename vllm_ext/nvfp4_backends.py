@@ -32,6 +32,8 @@ __all__ = [
     "EmulationBackend",
     "HUMMING_NVFP4",
     "HummingBackend",
+    "humming_gemm",
+    "humming_tensors",
     "MarlinBackend",
     "is_nvfp4_layer",
     "kernel_tensors",

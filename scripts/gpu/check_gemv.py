@@ -140,6 +140,20 @@ def summarize(times_us: list[float]) -> dict[str, float]:
             "runs_us": [round(t, 2) for t in times_us]}
 
 
+def timed_interleaved(graphs: dict[str, tuple[Any, int]], reps: int,
+                      replay: Callable[[Any, int], float] | None = None) -> dict[str, dict[str, float]]:
+    """Each CUDA graph of ``graphs`` (key -> (graph, calls in it)) replayed ``reps`` times, the keys interleaved in
+    every repeat (so a drift of the GPU's clocks falls on all of them alike): key -> :func:`summarize` of the
+    microseconds per call. ``replay`` defaults to :func:`vllm_ext.bench.kernels.replay_us`."""
+    if replay is None:
+        from vllm_ext.bench.kernels import replay_us as replay
+    times: dict[str, list[float]] = {key: [] for key in graphs}
+    for _ in range(reps):
+        for key, (graph, iters) in graphs.items():
+            times[key].append(replay(graph, iters))
+    return {key: summarize(v) for key, v in times.items()}
+
+
 def add_timing_args(p: argparse.ArgumentParser) -> None:
     """The options of a kernel timing with cold weights: calls per graph, timed replays, MiB read per pass."""
     p.add_argument("--iters", type=int, default=64, help="calls per CUDA graph (at least the copy count)")
@@ -280,12 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             if shipped is not None and tile_name(shipped) != tile_name(best):
                 graphs["shipped"] = gemv_graph(shipped)
                 its["shipped"] = iters
-            times: dict[str, list[float]] = {key: [] for key in graphs}
-            for _ in range(args.reps):
-                for key, g in graphs.items():
-                    times[key].append(_replay_us(g, its[key]))
+            res = timed_interleaved({key: (g, its[key]) for key, g in graphs.items()}, args.reps)
             del graphs
-            res = {key: summarize(v) for key, v in times.items()}
             fin = {"what": "final", "linear": lname, "m": m, "tile": tile_name(best), **{key: res[key] for key in res},
                    "gemv_vs_marlin": verdict(res["gemv"], res["marlin"]),
                    "marlin_over_gemv": round(res["marlin"]["median_us"] / res["gemv"]["median_us"], 3),

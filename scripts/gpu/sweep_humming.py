@@ -35,7 +35,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_timing_args, copies_for, jsonl_recorder, per_step_ms, streamed_weight, summarize, verdict)
+    LAYERS, LINEARS, add_timing_args, copies_for, jsonl_recorder, per_step_ms, streamed_weight, timed_interleaved,
+    verdict)
 
 KEYS = ("humming", "marlin", "bf16")
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     import vllm._custom_ops  # noqa: F401  (Marlin's kernels)
 
     from qerl_plugin import nvfp4
-    from vllm_ext.bench.kernels import capture_graph, humming_linear, marlin_linear, replay_us
+    from vllm_ext.bench.kernels import capture_graph, humming_linear, marlin_linear
 
     record = jsonl_recorder(args.out, "sweep_humming_bi.jsonl" if args.batch_invariant else "sweep_humming.jsonl")
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -203,12 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                           "marlin": (capture_graph([(lambda r_=r_: r_(x)) for r_ in marlins], iters), iters),
                           "bf16": (capture_graph([(lambda w_=w_: F.linear(x, w_)) for w_ in bf16s],
                                                  max(args.iters, c_bf16)), max(args.iters, c_bf16))}
-                times: dict[str, list[float]] = {key: [] for key in graphs}
-                for _ in range(args.reps):
-                    for key, (g, its) in graphs.items():
-                        times[key].append(replay_us(g, its))
+                res = timed_interleaved(graphs, args.reps)
                 del graphs
-                res = {key: summarize(v) for key, v in times.items()}
                 fin = {"what": "final" if ok else "timed_refused", "refused": not ok, **case, **res,
                        "rel_error": errs, "same_bits": same,
                        "humming_gb_s": round(raw_bytes / res["humming"]["median_us"] / 1e3, 1),

@@ -36,7 +36,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, copies_for, jsonl_recorder, per_step_ms, streamed_weight, summarize, tile_name, verdict)
+    LAYERS, LINEARS, copies_for, jsonl_recorder, per_step_ms, streamed_weight, tile_name, timed_interleaved, verdict)
 from sweep_row import add_sweep_args, ints, precompile, run_tile, try_tiles  # noqa: E402
 
 
@@ -155,12 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                 if marlins:
                     marlin_err = ((marlins[0](x).double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
                     graphs["marlin"] = (capture_graph([(lambda r_=r_: r_(x)) for r_ in marlins], iters), iters)
-                times: dict[str, list[float]] = {key: [] for key in graphs}
-                for _ in range(args.reps):
-                    for key, (g, its) in graphs.items():
-                        times[key].append(replay_us(g, its))
+                res = timed_interleaved(graphs, args.reps)
                 del graphs
-                res = {key: summarize(v) for key, v in times.items()}
                 fin = {"what": "final", "shape": shape, "linear": lname, "rows": rows, "tile": tile_name(best), **res,
                        "mma_gb_s": round(raw_bytes / res["mma"]["median_us"] / 1e3, 1),
                        "mma_vs_bf16": verdict(res["mma"], res["bf16"])}

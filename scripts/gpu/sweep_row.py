@@ -36,8 +36,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_timing_args, jsonl_recorder, per_step_ms, streamed_weight, summarize, tile_4m, tile_name,
-    verdict)
+    LAYERS, LINEARS, add_timing_args, jsonl_recorder, per_step_ms, streamed_weight, tile_4m, tile_name,
+    timed_interleaved, verdict)
 
 
 def sweep_tiles(block_ns: list[int], splits: list[int], warps: list[int], stages: list[int]) -> list[dict[str, Any]]:
@@ -196,12 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             before = dict(tile_4m(n, k), words=True, asm=True, xvec=True)  # §4m's kernel, whatever ships now
             variants = {"best": best, "shipped": shipped, "stages0": before}
             graphs = {key: graph_of(t) for key, t in variants.items()}
-            times: dict[str, list[float]] = {key: [] for key in graphs}
-            for _ in range(args.reps):
-                for key, g in graphs.items():
-                    times[key].append(replay_us(g, iters))
+            res = timed_interleaved({key: (g, iters) for key, g in graphs.items()}, args.reps)
             del graphs
-            res = {key: summarize(v) for key, v in times.items()}
             fin = {"what": "final", "shape": shape, "linear": lname, **{f"{key}_tile": tile_name(t)
                                                                         for key, t in variants.items()},
                    **res, "best_vs_stages0": verdict(res["best"], res["stages0"]),
