@@ -87,6 +87,8 @@ run_step() {
     vllm_load) step vllm_load 300 python3 scripts/gpu/check_vllm_load.py ;;
     lora) step lora 420 python3 scripts/gpu/check_lora_correctness.py ;;
     lora_r32) step lora_r32 420 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 ;;  # r32: the fused default's sizes
+    lora_r32_humming)  # the same with every nvfp4 engine on the opt-in humming backend (§4ad's next step); needs `humming`
+        step lora_r32_humming 420 env QERL_NVFP4_BACKEND=humming python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 ;;
     lora_r32_row) step lora_r32_row 540 env QERL_NVFP4_DECODE_GEMV=1 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 --prompts 1 ;;  # decode_gemv on, batch-1 decode: the overlap default's row+lora path (§4m)
     actor) step actor 240 python3 scripts/gpu/check_actor_kernels.py --quick ;;
     actor_full) step actor_full 420 python3 scripts/gpu/check_actor_kernels.py ;;
