@@ -9,6 +9,8 @@ debug). Options: ``additional_config={"qerl_nvfp4": {"backend": ...,
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 from typing import Any, Callable
@@ -30,9 +32,10 @@ __all__ = [
     "KERNEL_FLAG",
     "Backend",
     "EmulationBackend",
-    "HUMMING_NVFP4",
     "HummingBackend",
+    "humming_compute",
     "humming_gemm",
+    "humming_schema",
     "humming_tensors",
     "MarlinBackend",
     "is_nvfp4_layer",
@@ -285,10 +288,22 @@ class MarlinBackend(Backend):
                             layer.output_size_per_partition, layer.input_size_per_partition, bias, self.fp32_reduce)
 
 
-# vLLM's compressed-tensors NVFP4A16 weight group (``quantization_config.config_groups.*.weights`` of a `qerl quantize`
-# checkpoint), as vLLM's HummingConfig hands it to humming's schema (with the format and method of the whole config)
-HUMMING_NVFP4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "type": "float", "num_bits": 4,
-                 "strategy": "tensor_group", "group_size": 16, "symmetric": True}
+@functools.lru_cache(maxsize=1)
+def humming_schema():  # noqa: ANN201
+    """humming's schema of the weights `qerl quantize` writes: the checkpoint's ``quantization_config``
+    (:func:`qerl_plugin.format.quantization_config_dict`) read as vLLM's ``HummingConfig`` reads it."""
+    from humming.schema import BaseWeightSchema
+    from vllm.model_executor.layers.quantization.humming import compressed_tensors_get_config
+
+    from qerl_plugin.format import quantization_config_dict
+
+    return BaseWeightSchema.from_config(compressed_tensors_get_config(quantization_config_dict(), "weights"))
+
+
+def humming_compute(batch_invariant: bool = False) -> str:
+    """The compute config vLLM gives humming's linears (``VLLM_BATCH_INVARIANT`` as ``batch_invariant``,
+    ``VLLM_HUMMING_USE_F16_ACCUM`` off)."""
+    return json.dumps({"use_batch_invariant": bool(batch_invariant), "use_f16_accum": False, "gemm_type": "dense"})
 
 
 def humming_tensors(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
@@ -296,14 +311,11 @@ def humming_tensors(packed, scale, global_scale, dtype=None):  # noqa: ANN001, A
     compressed-tensors ``nvfp4-pack-quantized`` layer (``convert_humming``): ``(schema, {"weight", "weight_scale",
     "global_scale"})``, the codes as int32 words, the FP8 scales as they are, and the global scale as a multiplier
     (1 / the divisor)."""
-    from humming.schema import BaseWeightSchema
-
     n, k = packed.shape[0], packed.shape[1] * 2
-    schema = BaseWeightSchema.from_config(dict(HUMMING_NVFP4))
     tensors = {"weight_packed": packed.contiguous(), "weight_scale": scale.contiguous(),
                "weight_global_scale": global_scale.reshape(-1)[:1].to(torch.float32)}
-    return schema.convert_humming(tensors=tensors, shape_n_stacks=[n], shape_k_stacks=[k],
-                                  param_dtype=dtype or torch.bfloat16)
+    return humming_schema().convert_humming(tensors=tensors, shape_n_stacks=[n], shape_k_stacks=[k],
+                                            param_dtype=dtype or torch.bfloat16)
 
 
 class HummingBackend(Backend):
@@ -317,8 +329,7 @@ class HummingBackend(Backend):
     `qerl quantize` writes them); the bias is added after the GEMM, in natural order."""
 
     name = "humming"
-    # vLLM's compute config for humming linears (VLLM_BATCH_INVARIANT and VLLM_HUMMING_USE_F16_ACCUM off)
-    COMPUTE = '{"use_batch_invariant": false, "use_f16_accum": false, "gemm_type": "dense"}'
+    COMPUTE = humming_compute()  # vLLM's, with VLLM_BATCH_INVARIANT off
 
     def __init__(self):
         if not current_platform.is_cuda():

@@ -68,15 +68,13 @@ def humming_linear(packed, scale, global_scale, dtype=None, batch_invariant: boo
     layer up: N padded to 256, K to 128) and run with vLLM's compute config: ``run(x) -> x @ W.T``. The inputs stay
     as they are. ``batch_invariant``: humming's batch-invariant mode (what ``VLLM_BATCH_INVARIANT=1`` asks of it;
     no stream-K)."""
-    import json
-
     import torch
 
-    from vllm_ext.nvfp4_backends import HummingBackend, humming_gemm
+    from vllm_ext.nvfp4_backends import HummingBackend, humming_compute, humming_gemm
 
     n, k = packed.shape[0], packed.shape[1] * 2
     h = HummingBackend._humming(n, k, packed, scale, global_scale, dtype or torch.bfloat16)
-    compute = json.dumps({"use_batch_invariant": bool(batch_invariant), "use_f16_accum": False, "gemm_type": "dense"})
+    compute = humming_compute(batch_invariant)
 
     def run(x):  # noqa: ANN001, ANN202
         return humming_gemm(x, h.weight, h.weight_scale, h.global_scale, h.locks, h.config, compute)
