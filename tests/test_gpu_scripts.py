@@ -400,6 +400,43 @@ def test_7b_pair_lora_path_reaches_vllms_command_line():
         assert "additional_config" not in cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
 
 
+def test_7b_pair_nvfp4_backend_reaches_the_nvfp4_run_only():
+    """--nvfp4-backend humming: the NVFP4 run's additional_config names the backend beside its LoRA path and qerl's AQN
+    key (as qerl's option parser reads it back); the BF16 run carries none, and the record says which backend ran."""
+    import json
+
+    from qerl_plugin import options
+    from verl_ext.config import compose
+    from verl_ext.rollout import merged_additional_config
+
+    v7 = _import_script("verl_7b_memory_step")
+    args = v7.parser().parse_args(["nvfp4", "--bypass", "--nvfp4-backend", "humming", "--nvfp4-lora", "overlap"])
+    cfg = compose(ROOT / "examples" / "tiny" / "config.yaml", v7.overrides_for("nvfp4", Path("/tmp/qerl-7b"), args))
+    text = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config
+    merged = merged_additional_config(text, options.engine_config(aqn=True))
+    assert json.loads(text) == {"qerl_lora": "overlap", "qerl_nvfp4": {"backend": "humming"}}
+    assert options.nvfp4_options(merged) == {"backend": "humming"} and options.aqn_enabled(merged)
+    cfg = compose(ROOT / "examples" / "tiny" / "config.yaml", v7.overrides_for("bf16", Path("/tmp/qerl-7b"), args))
+    assert "additional_config" not in cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
+    with pytest.raises(SystemExit):  # emulation is for tests, not for a timed pair
+        v7.parser().parse_args(["nvfp4", "--nvfp4-backend", "emulation"])
+
+
+def test_7b_pair_record_keeps_the_lines_naming_the_engines_paths():
+    """qerl_log_lines: the LoRA-path and nvfp4-backend lines of a run's log, each once, in order, without the prefix
+    of the process that printed them."""
+    v7 = _import_script("verl_7b_memory_step")
+    text = "\n".join([
+        "(WorkerDict pid=1) INFO step 1",
+        "(vLLMHttpServer pid=7) WARNING 11-28 qerl.vllm.nvfp4: nvfp4: backend humming - vLLM's humming W4A16 kernels",
+        "(vLLMHttpServer pid=7) WARNING qerl: LoRA linears on the overlap path (asked: overlap, max_loras=1)",
+        "(vLLMHttpServer pid=7) WARNING qerl: LoRA linears on the overlap path (asked: overlap, max_loras=1)",
+    ])
+    assert v7.qerl_log_lines(text) == ["nvfp4: backend humming",
+                                       "qerl: LoRA linears on the overlap path (asked: overlap, max_loras=1)"]
+    assert v7.qerl_log_lines("nothing here") == []
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the 32B shape: checkpoints written directly (scripts/gpu/random_checkpoint.py) and the runs' overrides
 
@@ -1298,6 +1335,39 @@ def test_humming_gate_step_stops_the_session_unless_the_sweep_passed(tmp_path, p
         assert "humming_gate rc=6" in (tmp_path / "out" / "status.txt").read_text()
 
 
+@pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
+@pytest.mark.parametrize("check_line, pair", [("lora_r32_humming rc=0 300s-total 300s", True),
+                                              ("lora_r32_humming rc=1 300s-total 300s", False), (None, False)])
+def test_humming_next_starts_the_pair_only_after_a_passing_check(tmp_path, check_line, pair):
+    """humming_next (§4ae): after a passing lora_r32_humming the pair of TAG/V7_ARGS starts in the background; after a
+    failing one, or none on this machine, the LoRA-overhead bench with both backends starts instead. A python3 shim
+    on PATH stands in for the runs and records the command lines they got."""
+    shim, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    shim.mkdir()
+    (shim / "python3").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (shim / "python3").chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    if check_line:
+        (work / "status.txt").write_text(check_line + "\n")
+    _, status, _ = _session(tmp_path, "humming_next", PATH=f"{shim}:{os.environ['PATH']}", RESP="512", STEPS="4",
+                            TAG="-r512h", V7_ARGS="--nvfp4-backend humming")
+    deadline = time.monotonic() + 20
+    while not calls.exists() and time.monotonic() < deadline:  # the runs start detached (setsid)
+        time.sleep(0.2)
+    called = calls.read_text()
+    assert ("v7_pair_bg rc=0" in status) is pair and ("bench_bg rc=0" in status) is not pair
+    if pair:
+        assert "humming_next: §2's check passed on humming: the -r512h pair" in status
+        assert "verl_7b_memory_step.py build bf16 nvfp4 summary" in called and "--response 512" in called
+        assert "--tag=-r512h" in called and called.strip().endswith("--nvfp4-backend humming")
+        assert (work / "verl_7b" / "pair-r512h.log").exists()
+    else:
+        assert "the LoRA-overhead bench" in status
+        assert "bench_rollout.py --shape 7B" in called and "nvfp4@humming-backend" in called
+        assert "nvfp4@default" in called and (work / "bench-hover" / "bg.log").exists()
+
+
 def test_humming_verdicts_from_the_twentyseventh_sessions_raw_results():
     """§4ac and §4ad, recomputed from the committed raw files: the kernel check refused all 12 humming cases (error
     above 2x Marlin's in 10, never the same bits twice); the refused mode was 1.31x Marlin per 7B step at 64 rows; in
@@ -1325,6 +1395,21 @@ def test_humming_verdicts_from_the_twentyseventh_sessions_raw_results():
     greedy = bench["summary"]["greedy"]
     assert greedy["nvfp4-lora@humming-backend"]["max_abs_logprob_diff"] == 1e-05
     assert greedy["nvfp4-lora@punica-lora"]["max_abs_logprob_diff"] == 0.0  # the floor: 2 x 0 = 0, so the rule fails
+
+
+def test_lora_check_finds_the_backend_line_of_an_engine_log(tmp_path):
+    """check_lora_correctness --backend: an engine passes the backend row only where its log has qerl's first-use
+    line for that backend; the environment variable it sets is the one vllm_ext reads."""
+    from vllm_ext.nvfp4_backends import BACKEND_ENV
+
+    check = _import_script("check_lora_correctness")
+    assert check.BACKEND_ENV == BACKEND_ENV
+    log = tmp_path / "ct.log"
+    log.write_text("INFO loading\nWARNING 11-28 [nvfp4_backends.py:60] nvfp4: backend humming - vLLM's humming\n")
+    assert check.backend_logged(log, "humming").startswith("WARNING 11-28")
+    log.write_text("INFO loading\nINFO Using Marlin\n")
+    assert check.backend_logged(log, "humming") is None
+    assert check.backend_logged(tmp_path / "missing.log", "humming") is None
 
 
 def test_timed_interleaved_replays_each_graph_per_repeat_in_turn():

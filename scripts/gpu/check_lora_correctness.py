@@ -8,6 +8,7 @@ Run from the repository root on the GPU machine, with vLLM and the project insta
     python3 scripts/gpu/check_lora_correctness.py              # ~3-6 min on an H100 (3 engines, CUDA graphs)
     python3 scripts/gpu/check_lora_correctness.py --eager      # faster engine starts (correctness only)
     python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32
+    python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 --backend humming   # the opt-in backend
 
 Steps (each survives the failure of another; results in $OUT, default ./.out):
   prepare     tiny Qwen2 (random weights, hidden 512 / inter 1536 / 8 heads / 2 kv heads / 2 layers, q/k/v
@@ -22,6 +23,7 @@ Steps (each survives the failure of another; results in $OUT, default ./.out):
   compare     per engine and rank: greedy token match vs the fp32 reference (divergence allowed only at near-ties),
               teacher-forced |d logprob| (max, mean) within max(tolerance, 1.5 x the bf16 transformers+PEFT floor),
               adapter effect (with vs without adapter, must be large), Marlin tensors bf16 == ct == stock
+              (with --backend humming: humming's tensors bf16 == ct, and each engine log names the backend)
 
 Writes $OUT/check_lora_correctness.jsonl, $OUT/check_lora_correctness.json, engine logs under
 $OUT/check_lora_correctness/, and prints a PASS/FAIL table last. Exit status 0 only if every check passed.
@@ -37,6 +39,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+BACKEND_ENV = "QERL_NVFP4_BACKEND"  # vllm_ext.nvfp4_backends.BACKEND_ENV (not imported: this process stays off vLLM)
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -242,6 +246,8 @@ def run_engine(name: str, paths: dict, prompts, tf_seqs, args, logdir: Path) -> 
     spec_path.write_text(json.dumps(spec))
     out_path.unlink(missing_ok=True)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
+    if args.backend and name != "stock":  # qerl's nvfp4 engines on the asked backend (the stock engine is vLLM's own)
+        env[BACKEND_ENV] = args.backend
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, __file__, "--engine", str(spec_path), str(out_path)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -339,6 +345,9 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--timeout", type=float, default=400.0, help="seconds per engine")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", choices=("humming",), default=None,
+                    help="run qerl's nvfp4 engines on this opt-in backend (QERL_NVFP4_BACKEND) and check that each "
+                         "engine log names it (docs/benchmarks.md §4ae)")
     args = ap.parse_args()
     args.ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
 
@@ -379,6 +388,10 @@ def main() -> int:
         try:
             res = run_engine(name, paths, prompts, tf_seqs, args, work)
             rec.add(f"engine:{name}", True, f"{len(res['kernel'])} NVFP4 layers; greedy and teacher-forced done")
+            if args.backend and name != "stock":
+                said = backend_logged(work / f"{name}.log", args.backend)
+                rec.add(f"engine:{name} backend {args.backend}", said is not None,
+                        said or f"the engine log does not name backend {args.backend}: it ran another one")
             kernels[name] = res["kernel"]
             compare(rec, name, res, ref, args)
         except Exception as exc:
@@ -390,6 +403,12 @@ def main() -> int:
             except Exception as exc:
                 rec.add(f"marlin bytes {a} == {b}", False, f"{type(exc).__name__}: {exc}")
     return finish(rec, report, out)
+
+
+def backend_logged(log: Path, backend: str) -> str | None:
+    """The line of an engine log where qerl's nvfp4 method names ``backend`` (its first-use warning), or None."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return next((line.strip() for line in text.splitlines() if f"nvfp4: backend {backend}" in line), None)
 
 
 def finish(rec: Recorder, report: dict, out: Path) -> int:

@@ -88,7 +88,7 @@ run_step() {
     lora) step lora 420 python3 scripts/gpu/check_lora_correctness.py ;;
     lora_r32) step lora_r32 420 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 ;;  # r32: the fused default's sizes
     lora_r32_humming)  # the same with every nvfp4 engine on the opt-in humming backend (§4ad's next step); needs `humming`
-        step lora_r32_humming 420 env QERL_NVFP4_BACKEND=humming python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 ;;
+        step lora_r32_humming 420 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 --backend humming ;;
     lora_r32_row) step lora_r32_row 540 env QERL_NVFP4_DECODE_GEMV=1 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 --prompts 1 ;;  # decode_gemv on, batch-1 decode: the overlap default's row+lora path (§4m)
     actor) step actor 240 python3 scripts/gpu/check_actor_kernels.py --quick ;;
     actor_full) step actor_full 420 python3 scripts/gpu/check_actor_kernels.py ;;
@@ -335,6 +335,24 @@ carry .whl (see session.sh humming)"; exit 1; }; python3 -m pip install -q --no-
         TAG=-humbe BENCH_ARGS="--shape 7B --configs nvfp4-lora,bf16-lora --variants default,humming-backend,punica-lora \
 --runs nvfp4-lora@default,nvfp4-lora@humming-backend,nvfp4-lora@punica-lora,bf16-lora@punica-lora \
 --batches ${HUM_BATCHES:-1,8,64} --new-tokens 256 --repeats ${HUM_REPEATS:-3}" run_step bench_bg ;;
+    bench_hover)  # 7B decode (§4ae): the LoRA overhead on both backends: ours with and without LoRA on humming and on the
+        # default (Marlin), and BF16 + punica LoRA; b1/b8/b64, 3 repeats, random weights; needs `humming` first. In the
+        # background into $work/bench-hover (`TAG=-hover session.sh bench_watch`)
+        TAG=-hover BENCH_ARGS="--shape 7B --configs nvfp4,nvfp4-lora,bf16-lora --variants default,humming-backend,punica-lora \
+--runs nvfp4-lora@humming-backend,nvfp4@humming-backend,nvfp4-lora@default,nvfp4@default,bf16-lora@punica-lora \
+--batches ${HUM_BATCHES:-1,8,64} --new-tokens 256 --repeats ${HUM_REPEATS:-3}" run_step bench_bg ;;
+    humming_next)  # after lora_r32_humming (§4ae): where §2's check passed on humming (its status line rc=0), the pair of
+        # RESP/STEPS/TAG/V7_ARGS in the background (v7_pair_bg: V7_ARGS should hold --nvfp4-backend humming); otherwise
+        # the LoRA-overhead bench (bench_hover). Follow it with `v7_watch` (same TAG) and `TAG=-hover bench_watch`: the
+        # one that was not started returns rc 3 at once
+        if grep -q "^lora_r32_humming rc=0 " "$work/status.txt" 2>/dev/null; then
+            echo "humming_next: §2's check passed on humming: the $v7_tag pair (V7_ARGS: ${V7_ARGS:-none})" | tee -a "$work/status.txt"
+            run_step v7_pair_bg
+        else
+            echo "humming_next: §2's check on humming did not pass here ($(grep "^lora_r32_humming rc=" "$work/status.txt" \
+2>/dev/null | tail -n 1 || true)): the LoRA-overhead bench" | tee -a "$work/status.txt"
+            run_step bench_hover
+        fi ;;
     ckpt7b_bf16)  # a random 7B BF16 checkpoint (~15 GB) for the nf4 (QLoRA) configs: $work/ckpt_7b_bf16
         step ckpt7b_bf16 300 python3 scripts/gpu/random_checkpoint.py "$work/ckpt_7b_bf16" --shape 7B --kind bf16 --if-missing ;;
     bench_qlora)  # 7B decode against QLoRA's base (§4l): ours as shipped, NF4 + LoRA through vLLM's bitsandbytes loader on

@@ -55,7 +55,7 @@ ROOT = HERE.parents[1]
 PHASES = ("build", "bf16", "nvfp4", "summary")
 from qerl_plugin.gpu_clocks import Sampler, visible_gpu  # noqa: E402  (memory peak, SM clocks, slowdown reasons)
 from qerl_plugin.gpu_clocks import problem as clock_problem  # noqa: E402
-from qerl_plugin.options import LORA_KEY, LORA_MODES  # noqa: E402
+from qerl_plugin.options import LORA_KEY, LORA_MODES, NVFP4_BACKENDS, NVFP4_KEY  # noqa: E402
 # Qwen2.5-7B and -32B as `qerl bench rollout --shape` knows them, plus the fields a saved config needs
 from vllm_ext.bench import SHAPES  # noqa: E402
 
@@ -218,15 +218,38 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
     keep = args.bf16_keep if name == "bf16" else args.nvfp4_keep
     if keep:  # the actor's last N decoder layers keep their activations (qerl's key; docs/benchmarks.md §4u)
         overrides += [f"+actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layers={keep}"]
-    lora = lora_path(name, args)
-    if lora:  # JSON text: verl hands engine_kwargs.vllm to vLLM's command line (qerl merges its own keys into it first)
-        overrides += [f"++actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config='{json.dumps({LORA_KEY: lora})}'"]
+    extra = engine_extra(name, args)
+    if extra:  # JSON text: verl hands engine_kwargs.vllm to vLLM's command line (qerl merges its own keys into it first)
+        overrides += [f"++actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config='{json.dumps(extra)}'"]
     return overrides + list(getattr(args, "override", []))  # --override: both runs alike, last
 
 
 def lora_path(name: str, args) -> str | None:
     """A run's vLLM LoRA path: --bf16-lora for the bf16 run, --nvfp4-lora for the nvfp4 run (None: the plugin's default)."""
     return args.bf16_lora if name == "bf16" else args.nvfp4_lora
+
+
+def engine_extra(name: str, args) -> dict:
+    """The run's own vLLM additional_config entries: its LoRA path (--bf16-lora / --nvfp4-lora) and, for the nvfp4
+    run, the nvfp4 backend (--nvfp4-backend); empty when the plugin's defaults apply."""
+    extra = {}
+    lora = lora_path(name, args)
+    if lora:
+        extra[LORA_KEY] = lora
+    if name == "nvfp4" and args.nvfp4_backend:
+        extra[NVFP4_KEY] = {"backend": args.nvfp4_backend}
+    return extra
+
+
+def qerl_log_lines(text: str) -> list[str]:
+    """The lines of a run's log that say which paths its vLLM engine took: the LoRA path and the nvfp4 backend
+    (one of each per engine process; at most 8 distinct lines)."""
+    seen: list[str] = []
+    for line in text.splitlines():
+        m = re.search(r"(qerl: LoRA linears on the .*|nvfp4: backend \w+)", line)
+        if m and m.group(1).strip() not in seen:
+            seen.append(m.group(1).strip())
+    return seen[:8]
 
 
 def rollout_gpu_mem(name: str, args) -> float:
@@ -269,7 +292,8 @@ def run(name: str, out: Path, args) -> dict:
                      "chunked_entropy": args.chunked_entropy, "response": args.response, "gpu_mem": args.gpu_mem,
                      "bypass": args.bypass, "steps": args.steps, "shape": args.shape,
                      "param_offload": args.param_offload, "bf16_gpu_mem": args.bf16_gpu_mem,
-                     "rollout_gpu_mem": rollout_gpu_mem(name, args), "lora_path": lora_path(name, args) or "default", "model": str(model_dir(name, out, args.shape)),
+                     "rollout_gpu_mem": rollout_gpu_mem(name, args), "lora_path": lora_path(name, args) or "default",
+                     "nvfp4_backend": (args.nvfp4_backend or "auto") if name == "nvfp4" else None, "model": str(model_dir(name, out, args.shape)),
                      "gpu": gpu, "override": list(args.override)},
         "step_s_each": {s: d.get("timing_s/step") for s, d in sorted(steps.items())},
         "step_s_spread": spread("timing_s/step"),
@@ -287,6 +311,7 @@ def run(name: str, out: Path, args) -> dict:
         "device_peak_used_gb": round(smi.peak / 1024, 2),
         "vllm_weights_gib": loads[0] if loads else None,
         "vllm_kv_cache_gib": kv[0] if kv else None,
+        "engine_paths_logged": qerl_log_lines(text),
         "run_s": res["seconds"],
         "gpu_clocks": smi.summary(),
         "sampled_gpu": gpu,  # nvidia-smi's index of the card sampled (CUDA_VISIBLE_DEVICES of one index), None: GPU 0
@@ -398,6 +423,9 @@ def parser() -> argparse.ArgumentParser:
                         "(fused). 'punica' is vLLM's own, what a BF16 run without qerl gets")
     p.add_argument("--nvfp4-lora", choices=LORA_MODES, default=None,
                    help="the NVFP4 run's vLLM LoRA path, the same way (default: the plugin's default, overlap)")
+    p.add_argument("--nvfp4-backend", choices=NVFP4_BACKENDS[:3], default=None,
+                   help="the NVFP4 run's nvfp4 backend (additional_config qerl_nvfp4.backend); default: the plugin's "
+                        "(auto: Marlin). 'humming' needs the humming-kernels package (docs/benchmarks.md §4ad)")
     p.add_argument("--nvfp4-keep", type=int, default=0, metavar="N",
                    help="the NVFP4 run's actor.no_recompute_layers: its last N layers keep their activations (default 0)")
     p.add_argument("--bf16-keep", type=int, default=0, metavar="N", help="the same for the BF16 run (default 0)")
