@@ -49,6 +49,7 @@ logger = logging.getLogger("qerl.vllm.nvfp4")
 BACKEND_ENV = "QERL_NVFP4_BACKEND"
 FP32_REDUCE_ENV = "QERL_NVFP4_FP32_REDUCE"
 DECODE_GEMV_ENV = "QERL_NVFP4_DECODE_GEMV"
+HUMMING_BATCH_INVARIANT_ENV = "QERL_HUMMING_BATCH_INVARIANT"
 KERNEL_FLAG = "_qerl_kernel"
 _warned: set[str] = set()
 
@@ -300,6 +301,11 @@ def humming_schema():  # noqa: ANN201
     return BaseWeightSchema.from_config(compressed_tensors_get_config(quantization_config_dict(), "weights"))
 
 
+def humming_batch_invariant() -> bool:
+    """Whether ``QERL_HUMMING_BATCH_INVARIANT`` asks for humming's batch-invariant mode (1/true/yes/on)."""
+    return os.environ.get(HUMMING_BATCH_INVARIANT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def humming_compute(batch_invariant: bool = False) -> str:
     """The compute config vLLM gives humming's linears (``VLLM_BATCH_INVARIANT`` as ``batch_invariant``,
     ``VLLM_HUMMING_USE_F16_ACCUM`` off)."""
@@ -329,9 +335,11 @@ class HummingBackend(Backend):
     `qerl quantize` writes them); the bias is added after the GEMM, in natural order."""
 
     name = "humming"
-    COMPUTE = humming_compute()  # vLLM's, with VLLM_BATCH_INVARIANT off
 
     def __init__(self):
+        # vLLM's compute config; QERL_HUMMING_BATCH_INVARIANT=1: humming's batch-invariant mode (no split-K: Marlin's
+        # error and reproducible, 2.3-2.8x slower per 7B step, §4ac), the diagnostic run of §4ae
+        self.compute = humming_compute(humming_batch_invariant())
         if not current_platform.is_cuda():
             raise NVFP4Error("nvfp4 backend 'humming' needs an NVIDIA GPU; this platform is "
                              f"{getattr(current_platform, 'device_name', '?')!r}. Use backend 'auto' (Marlin)")
@@ -381,7 +389,7 @@ class HummingBackend(Backend):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = humming_gemm(x, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.qerl_humming_locks,
-                         layer.qerl_humming_config, self.COMPUTE)
+                         layer.qerl_humming_config, self.compute)
         return y if bias is None else y + bias
 
 

@@ -59,3 +59,19 @@ def test_humming_backend_refusals_name_the_fix(cpu_config, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_humming)
     with pytest.raises(NVFP4Error, match=r"pip install humming-kernels==0\.1\.6.*or use backend 'auto'"):
         HummingBackend()
+
+
+@pytest.mark.parametrize("value, invariant", [(None, False), ("", False), ("0", False), ("1", True), (" On ", True)])
+def test_humming_compute_mode_follows_the_environment(monkeypatch, value, invariant):
+    """QERL_HUMMING_BATCH_INVARIANT (§4ae's diagnostic) turns on humming's batch-invariant compute config; unset, the
+    backend runs vLLM's (split-K on, no f16 accumulation, a dense GEMM)."""
+    import json
+
+    from vllm_ext.nvfp4_backends import humming_batch_invariant, humming_compute
+
+    if value is None:
+        monkeypatch.delenv("QERL_HUMMING_BATCH_INVARIANT", raising=False)
+    else:
+        monkeypatch.setenv("QERL_HUMMING_BATCH_INVARIANT", value)
+    assert json.loads(humming_compute(humming_batch_invariant())) == {
+        "use_batch_invariant": invariant, "use_f16_accum": False, "gemm_type": "dense"}
