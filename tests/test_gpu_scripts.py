@@ -1412,6 +1412,47 @@ def test_lora_check_finds_the_backend_line_of_an_engine_log(tmp_path):
     assert check.backend_logged(tmp_path / "missing.log", "humming") is None
 
 
+def test_humming_verdicts_from_the_twentyeighth_sessions_raw_results():
+    """§4ae, recomputed from the committed raw files: §2's check fails on humming's split-K mode (teacher-forced max
+    above the tolerance on both load paths, whose tensors were byte-identical), passes on Marlin and on humming's
+    batch-invariant mode on the same machine; the LoRA overhead and the ratios of the same-run bench."""
+    runs = ROOT / "docs" / "gpu-runs" / "2026-11-28" / "twentyeighth"
+
+    def rows(folder):  # noqa: ANN001, ANN202
+        return {r["step"]: r for r in json.loads((folder / "check_lora_correctness.json").read_text())["rows"]}
+
+    def teacher_forced(check):  # noqa: ANN001, ANN202
+        tf = {p: check[f"{p} r32 teacher-forced"] for p in ("bf16", "ct")}
+        return {p: (round(r["max"], 4), round(r["mean"], 4)) for p, r in tf.items()}
+
+    split_k = rows(runs / "call09" / "lora_r32_humming")
+    assert [s for s, r in split_k.items() if not r["ok"]] == ["bf16 r32 teacher-forced", "ct r32 teacher-forced"]
+    tol = split_k["ct r32 teacher-forced"]
+    assert (round(tol["tol_max"], 4), round(tol["tol_mean"], 4)) == (0.5279, 0.0829)
+    assert teacher_forced(split_k) == {"bf16": (0.6726, 0.075), "ct": (0.5434, 0.0923)}
+    assert split_k["marlin bytes bf16 == ct"]["ok"] and split_k["engine:ct backend humming"]["ok"]
+    marlin, invariant = rows(runs / "calls01-14" / "lora_r32"), rows(runs / "calls01-14" / "lora_r32_humming")
+    assert all(r["ok"] for r in marlin.values()) and len(marlin) == 11
+    assert all(r["ok"] for r in invariant.values()) and len(invariant) == 13
+    assert teacher_forced(marlin) == {"bf16": (0.3533, 0.0639), "ct": (0.3533, 0.0639)}
+    assert teacher_forced(invariant) == {"bf16": (0.2986, 0.064), "ct": (0.2986, 0.0661)}
+
+    bench = json.loads((runs / "calls01-14" / "bench-hover" / "a" / "bench_rollout.json").read_text())
+    med = {(r["config"], r["variant"]): {b: v["decode_tok_s"] for b, v in r["batches"].items()}
+           for r in bench["results"]}
+    runs_of = {(r["config"], r["variant"]): {b: v["decode_runs_tok_s"] for b, v in r["batches"].items()}
+               for r in bench["results"]}
+    overhead = {v: [round(100 * (1 - med[("nvfp4-lora", v)][b] / med[("nvfp4", v)][b]), 1) for b in ("1", "8", "64")]
+                for v in ("default", "humming-backend")}
+    assert overhead == {"default": [14.0, 14.4, 10.0], "humming-backend": [17.4, 12.4, 14.6]}
+    bf16 = med[("bf16-lora", "punica-lora")]
+    assert [round(med[("nvfp4-lora", "default")][b] / bf16[b], 3) for b in ("1", "8", "64")] == [1.85, 1.772, 1.3]
+    assert round(med[("nvfp4-lora", "humming-backend")]["64"] / bf16["64"], 3) == 1.453
+    default, hum = runs_of[("nvfp4-lora", "default")], runs_of[("nvfp4-lora", "humming-backend")]
+    apart = {b: min(hum[b]) > max(default[b]) for b in ("1", "8", "64")}  # humming faster with the ranges apart
+    assert apart == {"1": False, "8": True, "64": True}
+
+
 def test_timed_interleaved_replays_each_graph_per_repeat_in_turn():
     """The sweeps' shared timing: every repeat replays each graph once, in the order given, with its own call count;
     the summary is each key's median and max - min over the repeats."""

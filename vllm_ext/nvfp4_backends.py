@@ -330,9 +330,12 @@ class HummingBackend(Backend):
     ``HummingLinearMethod`` sets up a compressed-tensors NVFP4A16 layer. Its split-K (stream-K) partial sums are added
     into the bf16 output with atomics: on the 7B decode linears it was 1.31x Marlin at 64 rows and 2-3 % faster at 1
     and 8 (docs/benchmarks.md §4ac), and the 7B engine decoded 13.8 % faster at batch 64, level at 1 and 8 (§4ad); at
-    1.8-3.5x Marlin's GEMM error and not bit-reproducible from call to call. Experimental and opt-in:
-    ``additional_config={"qerl_nvfp4": {"backend": "humming"}}``. Fused layers' parts share one global scale (as
-    `qerl quantize` writes them); the bias is added after the GEMM, in natural order."""
+    1.8-3.5x Marlin's GEMM error and not bit-reproducible from call to call. In that mode the engine **failed** §2's
+    check against transformers + PEFT (teacher-forced max |d logprob| 0.54-0.67 against a tolerance of 0.53, where
+    Marlin gives 0.35 on the same machine; §4ae); in humming's batch-invariant mode (``QERL_HUMMING_BATCH_INVARIANT=1``:
+    no split-K) it passed (0.30), but that mode is 2.3-2.8x slower than Marlin per 7B step (§4ac). Experimental and
+    opt-in, for speed studies: ``additional_config={"qerl_nvfp4": {"backend": "humming"}}``. Fused layers' parts share
+    one global scale (as `qerl quantize` writes them); the bias is added after the GEMM, in natural order."""
 
     name = "humming"
 
@@ -351,8 +354,14 @@ class HummingBackend(Backend):
                 "humming-kernels==0.1.6, on a machine with a CUDA toolkit for its JIT (NVRTC or nvcc, g++, ninja); "
                 "or use backend 'auto' (Marlin)"
             ) from None
-        warn_once("humming", "nvfp4: backend humming - vLLM's humming W4A16 kernels (split-K partial sums added in "
-                  "bf16 with atomics: not bit-reproducible, 1.8-3.5x Marlin's GEMM error; docs/benchmarks.md §4ac)")
+        if humming_batch_invariant():
+            warn_once("humming", "nvfp4: backend humming - vLLM's humming W4A16 kernels in their batch-invariant mode "
+                      "(QERL_HUMMING_BATCH_INVARIANT; no split-K: reproducible, passed §2's engine check, 2.3-2.8x "
+                      "slower than Marlin per 7B step; docs/benchmarks.md §4ac, §4ae)")
+        else:
+            warn_once("humming", "nvfp4: backend humming - vLLM's humming W4A16 kernels (split-K partial sums added in "
+                      "bf16 with atomics: not bit-reproducible, 1.8-3.5x Marlin's GEMM error; the engine failed §2's "
+                      "check against transformers + PEFT: for speed studies only; docs/benchmarks.md §4ac, §4ae)")
 
     @staticmethod
     def _humming(n: int, k: int, packed, scale, gscale, dtype) -> torch.nn.Module:  # noqa: ANN001

@@ -346,7 +346,8 @@ carry .whl (see session.sh humming)"; exit 1; }; python3 -m pip install -q --no-
         # the LoRA-overhead bench (bench_hover). Follow it with `v7_watch` (same TAG) and `TAG=-hover bench_watch`: the
         # one that was not started returns rc 3 at once
         if grep -q "^lora_r32_humming rc=0 " "$work/status.txt" 2>/dev/null; then
-            echo "humming_next: §2's check passed on humming: the $v7_tag pair (V7_ARGS: ${V7_ARGS:-none})" | tee -a "$work/status.txt"
+            echo "humming_next: §2's check passed on humming: the $v7_tag pair (V7_ARGS: ${V7_ARGS:-none})" |
+                tee -a "$work/status.txt"
             run_step v7_pair_bg
         else
             echo "humming_next: §2's check on humming did not pass here ($(grep "^lora_r32_humming rc=" "$work/status.txt" \

@@ -219,7 +219,7 @@ def overrides_for(name: str, out: Path, args) -> list[str]:
     if keep:  # the actor's last N decoder layers keep their activations (qerl's key; docs/benchmarks.md §4u)
         overrides += [f"+actor_rollout_ref.rollout.custom.qerl.actor.no_recompute_layers={keep}"]
     extra = engine_extra(name, args)
-    if extra:  # JSON text: verl hands engine_kwargs.vllm to vLLM's command line (qerl merges its own keys into it first)
+    if extra:  # JSON text: verl hands engine_kwargs.vllm to vLLM's command line (qerl merges its keys into it first)
         overrides += [f"++actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config='{json.dumps(extra)}'"]
     return overrides + list(getattr(args, "override", []))  # --override: both runs alike, last
 
@@ -293,7 +293,8 @@ def run(name: str, out: Path, args) -> dict:
                      "bypass": args.bypass, "steps": args.steps, "shape": args.shape,
                      "param_offload": args.param_offload, "bf16_gpu_mem": args.bf16_gpu_mem,
                      "rollout_gpu_mem": rollout_gpu_mem(name, args), "lora_path": lora_path(name, args) or "default",
-                     "nvfp4_backend": (args.nvfp4_backend or "auto") if name == "nvfp4" else None, "model": str(model_dir(name, out, args.shape)),
+                     "nvfp4_backend": (args.nvfp4_backend or "auto") if name == "nvfp4" else None,
+                     "model": str(model_dir(name, out, args.shape)),
                      "gpu": gpu, "override": list(args.override)},
         "step_s_each": {s: d.get("timing_s/step") for s, d in sorted(steps.items())},
         "step_s_spread": spread("timing_s/step"),
