@@ -302,8 +302,12 @@ def humming_schema():  # noqa: ANN201
 
 
 def humming_batch_invariant() -> bool:
-    """Whether ``QERL_HUMMING_BATCH_INVARIANT`` asks for humming's batch-invariant mode (1/true/yes/on)."""
-    return os.environ.get(HUMMING_BATCH_INVARIANT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether ``QERL_HUMMING_BATCH_INVARIANT`` asks for humming's batch-invariant mode (unset or empty: no); a value
+    that is not a yes or a no is an error naming the variable."""
+    try:
+        return options.parse_bool(os.environ.get(HUMMING_BATCH_INVARIANT_ENV) or "false", HUMMING_BATCH_INVARIANT_ENV)
+    except ValueError as exc:
+        raise NVFP4Error(f"nvfp4: {exc}") from None
 
 
 def humming_compute(batch_invariant: bool = False) -> str:

@@ -75,3 +75,11 @@ def test_humming_compute_mode_follows_the_environment(monkeypatch, value, invari
         monkeypatch.setenv("QERL_HUMMING_BATCH_INVARIANT", value)
     assert json.loads(humming_compute(humming_batch_invariant())) == {
         "use_batch_invariant": invariant, "use_f16_accum": False, "gemm_type": "dense"}
+
+
+def test_humming_compute_mode_refuses_a_value_that_is_neither_yes_nor_no(monkeypatch):
+    from vllm_ext.nvfp4_backends import humming_batch_invariant
+
+    monkeypatch.setenv("QERL_HUMMING_BATCH_INVARIANT", "maybe")
+    with pytest.raises(NVFP4Error, match="QERL_HUMMING_BATCH_INVARIANT: expected true or false, got 'maybe'"):
+        humming_batch_invariant()
