@@ -1,7 +1,7 @@
 """How a layer's NVFP4 weight is run: the backends of the ``nvfp4`` method and how one is chosen.
 
 A backend installs the NVFP4 triple as the layer's kernel tensors (flagged, so reloads copy into them) and
-runs the GEMM: ``marlin`` (vLLM's Marlin FP4 kernel, CUDA sm75+), ``humming`` (vLLM's optional humming W4A16 kernels,
+runs the GEMM: ``marlin`` (vLLM's Marlin FP4 kernel, CUDA sm75+), ``humming`` (vLLM's humming W4A16 kernels,
 opt-in; see :class:`HummingBackend`) or ``emulation`` (dequantize + ``F.linear``; where there is no CUDA, or forced to
 debug). Options: ``additional_config={"qerl_nvfp4": {"backend": ...,
 "fp32_reduce": ...}}`` (:mod:`qerl_plugin.options`), else ``QERL_NVFP4_BACKEND`` / ``QERL_NVFP4_FP32_REDUCE``.
@@ -329,8 +329,8 @@ def humming_tensors(packed, scale, global_scale, dtype=None):  # noqa: ANN001, A
 
 
 class HummingBackend(Backend):
-    """vLLM's humming W4A16 GEMM (the optional ``humming-kernels`` package: Hopper kernels with TMA loads, warp
-    specialisation and warpgroup MMA, JIT-compiled by the engine's first calls), set up as vLLM 0.24's
+    """vLLM's humming W4A16 GEMM (the ``humming-kernels`` package vLLM 0.24 depends on: Hopper kernels with TMA loads,
+    warp specialisation and warpgroup MMA, JIT-compiled by the engine's first calls), set up as vLLM 0.24's
     ``HummingLinearMethod`` sets up a compressed-tensors NVFP4A16 layer. Its split-K (stream-K) partial sums are added
     into the bf16 output with atomics: on the 7B decode linears it was 1.31x Marlin at 64 rows and 2-3 % faster at 1
     and 8 (docs/benchmarks.md §4ac), and the 7B engine decoded 13.8 % faster at batch 64, level at 1 and 8 (§4ad); at
@@ -354,7 +354,7 @@ class HummingBackend(Backend):
             import humming  # noqa: F401
         except ImportError as exc:
             raise NVFP4Error(
-                f"nvfp4 backend 'humming' needs vLLM's optional humming kernels ({exc}): pip install "
+                f"nvfp4 backend 'humming' needs vLLM's humming kernels ({exc}), a dependency of vLLM 0.24: pip install "
                 "humming-kernels==0.1.6, on a machine with a CUDA toolkit for its JIT (NVRTC or nvcc, g++, ninja); "
                 "or use backend 'auto' (Marlin)"
             ) from None

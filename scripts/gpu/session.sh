@@ -298,7 +298,8 @@ run_step() {
         # python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         #   --platform manylinux_2_24_x86_64 -d .whl bitsandbytes==0.50.2      (43 MB; its CUDA 13.0 library included)
         step bnb 120 bash -c 'ls .whl/bitsandbytes-*.whl >/dev/null 2>&1 || { echo "no .whl/bitsandbytes-*.whl: carry .whl (see session.sh bnb)"; exit 1; }; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/bitsandbytes-*.whl && python3 -c "import bitsandbytes, torch; print(\"bitsandbytes\", bitsandbytes.__version__, \"cuda\", torch.version.cuda)"' ;;
-    humming)  # vLLM's humming W4A16 kernels (the humming-kernels wheel, 0.2 MB, carried in .whl/; ignored by git): fetch
+    humming)  # vLLM's humming W4A16 kernels (the humming-kernels wheel vLLM 0.24 requires but the staged parts lack, 0.2 MB,
+        # carried in .whl/; ignored by git): fetch
         # it here with python3 -m pip download --no-deps -d .whl humming-kernels==0.1.6. It JIT-compiles with the
         # image's CUDA toolkit (NVRTC, g++, ninja); the step prints what it finds
         step humming 240 bash -c 'ls .whl/humming_kernels-*.whl >/dev/null 2>&1 || { echo "no .whl/humming_kernels-*.whl: \
