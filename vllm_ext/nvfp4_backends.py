@@ -346,7 +346,8 @@ class HummingBackend(Backend):
     def __init__(self):
         # vLLM's compute config; QERL_HUMMING_BATCH_INVARIANT=1: humming's batch-invariant mode (no split-K: Marlin's
         # error and reproducible, 2.3-2.8x slower per 7B step, §4ac), the diagnostic run of §4ae
-        self.compute = humming_compute(humming_batch_invariant())
+        invariant = humming_batch_invariant()
+        self.compute = humming_compute(invariant)
         if not current_platform.is_cuda():
             raise NVFP4Error("nvfp4 backend 'humming' needs an NVIDIA GPU; this platform is "
                              f"{getattr(current_platform, 'device_name', '?')!r}. Use backend 'auto' (Marlin)")
@@ -358,7 +359,7 @@ class HummingBackend(Backend):
                 "humming-kernels==0.1.6, on a machine with a CUDA toolkit for its JIT (NVRTC or nvcc, g++, ninja); "
                 "or use backend 'auto' (Marlin)"
             ) from None
-        if humming_batch_invariant():
+        if invariant:
             warn_once("humming", "nvfp4: backend humming - vLLM's humming W4A16 kernels in their batch-invariant mode "
                       "(QERL_HUMMING_BATCH_INVARIANT; no split-K: reproducible, passed §2's engine check, 2.3-2.8x "
                       "slower than Marlin per 7B step; docs/benchmarks.md §4ac, §4ae)")

@@ -424,7 +424,7 @@ def parser() -> argparse.ArgumentParser:
                         "(fused). 'punica' is vLLM's own, what a BF16 run without qerl gets")
     p.add_argument("--nvfp4-lora", choices=LORA_MODES, default=None,
                    help="the NVFP4 run's vLLM LoRA path, the same way (default: the plugin's default, overlap)")
-    p.add_argument("--nvfp4-backend", choices=NVFP4_BACKENDS[:3], default=None,
+    p.add_argument("--nvfp4-backend", choices=[b for b in NVFP4_BACKENDS if b != "emulation"], default=None,
                    help="the NVFP4 run's nvfp4 backend (additional_config qerl_nvfp4.backend); default: the plugin's "
                         "(auto: Marlin). 'humming' needs the humming-kernels package (docs/benchmarks.md §4ad)")
     p.add_argument("--nvfp4-keep", type=int, default=0, metavar="N",
