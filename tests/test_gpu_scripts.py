@@ -1082,6 +1082,19 @@ def test_streamed_weight_is_the_sweeps_seeded_weight_with_its_copies():
     assert all(torch.equal(p, q.packed) and p.data_ptr() != q.packed.data_ptr() for p, _ in raws)  # copies, not views
 
 
+def test_bf16_copies_stream_the_baseline_weight_like_the_nvfp4_one():
+    """check_gemv.bf16_copies, the BF16 row of check_gemv.py, sweep_mma.py and sweep_humming.py: as many clones of
+    the weight as copies_for asks for its bf16 bytes (2 per value), each a copy with its own storage."""
+    import torch
+
+    cg = _import_script("check_gemv")
+    w = torch.randn(64, 256).to(torch.bfloat16)
+    copies = cg.bf16_copies(w, 0.05)
+    assert len(copies) == cg.copies_for(2 * 64 * 256, 0.05) == 2
+    assert all(torch.equal(c, w) and c.data_ptr() != w.data_ptr() for c in copies)
+    assert len(cg.bf16_copies(w, 0.0)) == 1  # at least one
+
+
 def test_gemv_check_sweep_cold_copies_and_verdict():
     """check_gemv.py: the tiles it sweeps are ones the kernel accepts, its copy count makes one graph pass read past the
     H100's 50 MB L2, and its verdict needs the medians apart by more than both spreads."""

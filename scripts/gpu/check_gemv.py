@@ -135,6 +135,23 @@ def streamed_weight(n: int, k: int, cold_mib: float, device):  # noqa: ANN001, A
     return w, q, raw_bytes, [(q.packed.clone(), q.scale.clone()) for _ in range(copies_for(raw_bytes, cold_mib))]
 
 
+def bf16_copies(w, cold_mib: float) -> list:  # noqa: ANN001
+    """The BF16 baseline's weight as the sweeps stream it: :func:`copies_for` clones of ``w``, so that one pass over
+    them reads at least ``cold_mib`` MiB (as :func:`streamed_weight` gives the NVFP4 ones)."""
+    return [w.clone() for _ in range(copies_for(w.numel() * w.element_size(), cold_mib))]
+
+
+def bf16_graph(x, copies: list, iters: int):  # noqa: ANN001, ANN201
+    """``(CUDA graph, calls)`` of ``F.linear(x, copy)`` cycling through :func:`bf16_copies`'s ``copies``, at least
+    ``iters`` calls and one per copy: the BF16 row each sweep times beside its kernels (:func:`timed_interleaved`)."""
+    import torch.nn.functional as F
+
+    from vllm_ext.bench.kernels import capture_graph
+
+    calls = max(iters, len(copies))
+    return capture_graph([(lambda w_=w_: F.linear(x, w_)) for w_ in copies], calls), calls
+
+
 def summarize(times_us: list[float]) -> dict[str, float]:
     return {"median_us": round(statistics.median(times_us), 2), "spread_us": round(max(times_us) - min(times_us), 2),
             "runs_us": [round(t, 2) for t in times_us]}
@@ -208,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
-    import torch.nn.functional as F
 
     if not torch.cuda.is_available():
         print("check_gemv: needs a CUDA GPU", file=sys.stderr)
@@ -234,11 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         w, q, raw_bytes, raws = streamed_weight(n, k, args.cold_mib, dev)
         w_deq = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32)
         c_raw = len(raws)
-        c_bf16 = copies_for(2 * n * k, args.cold_mib)
         marlins = [marlin_linear(q.packed, q.scale, q.global_scale, bf16) for _ in range(c_raw)]
-        bf16s = [w.clone() for _ in range(c_bf16)]
+        bf16s = bf16_copies(w, args.cold_mib)
         record({"what": "linear", "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes, "copies": c_raw,
-                "bf16_copies": c_bf16})
+                "bf16_copies": len(bf16s)})
         for m in batches:
             x = torch.randn(m, k, device=dev, dtype=bf16)
             ref = x.float() @ w_deq.t()
@@ -285,12 +300,10 @@ def main(argv: list[str] | None = None) -> int:
                 return _graph([(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **t))
                                for p_, s_ in raws], iters)
 
-            graphs = {
-                "gemv": gemv_graph(best),
-                "marlin": _graph([marlin_call(ml) for ml in marlins], iters),
-                "bf16": _graph([(lambda w_=w_: F.linear(x, w_)) for w_ in bf16s], max(args.iters, c_bf16)),
-            }
-            its = {"gemv": iters, "marlin": iters, "bf16": max(args.iters, c_bf16)}
+            bf16_g, bf16_calls = bf16_graph(x, bf16s, args.iters)
+            graphs = {"gemv": gemv_graph(best), "marlin": _graph([marlin_call(ml) for ml in marlins], iters),
+                      "bf16": bf16_g}
+            its = {"gemv": iters, "marlin": iters, "bf16": bf16_calls}
             if shipped is not None and tile_name(shipped) != tile_name(best):
                 graphs["shipped"] = gemv_graph(shipped)
                 its["shipped"] = iters

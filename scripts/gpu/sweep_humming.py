@@ -35,8 +35,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_timing_args, copies_for, jsonl_recorder, per_step_ms, streamed_weight, timed_interleaved,
-    verdict)
+    LAYERS, LINEARS, add_timing_args, bf16_copies, bf16_graph, jsonl_recorder, per_step_ms, streamed_weight,
+    timed_interleaved, verdict)
 
 KEYS = ("humming", "marlin", "bf16")
 
@@ -174,11 +174,10 @@ def main(argv: list[str] | None = None) -> int:
             hums = [humming_linear(p_, s_, q.global_scale, bf16, batch_invariant=args.batch_invariant)
                     for p_, s_ in raws]
             marlins = [marlin_linear(p_, s_, q.global_scale, bf16) for p_, s_ in raws]
-            c_bf16 = copies_for(2 * n * k, args.cold_mib)
-            bf16s = [w.clone() for _ in range(c_bf16)]
+            bf16s = bf16_copies(w, args.cold_mib)
             iters = max(args.iters, len(raws))
             record({"what": "linear", "shape": shape, "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes,
-                    "copies": len(raws), "bf16_copies": c_bf16, "setup_s": round(time.perf_counter() - t0, 1)})
+                    "copies": len(raws), "bf16_copies": len(bf16s), "setup_s": round(time.perf_counter() - t0, 1)})
             for rows in rows_list:
                 x = torch.randn(rows, k, device=dev, dtype=bf16)
                 exact = x.double() @ w_exact.t()
@@ -202,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                 graphs = {"humming": (capture_graph([(lambda h_=h_: h_(x)) for h_ in hums], iters), iters),
                           "marlin": (capture_graph([(lambda r_=r_: r_(x)) for r_ in marlins], iters), iters),
-                          "bf16": (capture_graph([(lambda w_=w_: F.linear(x, w_)) for w_ in bf16s],
-                                                 max(args.iters, c_bf16)), max(args.iters, c_bf16))}
+                          "bf16": bf16_graph(x, bf16s, args.iters)}
                 res = timed_interleaved(graphs, args.reps)
                 del graphs
                 fin = {"what": "final" if ok else "timed_refused", "refused": not ok, **case, **res,

@@ -36,7 +36,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, copies_for, jsonl_recorder, per_step_ms, streamed_weight, tile_name, timed_interleaved, verdict)
+    LAYERS, LINEARS, bf16_copies, bf16_graph, jsonl_recorder, per_step_ms, streamed_weight, tile_name,
+    timed_interleaved, verdict)
 from sweep_row import add_sweep_args, ints, precompile, run_tile, try_tiles  # noqa: E402
 
 
@@ -80,7 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
-    import torch.nn.functional as F
 
     if not torch.cuda.is_available():
         print("sweep_mma: needs a CUDA GPU", file=sys.stderr)
@@ -126,11 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             w_exact = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double()
             copies = len(raws)
             marlins = [] if marlin_linear is None else [marlin_linear(p_, s_, q.global_scale, bf16) for p_, s_ in raws]
-            c_bf16 = copies_for(2 * n * k, args.cold_mib)
-            bf16s = [w.clone() for _ in range(c_bf16)]
+            bf16s = bf16_copies(w, args.cold_mib)
             iters = max(args.iters, copies)
             record({"what": "linear", "shape": shape, "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes,
-                    "copies": copies, "bf16_copies": c_bf16})
+                    "copies": copies, "bf16_copies": len(bf16s)})
             for rows in rows_list:
                 x = torch.randn(rows, k, device=dev, dtype=bf16)
                 exact = x.double() @ w_exact.t()
@@ -150,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                         "tiles": [[tile_name(t), us] for us, t in swept[:8]]})
                 best = swept[0][1]
                 graphs = {"mma": (graph_of(best), iters),
-                          "bf16": (capture_graph([(lambda w_=w_: F.linear(x, w_)) for w_ in bf16s],
-                                                 max(args.iters, c_bf16)), max(args.iters, c_bf16))}
+                          "bf16": bf16_graph(x, bf16s, args.iters)}
                 if marlins:
                     marlin_err = ((marlins[0](x).double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
                     graphs["marlin"] = (capture_graph([(lambda r_=r_: r_(x)) for r_ in marlins], iters), iters)
