@@ -10,7 +10,8 @@ engine built with AQN never reuses a graph compiled without it)::
     {"qerl_nvfp4": {"backend": "emulation", "fp32_reduce": false}}   how nvfp4 layers run (backend: auto = marlin,
                                                                 humming (opt-in, vLLM's humming kernels), emulation)
     {"qerl_nvfp4": {"decode_gemv": true}}                       one-row calls on vllm_ext.nvfp4_gemv's kernel
-                                                                (experimental; keeps a second copy of the weights);
+                                                                (experimental; keeps a second copy of the weights;
+                                                                "small": only layers with K <= 8192, N <= 16384);
                                                                 in the overlap mode with the LoRA inside it
                                                                 (vllm_ext.nvfp4_gemv_lora; QERL_NO_PDL=1: no PDL,
                                                                 QERL_PDL_FIRST=0: no PDL for a linear's first launch)
@@ -34,6 +35,7 @@ from typing import Any, Mapping
 
 __all__ = [
     "AQN_KEY",
+    "DECODE_GEMV_MODES",
     "FORMAT",
     "LORA_KEY",
     "LORA_DEFAULT",
@@ -49,6 +51,7 @@ __all__ = [
     "lora_mode",
     "nvfp4_options",
     "parse_bool",
+    "parse_decode_gemv",
 ]
 
 # vLLM's ``--quantization nvfp4`` (vllm_ext.quant) and verl's ``rollout.quantization: nvfp4``.
@@ -59,6 +62,9 @@ FORMAT = "nvfp4-pack-quantized"
 AQN_KEY = "qerl_aqn"
 NVFP4_KEY = "qerl_nvfp4"
 NVFP4_BACKENDS = ("auto", "marlin", "humming", "emulation")
+# decode_gemv: one-row calls of no layer, of the small ones (vllm_ext.nvfp4_gemv.small_linear), or of every layer the
+# row kernel takes; a bool means off / all
+DECODE_GEMV_MODES = ("off", "small", "all")
 LORA_KEY = "qerl_lora"
 # vllm_ext.lora_fused | vLLM's multi-adapter kernels | vllm_ext.lora_dense | lora_fused's kernel on a side stream
 LORA_MODES = ("fused", "punica", "dense", "overlap")
@@ -104,8 +110,8 @@ def aqn_enabled(additional_config: Mapping[str, Any] | None) -> bool:
 
 
 def nvfp4_options(additional_config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``additional_config["qerl_nvfp4"]``, checked: ``backend`` (one of :data:`NVFP4_BACKENDS`), ``fp32_reduce``
-    and ``decode_gemv`` (bools), each present only when given."""
+    """``additional_config["qerl_nvfp4"]``, checked: ``backend`` (one of :data:`NVFP4_BACKENDS`), ``fp32_reduce`` (a
+    bool) and ``decode_gemv`` (one of :data:`DECODE_GEMV_MODES`), each present only when given."""
     opts = (additional_config or {}).get(NVFP4_KEY) or {}
     what = f"additional_config[{NVFP4_KEY!r}]"
     if not isinstance(opts, Mapping):
@@ -116,10 +122,22 @@ def nvfp4_options(additional_config: Mapping[str, Any] | None) -> dict[str, Any]
     out: dict[str, Any] = {}
     if "backend" in opts:
         out["backend"] = parse_backend(opts["backend"], f"{what} backend")
-    for key in ("fp32_reduce", "decode_gemv"):
-        if key in opts:
-            out[key] = parse_bool(opts[key], f"{what} {key}")
+    if "fp32_reduce" in opts:
+        out["fp32_reduce"] = parse_bool(opts["fp32_reduce"], f"{what} fp32_reduce")
+    if "decode_gemv" in opts:
+        out["decode_gemv"] = parse_decode_gemv(opts["decode_gemv"], f"{what} decode_gemv")
     return out
+
+
+def parse_decode_gemv(value: Any, what: str) -> str:
+    """A ``decode_gemv`` mode (one of :data:`DECODE_GEMV_MODES`): ``off``, ``small`` or ``all``, any case, or a bool
+    as :func:`parse_bool` reads one (true: ``all``, false: ``off``); else ValueError naming ``what``."""
+    if isinstance(value, str) and value.strip().lower() in DECODE_GEMV_MODES:
+        return value.strip().lower()
+    try:
+        return "all" if parse_bool(value, what) else "off"
+    except ValueError:
+        raise ValueError(f"{what}: expected off, small or all (or true / false), got {value!r}") from None
 
 
 def lora_mode(additional_config: Mapping[str, Any] | None) -> str:

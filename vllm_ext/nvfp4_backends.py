@@ -22,7 +22,8 @@ from vllm.platforms import current_platform
 
 from qerl_plugin import nvfp4, options
 from qerl_plugin.nvfp4 import GROUP_SIZE, NVFP4Error
-from vllm_ext.nvfp4_gemv import decode_tile  # importing it registers torch.ops.qerl.nvfp4_gemv_row (decode_gemv)
+# importing it registers torch.ops.qerl.nvfp4_gemv_row (decode_gemv)
+from vllm_ext.nvfp4_gemv import SMALL_MAX_K, SMALL_MAX_N, decode_tile, small_linear
 from vllm_ext.quant import MIN_CAPABILITY
 
 __all__ = [
@@ -182,7 +183,7 @@ class MarlinBackend(Backend):
 
     name = "marlin"
 
-    def __init__(self, fp32_reduce: bool | None = None, decode_gemv: bool | None = None):
+    def __init__(self, fp32_reduce: bool | None = None, decode_gemv: bool | str | None = None):
         if not current_platform.is_cuda():
             raise NVFP4Error(
                 "nvfp4's Marlin FP4 kernel needs an NVIDIA GPU (compute capability >= 7.5); this platform is "
@@ -200,13 +201,18 @@ class MarlinBackend(Backend):
             fp32_reduce = _option("fp32_reduce", FP32_REDUCE_ENV, "1", options.parse_bool)
         self.fp32_reduce = fp32_reduce
         if decode_gemv is None:
-            decode_gemv = _option("decode_gemv", DECODE_GEMV_ENV, "0", options.parse_bool)
+            decode_gemv = _option("decode_gemv", DECODE_GEMV_ENV, "off", options.parse_decode_gemv)
         # experimental (docs/benchmarks.md §4j): one-row calls on vllm_ext.nvfp4_gemv's kernel, which reads the
-        # checkpoint layout, so the layer keeps that copy of its weights next to Marlin's
-        self.decode_gemv = decode_gemv
-        if decode_gemv:
+        # checkpoint layout, so the layer keeps that copy of its weights next to Marlin's: in every layer the kernel
+        # takes ("all"), or only in the small ones (q/k/v and o; nvfp4_gemv.small_linear)
+        self.decode_gemv = options.parse_decode_gemv(decode_gemv, "decode_gemv")
+        if self.decode_gemv == "all":
             warn_once("decode_gemv", "nvfp4: decode_gemv on - one-row GEMMs run on qerl's experimental NVFP4 kernel; "
                       "each layer keeps a second copy of its 4-bit weights")
+        elif self.decode_gemv == "small":
+            warn_once("decode_gemv", "nvfp4: decode_gemv small - one-row GEMMs of the layers with K <= %d and N <= %d "
+                      "(q/k/v and o) run on qerl's NVFP4 kernel; those layers keep a second copy of their 4-bit "
+                      "weights", SMALL_MAX_K, SMALL_MAX_N)
 
     @staticmethod
     def _marlin(layer, packed, scale, gscale, raw_bias) -> torch.nn.Module:  # noqa: ANN001
@@ -240,16 +246,21 @@ class MarlinBackend(Backend):
             _set_kernel(layer, "bias", m.bias.data if fused else raw_bias)
         if getattr(layer, "workspace", None) is None:
             layer.workspace = m.workspace  # plain attribute: kept (not re-created) across reloads
-        if self.decode_gemv and self._gemv_ok(layer):
+        if self._gemv_ok(layer):
             _set_kernel(layer, "qerl_gemv_packed", packed.clone())
             _set_kernel(layer, "qerl_gemv_scale", scale.clone())
             _set_kernel(layer, "qerl_gemv_gscale", gscale.reshape(-1)[:1].to(torch.float32).clone())
             if fused:  # Marlin's bias is permuted; the one-row kernel adds the natural-order one
                 _set_kernel(layer, "qerl_gemv_bias", raw_bias.clone())
 
-    @staticmethod
-    def _gemv_ok(layer: torch.nn.Module) -> bool:
-        return decode_tile(layer.output_size_per_partition, layer.input_size_per_partition) is not None
+    def _rows_on(self) -> str:
+        """The decode_gemv mode; a bool set on an instance (as tests do) reads as all / off."""
+        return {True: "all", False: "off"}.get(self.decode_gemv, self.decode_gemv)
+
+    def _gemv_ok(self, layer: torch.nn.Module) -> bool:
+        n, k = layer.output_size_per_partition, layer.input_size_per_partition
+        mode = self._rows_on()
+        return (mode == "all" and decode_tile(n, k) is not None) or (mode == "small" and small_linear(n, k))
 
     def refresh_bias(self, layer: torch.nn.Module, raw_bias: torch.Tensor) -> None:
         from vllm.model_executor.layers.quantization.utils.marlin_utils import (
@@ -268,7 +279,7 @@ class MarlinBackend(Backend):
         _set_kernel(layer, "bias", marlin_permute_bias(marlin_pad_dim(raw_bias, n, padded_n)))
 
     def row_weights(self, layer: torch.nn.Module, bias: torch.Tensor | None) -> tuple | None:
-        if not (self.decode_gemv and "qerl_gemv_packed" in layer._parameters):
+        if self._rows_on() == "off" or "qerl_gemv_packed" not in layer._parameters:
             return None
         # the caller's bias is Marlin's permuted one exactly when it is fused; the row kernel takes the natural order
         row_bias = None if bias is None else layer._parameters.get("qerl_gemv_bias", bias)

@@ -53,8 +53,8 @@ from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
-__all__ = ["MAX_TOKENS", "NO_PDL_ENV", "PDL_FIRST_ENV", "ROW_OP", "decode_tile", "nvfp4_gemv_row", "nvfp4_small_gemm",
-           "pdl_first_allowed", "pdl_supported"]
+__all__ = ["MAX_TOKENS", "NO_PDL_ENV", "PDL_FIRST_ENV", "ROW_OP", "SMALL_MAX_K", "SMALL_MAX_N", "decode_tile",
+           "nvfp4_gemv_row", "nvfp4_small_gemm", "pdl_first_allowed", "pdl_supported", "small_linear"]
 
 MAX_TOKENS = 64  # rows per call; larger inputs belong to a GEMM with real M tiles
 GROUP = 16
@@ -497,6 +497,21 @@ def decode_tile(n: int, k: int, lora: bool = False) -> dict[str, int] | None:
     if n == k:
         return dict(block_n=4, block_k=block_k, split_k=1, num_warps=1, stages=4)
     return dict(block_n=4, block_k=block_k, split_k=1, num_warps=4)
+
+
+SMALL_MAX_K = 8192
+SMALL_MAX_N = 16384
+
+
+def small_linear(n: int, k: int) -> bool:
+    """Whether ``decode_gemv="small"`` gives an ``[n, k]`` weight the one-row kernel (and its second copy): K at most
+    :data:`SMALL_MAX_K` and N at most :data:`SMALL_MAX_N`, :func:`decode_tile`'s third kind of linear (q/k/v and o of
+    Qwen2.5 from 1.5B to 72B and Llama 3 8B and 70B, whose MLPs' gate/up and down are larger; every linear of
+    Qwen2.5-0.5B), and a tile for it. Where its second copy
+    buys the most: per MB of copy, the row kernel saved 0.41 (q/k/v) and 0.51 µs (o) per call against Marlin at one
+    row on the H100, gate/up 0.042 and down 0.10 (7B, docs/benchmarks.md §4l lease 2); the 7B q/k/v and o are 12.6 %
+    of the linears' bytes (0.43 GiB of the 3.4 GiB copy)."""
+    return k <= SMALL_MAX_K and n <= SMALL_MAX_N and decode_tile(n, k) is not None
 
 
 ROW_OP = "qerl::nvfp4_gemv_row"

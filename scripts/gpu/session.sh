@@ -342,6 +342,18 @@ carry .whl (see session.sh humming)"; exit 1; }; python3 -m pip install -q --no-
         TAG=-hover BENCH_ARGS="--shape 7B --configs nvfp4,nvfp4-lora,bf16-lora --variants default,humming-backend,punica-lora \
 --runs nvfp4-lora@humming-backend,nvfp4@humming-backend,nvfp4-lora@default,nvfp4@default,bf16-lora@punica-lora \
 --batches ${HUM_BATCHES:-1,8,64} --new-tokens 256 --repeats ${HUM_REPEATS:-3}" run_step bench_bg ;;
+    small_test)  # §4af: the GPU tests of the nvfp4 backends (decode_gemv small among them), the row kernel and row+lora
+        step small_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider -k "not humming" \
+            tests/vllm_ext/test_nvfp4_backends_gpu.py tests/vllm_ext/test_nvfp4_gemv.py \
+            tests/vllm_ext/test_nvfp4_gemv_lora.py ;;
+    bench_small)  # 7B decode (§4af): decode_gemv on the small layers (q/k/v, o) against the default (off) and all
+        # layers, with LoRA; the small mode without LoRA; BF16 + punica LoRA; b1/b8/b64, 3 repeats, random weights. In
+        # the background into $work/bench-small (`TAG=-small session.sh bench_watch`)
+        TAG=-small BENCH_ARGS="--shape 7B --configs nvfp4,nvfp4-lora,bf16-lora \
+--variants default,decode-gemv-small,decode-gemv,punica-lora \
+--runs nvfp4-lora@default,nvfp4-lora@decode-gemv-small,nvfp4@decode-gemv-small,nvfp4-lora@decode-gemv,\
+bf16-lora@punica-lora \
+--batches ${SMALL_BATCHES:-1,8,64} --new-tokens 256 --repeats ${SMALL_REPEATS:-3}" run_step bench_bg ;;
     humming_next)  # after lora_r32_humming (§4ae): where §2's check passed on humming (its status line rc=0), the pair of
         # RESP/STEPS/TAG/V7_ARGS in the background (v7_pair_bg: V7_ARGS should hold --nvfp4-backend humming); otherwise
         # the LoRA-overhead bench (bench_hover). Follow it with `v7_watch` (same TAG) and `TAG=-hover bench_watch`: the

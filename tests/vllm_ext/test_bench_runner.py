@@ -190,3 +190,24 @@ def test_plan_nf4_needs_real_bf16_files_and_bitsandbytes(tmp_path, rollout_args,
     assert {r.key: r.spec["engine"] for r in runs}["bf16-lora@punica-lora"]["load_format"] == "dummy"
     runs, skipped = runner.plan(rollout_args(*common, "--bf16-model", str(tmp_path / "nowhere")), tmp_path)
     assert "has no config.json" in skipped[0]["reason"]
+
+
+def test_session_bench_small_plans_the_five_engines_of_4af(tmp_path, rollout_args):
+    """session.sh's bench_small (docs/benchmarks.md §4af), its BENCH_ARGS read from the script with the defaults of its
+    variables: the five engines in order, decode_gemv small in the two engines of that variant and nowhere else."""
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "session.sh").read_text()
+    step = re.search(r"^\s+bench_small\)(.*?);;", text, flags=re.M | re.S).group(1)
+    argv = re.search(r'BENCH_ARGS="(.*?)"', step, flags=re.S).group(1).replace("\\\n", "")
+    argv = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", argv)
+    runs, skipped = runner.plan(rollout_args(*shlex.split(argv), "--out", str(tmp_path), "--work", str(tmp_path)),
+                                tmp_path)
+    assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4@decode-gemv-small", "nvfp4-lora@decode-gemv-small",
+                                     "nvfp4-lora@decode-gemv", "bf16-lora@punica-lora"]
+    nvfp4 = {r.key: r.spec["engine"].get("additional_config", {}).get("qerl_nvfp4") for r in runs}
+    assert nvfp4 == {"nvfp4-lora@default": None, "nvfp4@decode-gemv-small": {"decode_gemv": "small"},
+                     "nvfp4-lora@decode-gemv-small": {"decode_gemv": "small"},
+                     "nvfp4-lora@decode-gemv": {"decode_gemv": True}, "bf16-lora@punica-lora": None}
+    assert runs[0].spec["batches"] == [1, 8, 64] and runs[0].spec["repeats"] == 3

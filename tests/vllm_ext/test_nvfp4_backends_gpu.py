@@ -195,3 +195,31 @@ def test_humming_backend_matches_the_dequantized_reference_and_reloads_in_place(
     _load_bf16(hum, new, new_bias)
     assert {n: p.data_ptr() for n, p in hum.named_parameters()} == ptrs and hum.qerl_humming_locks.data_ptr() == locks
     assert rel(hum(x)[0], exact(new, new_bias)) <= max(2 * err["marlin"], 2.0**-8)
+
+
+def test_decode_gemv_small_copies_only_the_small_layers(cfg, monkeypatch):
+    """decode_gemv small: a q/k/v layer (K 256) keeps the row kernel's copy of its weights and a layer with K = 8 320
+    (above 8 192, as the MLPs' down projections) does not; one-row calls of both match the dequantized reference."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    monkeypatch.setenv("QERL_NVFP4_DECODE_GEMV", "small")
+    parts, bias = _parts(), _w(((NH + 2 * NKV) * HEAD,), 4)
+    qkv = _qkv(cfg, _nvfp4_config(ct=False))
+    assert qkv.quant_method.backend.decode_gemv == "small"
+    _load_bf16(qkv, parts, bias)
+    wide_k = 8320
+    with set_current_vllm_config(cfg), torch.device("cuda"):
+        wide = RowParallelLinear(wide_k, 256, bias=False, params_dtype=torch.bfloat16,
+                                 quant_config=_nvfp4_config(ct=False), prefix="model.layers.0.mlp.down_proj")
+    w_wide = _w((256, wide_k), 11)
+    wide.weight.weight_loader(wide.weight, w_wide)
+    assert "qerl_gemv_packed" in qkv._parameters and "qerl_gemv_packed" not in wide._parameters
+    w = torch.cat([r.dequantize(torch.float32) for r in nvfp4.quantize_fused([p.cpu() for p in parts])]).cuda()
+    x = _w((1, HIDDEN), 6, 1.0)
+    ref = F.linear(x.float(), w, bias.float())
+    assert ((qkv(x)[0].float() - ref).abs().max() / ref.abs().max()) < 2e-2
+    w2 = nvfp4.quantize(w_wide.cpu()).dequantize(torch.float32).cuda()
+    x2 = _w((1, wide_k), 7, 1.0)
+    ref2 = F.linear(x2.float(), w2)
+    assert ((wide(x2)[0].float() - ref2).abs().max() / ref2.abs().max()) < 2e-2

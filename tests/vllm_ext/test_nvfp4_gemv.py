@@ -300,6 +300,45 @@ def test_decode_tiles_of_the_7b_and_32b_linears():
         assert decode_tile(n, k, lora=True) == decode_tile(n, k)
 
 
+def test_small_linears_are_the_attention_projections():
+    """decode_gemv="small" gives the row kernel q/k/v and o (K <= 8192, N <= 16384) and leaves the MLPs to Marlin:
+    Qwen2.5-7B, -32B and -72B, Llama-3-8B; every linear of Qwen2.5-0.5B; and nothing without a decode tile."""
+    from vllm_ext.nvfp4_gemv import small_linear
+
+    shapes = {  # (q/k/v, o, gate/up, down) as [N, K]
+        "qwen2.5-7b": ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)),
+        "qwen2.5-32b": ((7168, 5120), (5120, 5120), (55296, 5120), (5120, 27648)),
+        "qwen2.5-72b": ((10240, 8192), (8192, 8192), (59136, 8192), (8192, 29568)),
+        "llama-3-8b": ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
+        "qwen2.5-1.5b": ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)),
+    }
+    for name, (qkv, o, gate_up, down) in shapes.items():
+        assert small_linear(*qkv) and small_linear(*o), name
+        assert not small_linear(*gate_up) and not small_linear(*down), name
+    assert all(small_linear(n, k) for n, k in ((1152, 896), (896, 896), (9728, 896), (896, 4864)))  # Qwen2.5-0.5B
+    assert not small_linear(64, 200)  # K not a multiple of 128: no tile, Marlin
+
+
+@pytest.mark.parametrize("mode, copied", [("off", set()), (False, set()), ("small", {"qkv", "o"}),
+                                          ("all", {"qkv", "o", "gate_up", "down"}),
+                                          (True, {"qkv", "o", "gate_up", "down"})])
+def test_decode_gemv_mode_picks_the_layers_that_keep_a_row_copy(mode, copied):
+    """Which layers' one-row calls a MarlinBackend sends to the row kernel (and so copy), per decode_gemv mode, on the
+    7B shapes; a layer without the copy offers no row weights, whatever the mode."""
+    pytest.importorskip("vllm")
+    from vllm_ext.nvfp4_backends import MarlinBackend
+
+    backend = object.__new__(MarlinBackend)  # no CUDA here: the Marlin checks of __init__ are skipped
+    backend.decode_gemv = mode
+    layers = {}
+    shapes = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
+    for name, (n, k) in shapes.items():
+        layers[name] = torch.nn.Module()
+        layers[name].output_size_per_partition, layers[name].input_size_per_partition = n, k
+    assert {name for name, layer in layers.items() if backend._gemv_ok(layer)} == copied
+    assert backend.row_weights(layers["qkv"], None) is None  # nothing installed on these stand-ins
+
+
 BACKEND_DISPATCH = textwrap.dedent(
     """
     import json

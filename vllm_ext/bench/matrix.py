@@ -80,6 +80,9 @@ VARIANTS: dict[str, Variant] = {
     "max-loras-4": Variant("max_loras=4 (RL needs 1)", engine={"max_loras": 4}, only="lora"),
     "decode-gemv": Variant("one-row GEMMs on qerl's experimental NVFP4 kernel (vllm_ext.nvfp4_gemv; keeps a second "
                            "copy of the 4-bit weights)", nvfp4={"decode_gemv": True}, only="nvfp4"),
+    "decode-gemv-small": Variant("decode-gemv for the small layers only (K <= 8192, N <= 16384: q/k/v and o), the "
+                                 "others' one-row GEMMs on Marlin; the second copy is theirs alone",
+                                 nvfp4={"decode_gemv": "small"}, only="nvfp4"),
     "pdl-first-off": Variant("decode_gemv's first launch per linear (the row kernel alone, or row+lora's shrink) as a "
                              "plain launch, as before §4p (QERL_PDL_FIRST=0)", env={"QERL_PDL_FIRST": "0"},
                              only="nvfp4"),
