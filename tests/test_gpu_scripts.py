@@ -1480,3 +1480,42 @@ def test_timed_interleaved_replays_each_graph_per_repeat_in_turn():
     assert seen == [("ga", 64), ("gb", 9)] * 3
     assert res["a"] == {"median_us": 6.0, "spread_us": 2.0, "runs_us": [5.0, 7.0, 6.0]}
     assert res["b"] == {"median_us": 2.0, "spread_us": 2.0, "runs_us": [1.0, 2.0, 3.0]}
+
+
+def test_decode_gemv_small_verdicts_from_the_twentyninth_sessions_raw_results():
+    """§4af, recomputed from the committed raw files (H200): small against off with LoRA is faster at b1 and slower at
+    b8 with the ranges apart (so off stays the default), equal at b64; the copies' memory; all's b1 gain; and in the
+    b8 diagnostic the same GPU work per step with the difference in the GPU's idle time."""
+    runs = ROOT / "docs" / "gpu-runs" / "2026-11-28" / "twentyninth"
+    bench = json.loads((runs / "calls01-11" / "bench-small" / "a" / "bench_rollout.json").read_text())
+    res = {f"{r['config']}@{r['variant']}": r for r in bench["results"]}
+    assert all(r["ok"] and r["memory"]["device"] == "NVIDIA H200" for r in res.values()) and len(res) == 5
+
+    def runs_of(key, b):  # noqa: ANN001, ANN202
+        return res[key]["batches"][b]["decode_runs_tok_s"]
+
+    def med(key, b):  # noqa: ANN001, ANN202
+        return res[key]["batches"][b]["decode_tok_s"]
+
+    off, small, every = "nvfp4-lora@default", "nvfp4-lora@decode-gemv-small", "nvfp4-lora@decode-gemv"
+
+    def verdict(b):  # noqa: ANN001, ANN202  the spread rule: the medians' difference against both runs' spreads
+        diff, spread = med(small, b) - med(off, b), max(max(runs_of(k, b)) - min(runs_of(k, b)) for k in (small, off))
+        return "equal" if abs(diff) <= spread else ("faster" if diff > 0 else "slower")
+
+    assert {b: verdict(b) for b in ("1", "8", "64")} == {"1": "faster", "8": "slower", "64": "equal"}
+    assert max(runs_of(small, "8")) < min(runs_of(off, "8"))  # b8: every repeat below off's range
+    assert [round(100 * (med(small, b) / med(off, b) - 1), 1) for b in ("1", "8", "64")] == [5.8, -16.1, -0.6]
+    assert round(100 * (med(every, "1") / med(off, "1") - 1), 1) == 23.2
+    assert round(med(every, "1") / med("bf16-lora@punica-lora", "1"), 3) == 1.988
+    gib = {k: (r["memory"]["weights_bytes"] - res[off]["memory"]["weights_bytes"]) / 2**30 for k, r in res.items()}
+    assert round(gib[small], 2) == 0.43 and round(gib[every], 2) == 3.42
+    kv = (res[off]["memory"]["kv_cache_bytes"] - res[small]["memory"]["kv_cache_bytes"]) / 2**30
+    assert abs(kv - 0.43) <= 0.1  # the plan's expectation for the KV cache the copies take
+
+    diag = json.loads((runs / "calls12-21" / "bench-smallp" / "a" / "bench_rollout.json").read_text())
+    prof = {f"{r['config']}@{r['variant']}": r["profile"]["8"] for r in diag["results"]}
+    assert {k: p["replay_kernels"] for k, p in prof.items()} == {off: 533, small: 533, every: 533}
+    busy = [p["replay_busy_ms"] for p in prof.values()]
+    assert max(busy) - min(busy) < 0.01  # the same GPU work per b8 step
+    assert {k: round(p["idle_ms"], 2) for k, p in prof.items()} == {off: 0.23, small: 1.28, every: 0.96}

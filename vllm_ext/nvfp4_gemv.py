@@ -1,5 +1,6 @@
 """A Triton W4A16 NVFP4 GEMM for decode-sized inputs (at most 64 rows), straight from the compressed-tensors layout.
-Experimental: engines use it only with ``additional_config={"qerl_nvfp4": {"decode_gemv": true}}`` (one-row calls,
+Experimental: engines use it only with ``additional_config={"qerl_nvfp4": {"decode_gemv": true}}`` (or ``"small"``:
+q/k/v and o only, :func:`small_linear`; one-row calls,
 :func:`nvfp4_gemv_row`, chosen per call by ``vllm_ext.nvfp4_backends``' op); ``qerl bench kernels`` and
 ``scripts/gpu/check_gemv.py`` time it against vLLM's Marlin FP4 GEMM (docs/benchmarks.md §4h, §4j, §4k). On the H100
 the one-row path (``words=True``, PTX decode, ``xvec``) is 18 % faster than Marlin per 7B decode step at batch 1
