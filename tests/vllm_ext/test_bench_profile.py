@@ -94,3 +94,18 @@ def test_profile_call_on_cpu_writes_the_trace_and_reports_no_gpu(tmp_path):
     assert "no GPU kernels" in got["error"]
     events = json.loads(gzip.open(path, "rt").read())["traceEvents"]
     assert any(e.get("name") == "aten::mm" for e in events)
+
+
+def test_host_events_between_the_decode_launches_per_step():
+    """``top_host``: the host's events from the first decode replay's launch to the last one's, per step: the graph
+    launches and eager kernel launches of three steps, and one slow Python function in one of them; the prefill's
+    launch, the last step's events and GPU kernels are left out."""
+    tr = _trace()
+    tr["traceEvents"].append({"ph": "X", "cat": "python_function", "name": "scheduler.py(123): schedule", "ts": 2100,
+                              "dur": 300})
+    tr["traceEvents"].append({"ph": "X", "cat": "cpu_op", "name": "aten::empty", "ts": 4500, "dur": 50})  # after
+    got = {h["name"]: (h["category"], h["calls_per_step"], h["us_per_step"])
+           for h in profile.summarize_trace(tr)["top_host"]}
+    assert got == {"scheduler.py(123): schedule": ("python_function", 0.33, 100.0),
+                   "cudaGraphLaunch": ("cuda_runtime", 1.0, 8.0), "cudaLaunchKernel": ("cuda_runtime", 1.0, 4.0)}
+    assert list(got)[0] == "scheduler.py(123): schedule"  # the most host time per step first

@@ -162,6 +162,7 @@ def test_profiled_steps_are_printed():
     table = report.format_table([res], {"rows": {}, "checks": []}, [1])
     assert ("nvfp4-lora@default b1: step 1.000 = replay 0.270 (span 0.270, 4 kernels) + outside 0.305 + idle 0.425; "
             "outside:gemm 0.300, marlin 0.200, lora 0.050, attention 0.020, outside:copy 0.005") in table
+    assert "    host per step: cudaGraphLaunch 8 us x1, cudaLaunchKernel 4 us x1" in table
     assert "nvfp4-lora@default b8: the trace has no GPU kernels" in table
 
 

@@ -12,7 +12,11 @@ one's (GPU clock). Per step the summary gives the median of:
 - ``by_category_ms``: GPU time per kernel family (``lora``, ``marlin``, ``w4a16`` for qerl's one-row kernel,
   ``attention``, ``gemm``, ``inductor`` for torch.compile's Triton kernels, ``copy`` for memcpy/memset, ``other``),
   inside and outside the replay;
-- ``top_kernels``: the kernels with the most GPU time per step, with calls per step.
+- ``top_kernels``: the kernels with the most GPU time per step, with calls per step;
+- ``top_host``: the host's events between the first and the last decode replay's launch (torch ops, Python
+  functions, CUDA runtime calls: what the host does while the GPU waits in ``idle_ms``), by time per step, with
+  calls per step. Nested events each count their whole duration, so the times overlap like a profile's
+  cumulative column.
 
 Kernel times are the profiler's (CUPTI) and include its small per-kernel overhead; compare engines profiled the
 same way, not these times with un-profiled tokens/s."""
@@ -29,6 +33,7 @@ from typing import Any, Callable
 __all__ = ["CATEGORIES", "category", "profile_call", "summarize_trace"]
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATS = ("cpu_op", "python_function", "user_annotation", "cuda_runtime", "cuda_driver")
 # first match wins; names lower-cased
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("lora", ("lora", "sgmv", "bgmv")),
@@ -81,9 +86,9 @@ def summarize_trace(trace: dict[str, Any], top: int = 15, min_kernels: int = 0) 
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
     if not gpu:
         raise ValueError("the trace has no GPU kernels: was it recorded with ProfilerActivity.CUDA on a GPU?")
-    launches = {e.get("args", {}).get("correlation") for e in events
-                if e.get("ph") == "X" and e.get("name") in ("cudaGraphLaunch", "cuGraphLaunch")}
-    launches.discard(None)
+    launch_events = {e.get("args", {}).get("correlation"): e for e in events
+                     if e.get("ph") == "X" and e.get("name") in ("cudaGraphLaunch", "cuGraphLaunch")}
+    launches = set(launch_events) - {None}
     groups: dict[Any, list[dict]] = defaultdict(list)
     for e in gpu:
         corr = e.get("args", {}).get("correlation")
@@ -134,6 +139,13 @@ def summarize_trace(trace: dict[str, Any], top: int = 15, min_kernels: int = 0) 
     steps = len(rows)
     names = sorted({c for r in rows for c in r["cats"]})
     kernels = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
+    # the host's events over the same steps: from the first decode replay's launch to the last one's
+    first, last = (launch_events[g[0]["args"]["correlation"]]["ts"] for g in (replays[0], replays[-1]))
+    per_host: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in HOST_CATS and first <= e.get("ts", -1) < last:
+            per_host[(e.get("name", "?"), e["cat"])].append(e.get("dur", 0.0))
+    hosts = sorted(per_host.items(), key=lambda kv: -sum(kv[1]))[:top]
     return {
         "steps": steps,
         "replays_found": len(replays),
@@ -150,6 +162,11 @@ def summarize_trace(trace: dict[str, Any], top: int = 15, min_kernels: int = 0) 
             {"name": name[:120], "category": cat, "in_replay": inside, "calls_per_step": round(len(d) / steps, 2),
              "us_per_step": round(sum(d) / steps, 2)}
             for (name, cat, inside), d in kernels
+        ],
+        "top_host": [
+            {"name": name[:120], "category": cat, "calls_per_step": round(len(d) / steps, 2),
+             "us_per_step": round(sum(d) / steps, 2)}
+            for (name, cat), d in hosts
         ],
     }
 

@@ -194,6 +194,10 @@ def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
             lines.append(f"  {key}: step {p['period_ms']:.3f} = replay {p['replay_busy_ms']:.3f} (span "
                          f"{p['replay_span_ms']:.3f}, {p['replay_kernels']} kernels) + outside {p['outside_busy_ms']:.3f} "
                          f"+ idle {p['idle_ms']:.3f}; {cats}")
+            if p.get("top_host"):  # what the host did meanwhile (the idle is the GPU waiting for it)
+                host = ", ".join(f"{h['name'][:60]} {h['us_per_step']:.0f} us x{h['calls_per_step']:g}"
+                                 for h in p["top_host"][:5])
+                lines.append(f"    host per step: {host}")
     if summary["checks"]:
         lines += ["", "targets (no verdict where the larger spread of the two runs reaches the distance to the target):"]
         for c in summary["checks"]:
