@@ -253,14 +253,12 @@ class MarlinBackend(Backend):
             if fused:  # Marlin's bias is permuted; the one-row kernel adds the natural-order one
                 _set_kernel(layer, "qerl_gemv_bias", raw_bias.clone())
 
-    def _rows_on(self) -> str:
-        """The decode_gemv mode; a bool set on an instance (as tests do) reads as all / off."""
-        return {True: "all", False: "off"}.get(self.decode_gemv, self.decode_gemv)
-
     def _gemv_ok(self, layer: torch.nn.Module) -> bool:
+        """Whether this layer's one-row calls take the row kernel (and the layer keeps its copy) in this mode."""
         n, k = layer.output_size_per_partition, layer.input_size_per_partition
-        mode = self._rows_on()
-        return (mode == "all" and decode_tile(n, k) is not None) or (mode == "small" and small_linear(n, k))
+        if self.decode_gemv == "all":
+            return decode_tile(n, k) is not None
+        return self.decode_gemv == "small" and small_linear(n, k)
 
     def refresh_bias(self, layer: torch.nn.Module, raw_bias: torch.Tensor) -> None:
         from vllm.model_executor.layers.quantization.utils.marlin_utils import (
@@ -279,7 +277,7 @@ class MarlinBackend(Backend):
         _set_kernel(layer, "bias", marlin_permute_bias(marlin_pad_dim(raw_bias, n, padded_n)))
 
     def row_weights(self, layer: torch.nn.Module, bias: torch.Tensor | None) -> tuple | None:
-        if self._rows_on() == "off" or "qerl_gemv_packed" not in layer._parameters:
+        if self.decode_gemv == "off" or "qerl_gemv_packed" not in layer._parameters:
             return None
         # the caller's bias is Marlin's permuted one exactly when it is fused; the row kernel takes the natural order
         row_bias = None if bias is None else layer._parameters.get("qerl_gemv_bias", bias)

@@ -263,15 +263,15 @@ def test_decode_gemv_one_row_calls_take_the_row_lora_path(cpu_config, monkeypatc
                         ("qerl_gemv_gscale", q.global_scale.reshape(1).float())):
             base.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
         backend = MarlinBackend.__new__(MarlinBackend)  # its __init__ refuses a machine without CUDA
-        backend.decode_gemv = True
+        backend.decode_gemv = "all"
         base.quant_method = SimpleNamespace(backend=backend, apply=base.quant_method.apply)
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)).half()
         one = _call(layer, x)
         assert "LoRA call with 1 tokens on the row+lora path" in caplog.text
-        backend.decode_gemv = False  # no row copy offered: the same call in order
+        backend.decode_gemv = "off"  # no row copy offered: the same call in order
         in_order = _call(layer, x)
         caplog.clear()
-        backend.decode_gemv = True
+        backend.decode_gemv = "all"
         five = _call(layer, torch.randn(5, k).half())
         assert "row+lora path" not in caplog.text and five.shape == (5, sum(layer.output_slices))
     assert one.shape == in_order.shape == (1, sum(layer.output_slices))
@@ -305,7 +305,7 @@ def test_a_row_call_the_kernel_refuses_says_why_and_runs_in_order(cpu_config, mo
                         ("qerl_gemv_gscale", q.global_scale.reshape(1).float())):
             base.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
         backend = MarlinBackend.__new__(MarlinBackend)
-        backend.decode_gemv = True
+        backend.decode_gemv = "all"
         base.quant_method = SimpleNamespace(backend=backend, apply=base.quant_method.apply)
         x = torch.randn(1, ROW_SIZES[0]).half()
         outs = [_call(layer, x) for _ in range(2)]

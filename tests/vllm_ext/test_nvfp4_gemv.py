@@ -326,10 +326,11 @@ def test_decode_gemv_mode_picks_the_layers_that_keep_a_row_copy(mode, copied):
     """Which layers' one-row calls a MarlinBackend sends to the row kernel (and so copy), per decode_gemv mode, on the
     7B shapes; a layer without the copy offers no row weights, whatever the mode."""
     pytest.importorskip("vllm")
+    from qerl_plugin import options
     from vllm_ext.nvfp4_backends import MarlinBackend
 
     backend = object.__new__(MarlinBackend)  # no CUDA here: the Marlin checks of __init__ are skipped
-    backend.decode_gemv = mode
+    backend.decode_gemv = options.parse_decode_gemv(mode, "decode_gemv")  # as __init__ stores it
     layers = {}
     shapes = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
     for name, (n, k) in shapes.items():
@@ -368,7 +369,7 @@ BACKEND_DISPATCH = textwrap.dedent(
         return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
     nvfp4_backends.marlin_gemm = stand_in
     backend = object.__new__(MarlinBackend)  # no CUDA here: the Marlin checks of __init__ are skipped
-    backend.decode_gemv, backend.fp32_reduce = True, True
+    backend.decode_gemv, backend.fp32_reduce = "all", True
     x = torch.randn(1, k, generator=g).half()
     ref = x.float() @ w.t()
     got = backend.apply(layer, x, permuted)
