@@ -211,3 +211,16 @@ def test_session_bench_small_plans_the_five_engines_of_4af(tmp_path, rollout_arg
                      "nvfp4-lora@decode-gemv-small": {"decode_gemv": "small"},
                      "nvfp4-lora@decode-gemv": {"decode_gemv": True}, "bf16-lora@punica-lora": None}
     assert runs[0].spec["batches"] == [1, 8, 64] and runs[0].spec["repeats"] == 3
+
+
+def test_session_bench_host8_profiles_the_three_modes_at_b8(tmp_path, rollout_args):
+    """session.sh's bench_host8: §4af's b8 diagnostic, off / small / all with LoRA in that order, profiled."""
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "session.sh").read_text()
+    step = re.search(r"^\s+bench_host8\)(.*?);;", text, flags=re.M | re.S).group(1)
+    argv = re.search(r'BENCH_ARGS="(.*?)"', step, flags=re.S).group(1).replace("\\\n", "")
+    runs, _ = runner.plan(rollout_args(*shlex.split(argv), "--out", str(tmp_path), "--work", str(tmp_path)), tmp_path)
+    assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4-lora@decode-gemv-small", "nvfp4-lora@decode-gemv"]
+    assert all(r.spec["batches"] == [8] and r.spec["profile_tokens"] == 64 for r in runs)
