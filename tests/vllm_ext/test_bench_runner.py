@@ -192,18 +192,22 @@ def test_plan_nf4_needs_real_bf16_files_and_bitsandbytes(tmp_path, rollout_args,
     assert "has no config.json" in skipped[0]["reason"]
 
 
-def test_session_bench_small_plans_the_five_engines_of_4af(tmp_path, rollout_args):
-    """session.sh's bench_small (docs/benchmarks.md §4af), its BENCH_ARGS read from the script with the defaults of its
-    variables: the five engines in order, decode_gemv small in the two engines of that variant and nowhere else."""
+def _session_bench_args(step: str) -> list[str]:
+    """The bench options a session.sh step passes in BENCH_ARGS, its ``${VAR:-default}`` at their defaults."""
     import shlex
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "session.sh").read_text()
-    step = re.search(r"^\s+bench_small\)(.*?);;", text, flags=re.M | re.S).group(1)
-    argv = re.search(r'BENCH_ARGS="(.*?)"', step, flags=re.S).group(1).replace("\\\n", "")
-    argv = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", argv)
-    runs, skipped = runner.plan(rollout_args(*shlex.split(argv), "--out", str(tmp_path), "--work", str(tmp_path)),
-                                tmp_path)
+    body = re.search(rf"^\s+{step}\)(.*?);;", text, flags=re.M | re.S).group(1)
+    argv = re.search(r'BENCH_ARGS="(.*?)"', body, flags=re.S).group(1).replace("\\\n", "")
+    return shlex.split(re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", argv))
+
+
+def test_session_bench_small_plans_the_five_engines_of_4af(tmp_path, rollout_args):
+    """session.sh's bench_small (docs/benchmarks.md §4af), its BENCH_ARGS read from the script with the defaults of its
+    variables: the five engines in order, decode_gemv small in the two engines of that variant and nowhere else."""
+    runs, _ = runner.plan(rollout_args(*_session_bench_args("bench_small"), "--out", str(tmp_path), "--work",
+                                       str(tmp_path)), tmp_path)
     assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4@decode-gemv-small", "nvfp4-lora@decode-gemv-small",
                                      "nvfp4-lora@decode-gemv", "bf16-lora@punica-lora"]
     nvfp4 = {r.key: r.spec["engine"].get("additional_config", {}).get("qerl_nvfp4") for r in runs}
@@ -215,12 +219,7 @@ def test_session_bench_small_plans_the_five_engines_of_4af(tmp_path, rollout_arg
 
 def test_session_bench_host8_profiles_the_three_modes_at_b8(tmp_path, rollout_args):
     """session.sh's bench_host8: §4af's b8 diagnostic, off / small / all with LoRA in that order, profiled."""
-    import shlex
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "session.sh").read_text()
-    step = re.search(r"^\s+bench_host8\)(.*?);;", text, flags=re.M | re.S).group(1)
-    argv = re.search(r'BENCH_ARGS="(.*?)"', step, flags=re.S).group(1).replace("\\\n", "")
-    runs, _ = runner.plan(rollout_args(*shlex.split(argv), "--out", str(tmp_path), "--work", str(tmp_path)), tmp_path)
+    runs, _ = runner.plan(rollout_args(*_session_bench_args("bench_host8"), "--out", str(tmp_path), "--work",
+                                       str(tmp_path)), tmp_path)
     assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4-lora@decode-gemv-small", "nvfp4-lora@decode-gemv"]
     assert all(r.spec["batches"] == [8] and r.spec["profile_tokens"] == 64 for r in runs)
