@@ -42,6 +42,7 @@ __all__ = [
     "LORA_MODES",
     "METHOD",
     "NVFP4_BACKENDS",
+    "NVFP4_BACKEND_ENV",
     "NVFP4_KEY",
     "PEFT_PREFIX",
     "VERL_WORKER_EXTENSION",
@@ -61,6 +62,8 @@ FORMAT = "nvfp4-pack-quantized"
 # additional_config keys (see the module docstring).
 AQN_KEY = "qerl_aqn"
 NVFP4_KEY = "qerl_nvfp4"
+# the environment variable an nvfp4 engine reads its backend from when additional_config names none
+NVFP4_BACKEND_ENV = "QERL_NVFP4_BACKEND"
 NVFP4_BACKENDS = ("auto", "marlin", "humming", "emulation")
 # decode_gemv: one-row calls of no layer, of the small ones (vllm_ext.nvfp4_gemv.small_linear), or of every layer the
 # row kernel takes; a bool means off / all

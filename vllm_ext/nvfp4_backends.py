@@ -47,7 +47,7 @@ __all__ = [
 
 logger = logging.getLogger("qerl.vllm.nvfp4")
 
-BACKEND_ENV = "QERL_NVFP4_BACKEND"
+BACKEND_ENV = options.NVFP4_BACKEND_ENV
 FP32_REDUCE_ENV = "QERL_NVFP4_FP32_REDUCE"
 DECODE_GEMV_ENV = "QERL_NVFP4_DECODE_GEMV"
 HUMMING_BATCH_INVARIANT_ENV = "QERL_HUMMING_BATCH_INVARIANT"
@@ -200,12 +200,13 @@ class MarlinBackend(Backend):
         if fp32_reduce is None:
             fp32_reduce = _option("fp32_reduce", FP32_REDUCE_ENV, "1", options.parse_bool)
         self.fp32_reduce = fp32_reduce
-        if decode_gemv is None:
-            decode_gemv = _option("decode_gemv", DECODE_GEMV_ENV, "off", options.parse_decode_gemv)
         # experimental (docs/benchmarks.md §4j): one-row calls on vllm_ext.nvfp4_gemv's kernel, which reads the
         # checkpoint layout, so the layer keeps that copy of its weights next to Marlin's: in every layer the kernel
         # takes ("all"), or only in the small ones (q/k/v and o; nvfp4_gemv.small_linear)
-        self.decode_gemv = options.parse_decode_gemv(decode_gemv, "decode_gemv")
+        if decode_gemv is None:  # the option or the environment, parsed there
+            self.decode_gemv = _option("decode_gemv", DECODE_GEMV_ENV, "off", options.parse_decode_gemv)
+        else:
+            self.decode_gemv = options.parse_decode_gemv(decode_gemv, "decode_gemv")
         if self.decode_gemv == "all":
             warn_once("decode_gemv", "nvfp4: decode_gemv on - one-row GEMMs run on qerl's experimental NVFP4 kernel; "
                       "each layer keeps a second copy of its 4-bit weights")

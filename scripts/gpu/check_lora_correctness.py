@@ -40,11 +40,12 @@ import time
 import traceback
 from pathlib import Path
 
-BACKEND_ENV = "QERL_NVFP4_BACKEND"  # vllm_ext.nvfp4_backends.BACKEND_ENV (not imported: this process stays off vLLM)
-
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # the installed project (entry points) wins; the checkout is a fallback
+
+# what vllm_ext.nvfp4_backends reads; from qerl_plugin.options, which imports neither torch nor vLLM
+from qerl_plugin.options import NVFP4_BACKEND_ENV as BACKEND_ENV  # noqa: E402
 
 TINY = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
             num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, rms_norm_eps=1e-6,
