@@ -354,11 +354,12 @@ carry .whl (see session.sh humming)"; exit 1; }; python3 -m pip install -q --no-
 --runs nvfp4-lora@default,nvfp4-lora@decode-gemv-small,nvfp4@decode-gemv-small,nvfp4-lora@decode-gemv,\
 bf16-lora@punica-lora \
 --batches ${SMALL_BATCHES:-1,8,64} --new-tokens 256 --repeats ${SMALL_REPEATS:-3}" run_step bench_bg ;;
-    bench_host8)  # §4af's b8 diagnostic again, now with the profile's host events (top_host): off, small and all with
-        # LoRA at b8, 3 repeats, 64 profiled tokens. In the background into $work/bench-host8
+    bench_host8)  # §4af's b8 diagnostic again (§4ag), with the profile's host events (top_host) and the child's host
+        # clock (GC pauses, CPU time per step): off, small, all with LoRA at b8, then off again (overlap-lora: the
+        # default's mode named explicitly), 3 repeats, 64 profiled tokens. In the background into $work/bench-host8
         # (`TAG=-host8 session.sh bench_watch`)
-        TAG=-host8 BENCH_ARGS="--shape 7B --configs nvfp4-lora --variants default,decode-gemv-small,decode-gemv \
---batches 8 --new-tokens 256 --repeats 3 --profile-tokens 64" run_step bench_bg ;;
+        TAG=-host8 BENCH_ARGS="--shape 7B --configs nvfp4-lora --variants default,decode-gemv-small,decode-gemv,\
+overlap-lora --batches 8 --new-tokens 256 --repeats 3 --profile-tokens 64" run_step bench_bg ;;
     humming_next)  # after lora_r32_humming (§4ae): where §2's check passed on humming (its status line rc=0), the pair of
         # RESP/STEPS/TAG/V7_ARGS in the background (v7_pair_bg: V7_ARGS should hold --nvfp4-backend humming); otherwise
         # the LoRA-overhead bench (bench_hover). Follow it with `v7_watch` (same TAG) and `TAG=-hover bench_watch`: the

@@ -159,7 +159,14 @@ def test_profiled_steps_are_printed():
 
     res = _res("nvfp4-lora", "default", {1: 200.0})
     res["profile"] = {"1": profile.summarize_trace(_trace()), "8": {"error": "the trace has no GPU kernels: ..."}}
+    clock = {"gc": {}, "gc_ms_per_step": 0.0, "wall_s": 0.5, "cpu_s": 0.4, "cpu_ms_per_step": 4.0}
+    res["profile"]["1"]["host_sampled"] = {"clock": clock, "threads": {
+        "MainThread": {"samples": 900, "leaf": [["core/sched.py:schedule", 0.25], ["x/y.py:f", 0.125]]},
+        "other": {"samples": 10, "leaf": [["a/b.py:wait", 1.0]]}, "third": {"samples": 1, "leaf": []}}}
     table = report.format_table([res], {"rows": {}, "checks": []}, [1])
+    assert "    the same tokens sampled without the profiler: cpu 4.000, gc 0.000 (0/0/0; max 0.0 ms)" in table
+    assert "    MainThread (900 samples), innermost frames: core/sched.py:schedule 25%, x/y.py:f 12%" in table
+    assert "    other (10 samples), innermost frames: a/b.py:wait 100%" in table and "third (" not in table
     assert ("nvfp4-lora@default b1: step 1.000 = replay 0.270 (span 0.270, 4 kernels) + outside 0.305 + idle 0.425; "
             "outside:gemm 0.300, marlin 0.200, lora 0.050, attention 0.020, outside:copy 0.005") in table
     assert "    host per step: cudaGraphLaunch 8 us x1, cudaLaunchKernel 4 us x1" in table
@@ -188,3 +195,72 @@ def test_ratios_against_qloras_nf4_base_where_the_run_has_one(rollout_args):
     summary = report.summarize(results[:1] + results[2:], rollout_args("--shape", "7B"))
     assert all("vs_qlora" not in row for row in summary["rows"].values())
     assert "QLoRA" not in report.format_table(results[:1] + results[2:], summary, [1, 8])
+
+
+def test_host_clock_counts_real_collections_and_cpu_time():
+    import gc
+    import time
+
+    from vllm_ext.bench import report
+    from vllm_ext.bench.child import HostClock
+
+    host = HostClock()
+    try:
+        host.reset()
+        start, cpu = time.perf_counter(), time.process_time()
+        gc.collect(0)
+        gc.collect(2)
+        busy_until = time.process_time() + 0.05  # 50 ms of CPU on this thread
+        while time.process_time() < busy_until:
+            pass
+        h = host.summary(time.perf_counter() - start, time.process_time() - cpu, 10)
+    finally:
+        host.close()
+    assert gc.callbacks.count(host._callback) == 0  # closed: nothing left hooked into the interpreter
+    assert h["gc"]["gen0"]["count"] >= 1 and h["gc"]["gen2"]["count"] >= 1
+    assert h["gc_ms_per_step"] > 0 and h["gc"]["gen2"]["max_ms"] <= h["gc"]["gen2"]["total_ms"]
+    assert h["cpu_ms_per_step"] >= 5.0 and h["cpu_s"] <= h["wall_s"] + 0.01
+    cell = report.host_cell(h)
+    assert cell.startswith(f"cpu {h['cpu_ms_per_step']:.3f}, gc ") and "; max " in cell
+
+
+def test_host_lines_in_the_table(rollout_args):
+    from vllm_ext.bench import report
+
+    h = {"gc": {"gen0": {"count": 3, "total_ms": 0.3, "max_ms": 0.2}, "gen2": {"count": 1, "total_ms": 9.0,
+                                                                             "max_ms": 9.0}},
+         "gc_ms_per_step": 0.0363, "wall_s": 1.0, "cpu_s": 0.9, "cpu_ms_per_step": 3.63}
+    results = [{"config": "nvfp4-lora", "variant": "default", "ok": True,
+                "batches": {"8": {"decode_tok_s": 1900.0, "decode_spread": 0.01, "host": [h, h]}}}]
+    table = report.format_table(results, report.summarize(results, rollout_args("--shape", "7B")), [8])
+    line = next(ln for ln in table.splitlines() if ln.startswith("  nvfp4-lora@default b8: cpu"))
+    assert line.count("cpu 3.630, gc 0.036 (3/0/1; max 9.0 ms)") == 2
+
+
+def test_stack_sampler_finds_the_busy_function_of_another_thread():
+    import threading
+    import time
+
+    from vllm_ext.bench.child import StackSampler
+
+    done = threading.Event()
+
+    def spin_here():
+        while not done.is_set():
+            sum(range(200))
+
+    worker = threading.Thread(target=spin_here, name="busy-worker")
+    worker.start()
+    try:
+        with StackSampler(interval_s=0.001) as sampler:
+            time.sleep(0.3)
+    finally:
+        done.set()
+        worker.join()
+    threads = sampler.summary()["threads"]
+    busy = threads["busy-worker"]
+    assert busy["samples"] >= 20
+    top, share = busy["leaf"][0]
+    assert top.endswith("test_bench_report.py:spin_here") and share > 0.5
+    assert any(w.endswith(":spin_here") for w, _ in busy["inclusive"])
+    assert "qerl-stack-sampler" not in threads  # it does not sample itself

@@ -218,8 +218,12 @@ def test_session_bench_small_plans_the_five_engines_of_4af(tmp_path, rollout_arg
 
 
 def test_session_bench_host8_profiles_the_three_modes_at_b8(tmp_path, rollout_args):
-    """session.sh's bench_host8: §4af's b8 diagnostic, off / small / all with LoRA in that order, profiled."""
+    """session.sh's bench_host8: §4af's b8 diagnostic, off / small / all with LoRA in that order, then the default's
+    LoRA mode again under its explicit name (the order's own effect), profiled."""
     runs, _ = runner.plan(rollout_args(*_session_bench_args("bench_host8"), "--out", str(tmp_path), "--work",
                                        str(tmp_path)), tmp_path)
-    assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4-lora@decode-gemv-small", "nvfp4-lora@decode-gemv"]
+    assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4-lora@decode-gemv-small", "nvfp4-lora@decode-gemv",
+                                     "nvfp4-lora@overlap-lora"]
+    overlap = runs[3].spec["engine"]["additional_config"]
+    assert overlap.get("qerl_lora") == "overlap" and not (overlap.get("qerl_nvfp4") or {}).get("decode_gemv")
     assert all(r.spec["batches"] == [8] and r.spec["profile_tokens"] == 64 for r in runs)

@@ -79,6 +79,105 @@ def decode_stats(batch: int, new_tokens: int, prefill_s: list[float], total_s: l
     }
 
 
+class HostClock:
+    """The host's side of timed runs: Python's garbage collections (count, total and longest pause per
+    generation, from ``gc.callbacks``) and the process's CPU time against the wall clock. A decode step whose GPU
+    waits for the host (the profile's ``idle_ms``) shows up here as collections or as CPU time per step."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self._gc = gc
+        self._start: float | None = None
+        self.pauses: dict[int, list[float]] = {}
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.pauses.setdefault(int(info.get("generation", -1)), []).append(time.perf_counter() - self._start)
+            self._start = None
+
+    def reset(self) -> None:
+        self.pauses = {}
+
+    def summary(self, wall_s: float, cpu_s: float, steps: int) -> dict[str, Any]:
+        """The collections since :meth:`reset` and the CPU time of ``wall_s`` seconds of ``steps`` decode steps."""
+        gcs = {f"gen{g}": {"count": len(p), "total_ms": round(1e3 * sum(p), 3), "max_ms": round(1e3 * max(p), 3)}
+               for g, p in sorted(self.pauses.items())}
+        total = sum(sum(p) for p in self.pauses.values())
+        return {"gc": gcs, "gc_ms_per_step": round(1e3 * total / max(steps, 1), 4), "wall_s": round(wall_s, 4),
+                "cpu_s": round(cpu_s, 4), "cpu_ms_per_step": round(1e3 * cpu_s / max(steps, 1), 4)}
+
+    def close(self) -> None:
+        if self._callback in self._gc.callbacks:
+            self._gc.callbacks.remove(self._callback)
+
+
+class StackSampler:
+    """A statistical profile of the host's Python: a thread that reads every other thread's stack every
+    ``interval_s`` (``sys._current_frames``) while it runs. Per thread, the innermost frames (``leaf``) and every
+    frame on a stack (``inclusive``) by share of samples; ``file:function``, the file by its last two parts. The
+    sampler needs the GIL to read, so a thread that holds it long (a C call, a collection) delays the sample,
+    which then counts that thread's frame once: shares, not durations."""
+
+    def __init__(self, interval_s: float = 0.0005, top: int = 12) -> None:
+        import threading
+
+        self.interval_s, self.top = interval_s, top
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="qerl-stack-sampler", daemon=True)
+        self._leaf: dict[str, dict[str, int]] = {}
+        self._inclusive: dict[str, dict[str, int]] = {}
+        self._samples: dict[str, int] = {}
+
+    @staticmethod
+    def _where(frame: Any) -> str:
+        parts = frame.f_code.co_filename.replace("\\", "/").split("/")
+        return f"{'/'.join(parts[-2:])}:{frame.f_code.co_name}"
+
+    def _run(self) -> None:
+        import sys
+        import threading
+
+        me = threading.get_ident()
+        while not self._stop.wait(self.interval_s):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                name = names.get(ident, str(ident))
+                self._samples[name] = self._samples.get(name, 0) + 1
+                leaf = self._leaf.setdefault(name, {})
+                where = self._where(frame)
+                leaf[where] = leaf.get(where, 0) + 1
+                seen, inc = set(), self._inclusive.setdefault(name, {})
+                while frame is not None:
+                    where = self._where(frame)
+                    if where not in seen:
+                        seen.add(where)
+                        inc[where] = inc.get(where, 0) + 1
+                    frame = frame.f_back
+
+    def __enter__(self) -> "StackSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, Any]:
+        def shares(counts: dict[str, int], n: int) -> list[list[Any]]:
+            ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:self.top]
+            return [[where, round(c / n, 4)] for where, c in ranked]
+
+        return {"interval_s": self.interval_s, "threads": {
+            name: {"samples": n, "leaf": shares(self._leaf[name], n), "inclusive": shares(self._inclusive[name], n)}
+            for name, n in sorted(self._samples.items(), key=lambda kv: -kv[1])}}
+
+
 def greedy_fingerprint(llm, spec: dict, lora, sampling_params_cls) -> dict[str, Any]:
     """Greedy tokens and their chosen-token logprobs for a few fixed prompts: two engines (e.g. the same config
     with another LoRA kernel) that compute the same function agree on them (compared in the report)."""
@@ -139,15 +238,20 @@ def main(spec_path: str, result_path: str) -> int:
             return [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(spec["prompt_len"])]}
                     for _ in range(n)]
 
+        host = HostClock()
+        host_runs: list[dict[str, Any]] = []
+
         def timed(n: int, max_tokens: int) -> float:
             # RL-style sampling (temperature 1); no per-request seed: seeded requests take a slower sampler path
             params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=1.0)
             batch = prompts(n)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            host.reset()
+            start, cpu = time.perf_counter(), time.process_time()
             outs = llm.generate(batch, params, lora_request=lora, use_tqdm=False)
             elapsed = time.perf_counter() - start
+            host_runs.append(host.summary(elapsed, time.process_time() - cpu, max_tokens))
             got = [len(o.outputs[0].token_ids) for o in outs]
             if got != [max_tokens] * n:
                 raise RuntimeError(f"expected {max_tokens} tokens per request, got {sorted(set(got))}")
@@ -157,8 +261,10 @@ def main(spec_path: str, result_path: str) -> int:
         for b in spec["batches"]:
             timed(b, 16)  # warm-up: this batch size's graphs, allocator, LoRA slot
             prefill = [timed(b, 1) for _ in range(spec["repeats"])]
+            host_runs.clear()
             total = [timed(b, new) for _ in range(spec["repeats"])]
             result["batches"][str(b)] = decode_stats(b, new, prefill, total)
+            result["batches"][str(b)]["host"] = list(host_runs)  # per timed run: GC pauses, CPU time per step
             save()
         if spec.get("profile_tokens"):
             from vllm_ext.bench.profile import profile_call
@@ -167,7 +273,13 @@ def main(spec_path: str, result_path: str) -> int:
             stem = Path(result_path).name.removesuffix(".result.json")
             for b in spec["batches"]:
                 trace = Path(result_path).with_name(f"{stem}.b{b}.trace.json.gz")
+                host_runs.clear()
                 profiles[str(b)] = profile_call(lambda: timed(b, spec["profile_tokens"]), trace)  # noqa: B023
+                profiles[str(b)]["host"] = host_runs[-1] if host_runs else None
+                save()
+                with StackSampler() as sampler:  # the same tokens again, outside torch.profiler
+                    timed(b, spec["profile_tokens"])
+                profiles[str(b)]["host_sampled"] = {**sampler.summary(), "clock": host_runs[-1]}
                 profiles[str(b)]["trace"] = trace.name
                 save()
         if spec.get("greedy_prompts"):

@@ -125,6 +125,14 @@ def greedy_agreement(results: list[dict]) -> dict[str, Any]:
     return out
 
 
+def host_cell(h: dict) -> str:
+    """One timed run's host line: CPU ms per step, GC ms per step (collections per generation; longest pause)."""
+    gc = h.get("gc") or {}
+    counts = "/".join(str((gc.get(f"gen{g}") or {}).get("count", 0)) for g in range(3))
+    longest = max((v.get("max_ms", 0.0) for v in gc.values()), default=0.0)
+    return f"cpu {h['cpu_ms_per_step']:.3f}, gc {h['gc_ms_per_step']:.3f} ({counts}; max {longest:.1f} ms)"
+
+
 def _gib(n: Any) -> str:
     return f"{n / 2**30:.2f}" if isinstance(n, (int, float)) and n else "-"
 
@@ -172,6 +180,14 @@ def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
                for b, m in r.get("batches", {}).items() if m.get("decode_spread") is not None]
     if spreads:
         lines += ["", "spread of the repeats ((max - min) / median decode tok/s): " + "; ".join(spreads)]
+    hosts = [(r, b, m["host"]) for r in results if r.get("ok") for b, m in r.get("batches", {}).items()
+             if m.get("host")]
+    if hosts:
+        lines += ["", "the host during each timed run (vllm_ext.bench.child.HostClock), per decode step: process "
+                  "CPU ms; Python GC ms (collections: gen0/gen1/gen2; longest pause)"]
+        for r, b, runs in hosts:
+            cells = "; ".join(host_cell(h) for h in runs)
+            lines.append(f"  {r['config']}@{r['variant']} b{b}: {cells}")
     clocks = [(r, r["gpu_clocks"]) for r in results if (r.get("gpu_clocks") or {}).get("busy")]
     if clocks:
         lines += ["", "GPU while each engine ran, busy samples (qerl_plugin.gpu_clocks): median SM clock of the rated, "
@@ -194,10 +210,18 @@ def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
             lines.append(f"  {key}: step {p['period_ms']:.3f} = replay {p['replay_busy_ms']:.3f} (span "
                          f"{p['replay_span_ms']:.3f}, {p['replay_kernels']} kernels) + outside {p['outside_busy_ms']:.3f} "
                          f"+ idle {p['idle_ms']:.3f}; {cats}")
+            if p.get("host"):
+                lines.append(f"    host clock: {host_cell(p['host'])}")
             if p.get("top_host"):  # what the host did meanwhile (the idle is the GPU waiting for it)
                 host = ", ".join(f"{h['name'][:60]} {h['us_per_step']:.0f} us x{h['calls_per_step']:g}"
                                  for h in p["top_host"][:5])
                 lines.append(f"    host per step: {host}")
+            sampled = p.get("host_sampled") or {}
+            if sampled.get("clock"):
+                lines.append(f"    the same tokens sampled without the profiler: {host_cell(sampled['clock'])}")
+            for name, t in list(sampled.get("threads", {}).items())[:2]:  # the two busiest threads
+                leaf = ", ".join(f"{w} {share:.0%}" for w, share in t["leaf"][:6])
+                lines.append(f"    {name} ({t['samples']} samples), innermost frames: {leaf}")
     if summary["checks"]:
         lines += ["", "targets (no verdict where the larger spread of the two runs reaches the distance to the target):"]
         for c in summary["checks"]:
