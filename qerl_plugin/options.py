@@ -40,6 +40,7 @@ __all__ = [
     "LORA_KEY",
     "LORA_DEFAULT",
     "LORA_MODES",
+    "LORA_SPLIT_ADD_ENV",
     "METHOD",
     "NVFP4_BACKENDS",
     "NVFP4_BACKEND_ENV",
@@ -75,6 +76,9 @@ LORA_MODES = ("fused", "punica", "dense", "overlap")
 # an H100 (docs/benchmarks.md §4g, §4h), and overlap faster than fused at all three (+2.9 / +1.8 / +3.6 %, 5 repeats,
 # spreads <= 1.3 %; §4l lease 3); engines with more than one adapter slot run punica whatever the mode.
 LORA_DEFAULT = "overlap"
+# overlap mode: the op returns the base GEMM's output and the LoRA update apart and the model adds them, so that
+# torch.compile fuses the add into the next kernel (1, the default) instead of one add kernel per linear (0; §4ag)
+LORA_SPLIT_ADD_ENV = "QERL_LORA_SPLIT_ADD"
 # vLLM worker extensions: qerl's RPCs alone, and verl's extension with qerl's RPCs (what verl_ext starts).
 WORKER_EXTENSION = "vllm_ext.worker_extension.QerlWorkerExtension"
 VERL_WORKER_EXTENSION = "verl_ext.worker_extension.QerlVerlWorkerExtension"

@@ -20,7 +20,10 @@ call instead, when it runs (eagerly, or while vLLM captures a CUDA graph for one
 The ``overlap`` path (``additional_config={"qerl_lora": "overlap"}``) runs the same kernel on a second CUDA stream,
 beside the layer's base GEMM instead of after it: one op, ``qerl::linear_lora_overlap``, computes the base GEMM
 on the current stream while the kernel writes the update into a scratch tensor on the side stream, joins, and
-adds (``y + round(update)``: the bits ``fused`` gives). At decode the kernel is latency-bound (5-7 us per linear,
+adds (``y + round(update)``: the bits ``fused`` gives). Since §4ag the add is the model's: the op
+``qerl::linear_lora_overlap_split`` returns ``(y, update)`` and the traced ``y + update`` is fused by torch.compile
+into the kernel that reads the output next, instead of an add kernel per linear (112 per 7B step, 0.14 ms at batch
+8 on an H200); ``QERL_LORA_SPLIT_ADD=0`` keeps the add inside ``qerl::linear_lora_overlap``. At decode the kernel is latency-bound (5-7 us per linear,
 §4v) and the 4-bit GEMM bandwidth-bound, so the two can share the GPU. Calls of more than 64 tokens run the base
 GEMM and punica one after the other, as ``fused`` does. vLLM's own ``VLLM_LORA_ENABLE_DUAL_STREAM`` does the
 same with punica's three launches (and a zero-filled buffer) for every call size; it is a process-wide switch.
@@ -39,17 +42,19 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
 
 import torch
 from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
+from qerl_plugin.options import LORA_SPLIT_ADD_ENV, parse_bool
 from vllm_ext import lora_fused, nvfp4_gemv_lora
 from vllm_ext.lora_dense import dense_lora_linear, requested_mode
 from vllm_ext.triton_support import interpreting as _interpreting
 
-__all__ = ["FUSED_OP", "LINEAR_APPLY_TARGET", "MERGED_APPLY_TARGET", "OVERLAP_OP", "SET_MAPPING_TARGET",
-           "QerlPunicaWrapper", "route_merged_layers"]
+__all__ = ["FUSED_OP", "LINEAR_APPLY_TARGET", "MERGED_APPLY_TARGET", "OVERLAP_OP", "OVERLAP_SPLIT_OP",
+           "SET_MAPPING_TARGET", "QerlPunicaWrapper", "route_merged_layers", "split_add"]
 
 logger = logging.getLogger("qerl.vllm.lora_dense")
 
@@ -62,6 +67,7 @@ MERGED_APPLY_TARGET = "vllm.lora.layers.column_parallel_linear:_mcp_apply"  # wh
 LINEAR_APPLY_TARGET = "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.apply"
 SET_MAPPING_TARGET = "vllm.lora.layers.base:BaseLayerWithLoRA.set_mapping"
 OVERLAP_OP = "qerl::linear_lora_overlap"
+OVERLAP_SPLIT_OP = "qerl::linear_lora_overlap_split"  # the same, returning the base output and the update apart
 OVERLAP_MODE = "overlap"
 ROW_PATH = "row+lora"  # the overlap op's path for one-row calls of decode_gemv engines (vllm_ext.nvfp4_gemv_lora)
 # name -> the live LoRA layers registered under it: one per engine that this process builds
@@ -167,9 +173,25 @@ def _overlapped(layer: torch.nn.Module) -> bool:
     return _routed(layer) and layer.punica_wrapper.qerl_mode == OVERLAP_MODE
 
 
+def split_add(layer: torch.nn.Module) -> bool:
+    """Whether the overlap mode returns this layer's base output and LoRA update apart, for the model to add:
+    ``QERL_LORA_SPLIT_ADD`` (a bool, default on), except on layers with decode_gemv's copy, whose one-row calls
+    take the row+lora path (the update added inside its kernel). Decided when the model is traced."""
+    if not parse_bool(os.environ.get(LORA_SPLIT_ADD_ENV, "1") or "1", LORA_SPLIT_ADD_ENV):
+        return False
+    backend = getattr(layer._get_quant_method(), "backend", None)
+    return backend is None or backend.row_weights(layer.base_layer, None) is None
+
+
 def _overlap_call(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """What a routed layer's ``apply`` returns in the overlap mode: the op, which finds the layer by name and by
-    its first LoRA-A tensor."""
+    its first LoRA-A tensor. Where :func:`split_add`, the op returns ``(base output, update)`` and the sum is
+    left in the traced model: torch.compile fuses it into the kernel that reads the output next (the residual add
+    and RMSNorm, SiLU-and-multiply, the rotary embedding) instead of one add kernel per linear (§4ag)."""
+    if split_add(layer):
+        out, update = torch.ops.qerl.linear_lora_overlap_split(x, bias, layer.lora_a_stacked[0], _layer_name(layer),
+                                                               sum(layer.output_slices))
+        return out + update
     return torch.ops.qerl.linear_lora_overlap(x, bias, layer.lora_a_stacked[0], _layer_name(layer),
                                               sum(layer.output_slices))
 
@@ -218,7 +240,22 @@ def _linear_lora_overlap_fake(x, bias, lora_a0, layer_name, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+@torch.library.custom_op(OVERLAP_SPLIT_OP, mutates_args=())
+def linear_lora_overlap_split(x: torch.Tensor, bias: torch.Tensor | None, lora_a0: torch.Tensor, layer_name: str,
+                              out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`linear_lora_overlap` without its last add: ``(base(x), LoRA(x))``, both ``[..., out_features]``,
+    whose sum is the layer's output. Calls that run in order (more than 64 tokens, or a call the kernel refuses)
+    return the whole output and zeros, as their add happens inside punica's kernel."""
+    return _apply_overlapped(_registered(layer_name, lora_a0), x, bias, split=True)
+
+
+@linear_lora_overlap_split.register_fake
+def _linear_lora_overlap_split_fake(x, bias, lora_a0, layer_name, out_features):
+    shape = (*x.shape[:-1], out_features)
+    return x.new_empty(shape), x.new_empty(shape)
+
+
+def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, split: bool = False):
     wrapper = layer.punica_wrapper
     a, b = tuple(layer.lora_a_stacked), tuple(layer.lora_b_stacked)
     slices = tuple(layer.output_slices)
@@ -234,7 +271,8 @@ def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
             why = nvfp4_gemv_lora.supports(x2, row[0], a, b, slices)
             if why is None:
                 _log_path(ROW_PATH, tokens, None)
-                return nvfp4_gemv_lora.launch_supported(x, *row, a, b, 1.0, slices, wrapper._token_lora_indices)
+                y = nvfp4_gemv_lora.launch_supported(x, *row, a, b, 1.0, slices, wrapper._token_lora_indices)
+                return (y, torch.zeros_like(y)) if split else y
             if why not in _ROW_REFUSALS:  # once per reason: the call runs as below
                 _ROW_REFUSALS.add(why)
                 logger.warning("qerl: a one-row LoRA call of %s stays off the row+lora path (%s); it runs the "
@@ -242,12 +280,17 @@ def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
     if not x.is_cuda or lora_fused.supports(x2, a, b, slices) is not None:
         # in order, on this stream, as the fused mode runs: the base GEMM, then vLLM's own step that has the wrapper
         # add the update (the one-launch kernel where it takes the call, punica for more than 64 tokens)
-        return layer._apply_lora_to_output(x, base.apply(layer.base_layer, x, bias))
+        y = layer._apply_lora_to_output(x, base.apply(layer.base_layer, x, bias))
+        return (y, torch.zeros_like(y)) if split else y
     _log_path(OVERLAP_MODE, tokens, None)
     update = torch.empty((tokens, sum(slices)), dtype=x.dtype, device=x.device)  # every element gets written
-    return lora_fused.launch_beside(lambda: base.apply(layer.base_layer, x, bias), update, x2, a, b, 1.0, slices,
-                                    wrapper._token_lora_indices, wrapper._qerl_sync,
-                                    *wrapper._qerl_side_stream(x.device))
+    got = lora_fused.launch_beside(lambda: base.apply(layer.base_layer, x, bias), update, x2, a, b, 1.0, slices,
+                                   wrapper._token_lora_indices, wrapper._qerl_sync,
+                                   *wrapper._qerl_side_stream(x.device), add=not split)
+    if split:
+        out, update = got
+        return out, update.view(out.shape)
+    return got
 
 
 def route_merged_layers() -> None:

@@ -305,12 +305,13 @@ def launch(
 def launch_beside(base, update: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
                   lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...],
                   token_lora_indices: torch.Tensor, sync: torch.Tensor, side: "torch.cuda.Stream",
-                  start: "torch.cuda.Event", done: "torch.cuda.Event") -> torch.Tensor:
+                  start: "torch.cuda.Event", done: "torch.cuda.Event", add: bool = True):
     """``base() + LoRA(x)`` with the kernel beside the base GEMM (the overlap mode): ``start`` is recorded on the
     current stream, ``base()`` is enqueued there, the kernel (overwrite mode, into ``update`` ``[tokens, sum(slices)]``)
     on ``side`` after ``start``; the current stream waits for ``done`` and adds. ``x``, ``update`` and ``sync`` must
     stay untouched until then, which the wait guarantees for anything the current stream does next. CUDA graphs
-    capture the fork and join as edges (``side`` joins the capture through ``start``)."""
+    capture the fork and join as edges (``side`` joins the capture through ``start``). With ``add=False`` it
+    returns ``(base(), update)`` after the join, for the caller to add (and a compiler to fuse the add)."""
     main = torch.cuda.current_stream(x.device)
     start.record(main)
     out = base()
@@ -320,5 +321,7 @@ def launch_beside(base, update: torch.Tensor, x: torch.Tensor, lora_a_stacked: t
                add_inputs=False)
         done.record(side)
     main.wait_event(done)
+    if not add:
+        return out, update
     out.view(-1, out.shape[-1]).add_(update)
     return out

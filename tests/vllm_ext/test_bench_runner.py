@@ -227,3 +227,16 @@ def test_session_bench_host8_profiles_the_three_modes_at_b8(tmp_path, rollout_ar
     overlap = runs[3].spec["engine"]["additional_config"]
     assert overlap.get("qerl_lora") == "overlap" and not (overlap.get("qerl_nvfp4") or {}).get("decode_gemv")
     assert all(r.spec["batches"] == [8] and r.spec["profile_tokens"] == 64 for r in runs)
+
+
+def test_session_bench_split_compares_the_add_in_the_op_with_the_split_default(tmp_path, rollout_args):
+    """session.sh's bench_split (§4ag): the overlap mode with the add inside the op (QERL_LORA_SPLIT_ADD=0) against
+    the split default, and NVFP4 without LoRA for the overhead, b1/b8/b64, profiled."""
+    runs, _ = runner.plan(rollout_args(*_session_bench_args("bench_split"), "--out", str(tmp_path), "--work",
+                                       str(tmp_path)), tmp_path)
+    assert sorted(r.key for r in runs) == ["nvfp4-lora@default", "nvfp4-lora@overlap-add-in-op", "nvfp4@default"]
+    env = {r.key: r.env for r in runs}
+    assert env["nvfp4-lora@overlap-add-in-op"].get("QERL_LORA_SPLIT_ADD") == "0"
+    assert "QERL_LORA_SPLIT_ADD" not in env["nvfp4-lora@default"]
+    assert all(r.spec["batches"] == [1, 8, 64] and r.spec["repeats"] == 3 and r.spec["profile_tokens"] == 64
+               for r in runs)

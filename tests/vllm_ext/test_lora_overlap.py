@@ -127,7 +127,7 @@ def test_overlap_mode_routes_each_linear_through_the_op(cpu_config, monkeypatch,
         calls = _torch_update(layer.punica_wrapper)
         ops = []
         real = ldw._apply_overlapped
-        monkeypatch.setattr(ldw, "_apply_overlapped", lambda *args: ops.append(args[0]) or real(*args))
+        monkeypatch.setattr(ldw, "_apply_overlapped", lambda *args, **kw: ops.append(args[0]) or real(*args, **kw))
         x = torch.randn(5, 64)
         out = _call(layer, x)
     assert ops == [layer]  # one op call, which found this layer by its name
@@ -174,6 +174,68 @@ def test_overlap_op_schema_and_fake_kernel(cpu_config):
                               test_utils=("test_schema", "test_faketensor"))
         out = torch.ops.qerl.linear_lora_overlap(x, None, a0, base.prefix, 128)
     assert out.shape == (5, 128)
+
+
+@pytest.mark.parametrize("split", ["1", "0"])
+@pytest.mark.parametrize("kind", ["gate_up", "qkv", "o"])
+def test_the_add_is_left_to_the_compiled_model_unless_turned_off(cpu_config, monkeypatch, kind, split):
+    """By default the overlap op returns the base output and the update apart and the traced model adds them (one
+    ``qerl::linear_lora_overlap_split`` node, then an add that torch.compile can fuse into the next kernel);
+    ``QERL_LORA_SPLIT_ADD=0`` keeps the add inside ``qerl::linear_lora_overlap``. Same result either way."""
+    from vllm.config import set_current_vllm_config
+
+    monkeypatch.setenv(options.LORA_SPLIT_ADD_ENV, split)
+    with set_current_vllm_config(cpu_config):
+        layer, base, a, b = _layer(kind, "overlap", prefix=f"split{split}.{kind}")
+        _torch_update(layer.punica_wrapper)
+        assert ldw.split_add(layer) is (split == "1")
+        nodes = []
+
+        def backend(gm, example_inputs):
+            nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+
+        compiled = torch.compile(lambda x: _call(layer, x), backend=backend, dynamic=True, fullgraph=True)
+        x = torch.randn(5, 64)
+        got = compiled(x)
+    ops = [t for t in nodes if "linear_lora_overlap" in t]
+    if split == "1":
+        assert ops == ["qerl.linear_lora_overlap_split"], nodes
+        after = nodes[nodes.index(ops[0]) + 1:]
+        assert any("add" in t for t in after), nodes  # the sum, in the graph
+    else:
+        assert ops == ["qerl.linear_lora_overlap"], nodes
+    served = torch.tensor([True, True, False, True, True])
+    want, _ = _expected(base, a, b, x, served)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_split_op_schema_fake_kernel_and_its_parts(cpu_config):
+    """The split op's two outputs: on the CPU (in order) the whole output and zeros."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(cpu_config):
+        layer, base, a, b = _layer("gate_up", "overlap", prefix="opcheck_split.gate_up")
+        _torch_update(layer.punica_wrapper)
+        x = torch.randn(5, 64)
+        a0 = layer.lora_a_stacked[0]
+        torch.library.opcheck(ldw.linear_lora_overlap_split, (x, None, a0, base.prefix, 128),
+                              test_utils=("test_schema", "test_faketensor"))
+        out, update = torch.ops.qerl.linear_lora_overlap_split(x, None, a0, base.prefix, 128)
+    assert out.shape == update.shape == (5, 128)
+    assert torch.count_nonzero(update) == 0
+    want, _ = _expected(base, a, b, x, torch.tensor([True, True, False, True, True]))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_bad_split_switch_is_an_error_naming_it(cpu_config, monkeypatch):
+    from vllm.config import set_current_vllm_config
+
+    monkeypatch.setenv(options.LORA_SPLIT_ADD_ENV, "maybe")
+    with set_current_vllm_config(cpu_config):
+        layer, *_ = _layer("o", "overlap", prefix="badswitch.o")
+        with pytest.raises(ValueError, match="QERL_LORA_SPLIT_ADD: expected true or false, got 'maybe'"):
+            ldw.split_add(layer)
 
 
 def test_an_unknown_layer_name_is_an_error_naming_it():
@@ -307,6 +369,7 @@ def test_a_row_call_the_kernel_refuses_says_why_and_runs_in_order(cpu_config, mo
         backend = MarlinBackend.__new__(MarlinBackend)
         backend.decode_gemv = "all"
         base.quant_method = SimpleNamespace(backend=backend, apply=base.quant_method.apply)
+        assert not ldw.split_add(layer)  # a layer with decode_gemv's copy keeps the add inside the op
         x = torch.randn(1, ROW_SIZES[0]).half()
         outs = [_call(layer, x) for _ in range(2)]
     refusals = [r.getMessage() for r in caplog.records if "stays off the row+lora path" in r.getMessage()]
@@ -433,6 +496,37 @@ def test_gpu_overlap_matches_fused_and_the_exact_result(cpu_config, monkeypatch,
             assert (rep.float() - exact).abs().max().item() <= 1.5 * floor + 1e-2
     else:
         assert f"LoRA call with {tokens} tokens on the overlap path" not in caplog.text
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("kind", sorted(QWEN_7B))
+def test_gpu_split_add_gives_the_bits_of_the_add_inside_the_op(cpu_config, monkeypatch, kind, tokens):
+    """Eagerly, the model's ``out + update`` is the op's own add: the same bits, with or without QERL_LORA_SPLIT_ADD,
+    and in a CUDA graph replay (the side stream's join precedes the add either way)."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(cpu_config):
+        outs = {}
+        for split in ("0", "1"):
+            monkeypatch.setenv(options.LORA_SPLIT_ADD_ENV, split)
+            layer, base, a, b, served = _gpu_layer(kind, "overlap", tokens, monkeypatch)
+            assert ldw.split_add(layer) is (split == "1")
+            x = torch.randn(tokens, QWEN_7B[kind], device="cuda", dtype=torch.bfloat16,
+                            generator=torch.Generator("cuda").manual_seed(5))
+            eager = _call(layer, x)
+            static = x.clone()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = _call(layer, static)
+            graph.replay()
+            torch.cuda.synchronize()
+            outs[split] = (eager, captured.clone())
+    # the shrink's fp32 atomics may add in another order between launches (see above): ~2 bf16 ulps, not bits
+    for one, other in zip(outs["0"], outs["1"]):
+        torch.testing.assert_close(one.float(), other.float(), rtol=2**-6, atol=2**-6)
 
 
 @pytest.mark.gpu
