@@ -35,6 +35,7 @@ from typing import Any, Mapping
 
 __all__ = [
     "AQN_KEY",
+    "COMPILE_ENV",
     "DECODE_GEMV_MODES",
     "FORMAT",
     "LORA_KEY",
@@ -79,6 +80,12 @@ LORA_DEFAULT = "overlap"
 # overlap mode: the op returns the base GEMM's output and the LoRA update apart and the model adds them, so that
 # torch.compile fuses the add into the next kernel (1, the default) instead of one add kernel per linear (0; §4ag)
 LORA_SPLIT_ADD_ENV = "QERL_LORA_SPLIT_ADD"
+# qerl's environment variables that change what vLLM traces and compiles (which op a layer calls, the arguments baked
+# into the graph). vLLM keys its compile cache by its own variables only, so an engine started with another value
+# of one of these would load the graph compiled for the first (it happened in §4ag); vllm_ext registers them as
+# vLLM compile factors, so that each value gets its own cache entry.
+COMPILE_ENV = (NVFP4_BACKEND_ENV, "QERL_NVFP4_FP32_REDUCE", "QERL_NVFP4_DECODE_GEMV", "QERL_HUMMING_BATCH_INVARIANT",
+               LORA_SPLIT_ADD_ENV)
 # vLLM worker extensions: qerl's RPCs alone, and verl's extension with qerl's RPCs (what verl_ext starts).
 WORKER_EXTENSION = "vllm_ext.worker_extension.QerlWorkerExtension"
 VERL_WORKER_EXTENSION = "verl_ext.worker_extension.QerlVerlWorkerExtension"

@@ -25,6 +25,20 @@ logger = logging.getLogger("qerl.vllm")
 _registered = False
 
 
+def register_compile_env() -> None:
+    """Make qerl's variables that change the traced model (``qerl_plugin.options.COMPILE_ENV``) factors of vLLM's
+    compile cache key: vLLM hashes every entry of ``vllm.envs.environment_variables`` into it
+    (``vllm.envs.compile_factors``), and names only its own there. Entries already present are left alone."""
+    import os
+
+    import vllm.envs as envs
+
+    from qerl_plugin.options import COMPILE_ENV
+
+    for name in COMPILE_ENV:
+        envs.environment_variables.setdefault(name, lambda name=name: os.environ.get(name))
+
+
 def register() -> None:
     """Entry point for ``vllm.general_plugins``; safe to call any number of times."""
     global _registered
@@ -37,6 +51,7 @@ def register() -> None:
 
     quant.register()
     noisy_norm.register()
+    register_compile_env()
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda():  # the dense LoRA wrapper subclasses vLLM's GPU punica wrapper

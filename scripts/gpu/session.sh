@@ -367,6 +367,10 @@ overlap-lora --batches 8 --new-tokens 256 --repeats 3 --profile-tokens 64" run_s
         TAG=-split BENCH_ARGS="--shape 7B --configs nvfp4-lora,nvfp4 --variants default,overlap-add-in-op \
 --runs nvfp4-lora@overlap-add-in-op,nvfp4-lora@default,nvfp4@default --batches 1,8,64 --new-tokens 256 --repeats 3 \
 --profile-tokens 64" run_step bench_bg ;;
+    bench_split2)  # §4ag call set C: bench_split's two LoRA engines alone (split first, then the add in the op), now that
+        # QERL_LORA_SPLIT_ADD keys vLLM's compile cache; into $work/bench-split2 (`TAG=-split2 session.sh bench_watch`)
+        TAG=-split2 BENCH_ARGS="--shape 7B --configs nvfp4-lora --variants default,overlap-add-in-op --batches 1,8,64 \
+--new-tokens 256 --repeats 3 --profile-tokens 64" run_step bench_bg ;;
     humming_next)  # after lora_r32_humming (§4ae): where §2's check passed on humming (its status line rc=0), the pair of
         # RESP/STEPS/TAG/V7_ARGS in the background (v7_pair_bg: V7_ARGS should hold --nvfp4-backend humming); otherwise
         # the LoRA-overhead bench (bench_hover). Follow it with `v7_watch` (same TAG) and `TAG=-hover bench_watch`: the

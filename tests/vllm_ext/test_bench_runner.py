@@ -240,3 +240,10 @@ def test_session_bench_split_compares_the_add_in_the_op_with_the_split_default(t
     assert "QERL_LORA_SPLIT_ADD" not in env["nvfp4-lora@default"]
     assert all(r.spec["batches"] == [1, 8, 64] and r.spec["repeats"] == 3 and r.spec["profile_tokens"] == 64
                for r in runs)
+
+
+def test_session_bench_split2_runs_the_two_lora_engines_split_first(tmp_path, rollout_args):
+    runs, _ = runner.plan(rollout_args(*_session_bench_args("bench_split2"), "--out", str(tmp_path), "--work",
+                                       str(tmp_path)), tmp_path)
+    assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4-lora@overlap-add-in-op"]
+    assert runs[1].env.get("QERL_LORA_SPLIT_ADD") == "0" and "QERL_LORA_SPLIT_ADD" not in runs[0].env

@@ -111,3 +111,30 @@ def test_without_the_plugin_nvfp4_is_unknown():
         VLLM_PLUGINS="none-of-ours",
     )
     assert out == {"nvfp4": False}
+
+
+def test_qerl_variables_that_change_the_traced_model_key_vllms_compile_cache(monkeypatch):
+    """vLLM keys its compile cache by vllm.envs.compile_factors(): after registration a qerl variable that changes
+    the traced model is one of those factors, so two values get two cache entries (§4ag: an engine started with
+    QERL_LORA_SPLIT_ADD=0 loaded the graph compiled with the default)."""
+    import vllm.envs as envs
+    from vllm.config.utils import hash_factors
+
+    import vllm_ext
+    from qerl_plugin import options
+    from vllm_ext import nvfp4_backends
+
+    vllm_ext.register_compile_env()
+    hashes = {}
+    for value in ("1", "0"):
+        monkeypatch.setenv(options.LORA_SPLIT_ADD_ENV, value)
+        factors = envs.compile_factors()
+        assert factors[options.LORA_SPLIT_ADD_ENV] == value
+        hashes[value] = hash_factors(factors)
+    assert hashes["1"] != hashes["0"]
+    monkeypatch.delenv(options.LORA_SPLIT_ADD_ENV)
+    assert envs.compile_factors()[options.LORA_SPLIT_ADD_ENV] is None
+    # every variable the nvfp4 backends read when the model is built is among them
+    for name in (nvfp4_backends.BACKEND_ENV, nvfp4_backends.FP32_REDUCE_ENV, nvfp4_backends.DECODE_GEMV_ENV,
+                 nvfp4_backends.HUMMING_BATCH_INVARIANT_ENV):
+        assert name in options.COMPILE_ENV and name in envs.compile_factors()
