@@ -20,13 +20,14 @@ call instead, when it runs (eagerly, or while vLLM captures a CUDA graph for one
 The ``overlap`` path (``additional_config={"qerl_lora": "overlap"}``) runs the same kernel on a second CUDA stream,
 beside the layer's base GEMM instead of after it: one op, ``qerl::linear_lora_overlap``, computes the base GEMM
 on the current stream while the kernel writes the update into a scratch tensor on the side stream, joins, and
-adds (``y + round(update)``: the bits ``fused`` gives). Since §4ag the add is the model's: the op
-``qerl::linear_lora_overlap_split`` returns ``(y, update)`` and the traced ``y + update`` is fused by torch.compile
-into the kernel that reads the output next, instead of an add kernel per linear (112 per 7B step, 0.14 ms at batch
-8 on an H200); ``QERL_LORA_SPLIT_ADD=0`` keeps the add inside ``qerl::linear_lora_overlap``. At decode the kernel is latency-bound (5-7 us per linear,
-§4v) and the 4-bit GEMM bandwidth-bound, so the two can share the GPU. Calls of more than 64 tokens run the base
-GEMM and punica one after the other, as ``fused`` does. vLLM's own ``VLLM_LORA_ENABLE_DUAL_STREAM`` does the
-same with punica's three launches (and a zero-filled buffer) for every call size; it is a process-wide switch.
+adds (``y + round(update)``: the bits ``fused`` gives). With ``QERL_LORA_SPLIT_ADD=1`` (§4ag; opt-in until a
+same-run comparison) the add is the model's: ``qerl::linear_lora_overlap_split`` returns ``(y, update)`` and the
+traced ``y + update`` is fused by torch.compile into the kernel that reads the output next, instead of an add
+kernel per linear (112 per 7B step, 0.14 ms at batch 8 on an H200). At decode the kernel is latency-bound (5-7 us
+per linear, §4v) and the 4-bit GEMM bandwidth-bound, so the two can share the GPU. Calls of more than 64 tokens
+run the base GEMM and punica one after the other, as ``fused`` does. vLLM's own ``VLLM_LORA_ENABLE_DUAL_STREAM``
+does the same with punica's three launches (and a zero-filled buffer) for every call size; it is a process-wide
+switch.
 In an engine with ``decode_gemv`` on, one-row calls take neither: :mod:`vllm_ext.nvfp4_gemv_lora` runs a small
 shrink kernel, then the one-row NVFP4 kernel with the LoRA expand in its epilogue, as a programmatic dependent
 launch on Hopper (the ``row+lora`` path; §4m on an H200: 2.229 against 2.774 ms per 7B step for the LoRA kernel
@@ -175,9 +176,10 @@ def _overlapped(layer: torch.nn.Module) -> bool:
 
 def split_add(layer: torch.nn.Module) -> bool:
     """Whether the overlap mode returns this layer's base output and LoRA update apart, for the model to add:
-    ``QERL_LORA_SPLIT_ADD`` (a bool, default on), except on layers with decode_gemv's copy, whose one-row calls
-    take the row+lora path (the update added inside its kernel). Decided when the model is traced."""
-    if not parse_bool(os.environ.get(LORA_SPLIT_ADD_ENV, "1") or "1", LORA_SPLIT_ADD_ENV):
+    ``QERL_LORA_SPLIT_ADD`` (a bool, default off until §4ag's same-run comparison is made), except on layers with
+    decode_gemv's copy, whose one-row calls take the row+lora path (the update added inside its kernel). Decided
+    when the model is traced; the variable is one of vLLM's compile factors (``vllm_ext.register_compile_env``)."""
+    if not parse_bool(os.environ.get(LORA_SPLIT_ADD_ENV, "0") or "0", LORA_SPLIT_ADD_ENV):
         return False
     backend = getattr(layer._get_quant_method(), "backend", None)
     return backend is None or backend.row_weights(layer.base_layer, None) is None

@@ -360,17 +360,17 @@ bf16-lora@punica-lora \
         # (`TAG=-host8 session.sh bench_watch`)
         TAG=-host8 BENCH_ARGS="--shape 7B --configs nvfp4-lora --variants default,decode-gemv-small,decode-gemv,\
 overlap-lora --batches 8 --new-tokens 256 --repeats 3 --profile-tokens 64" run_step bench_bg ;;
-    bench_split)  # §4ag: 7B decode at b1/b8/b64, the overlap mode with the add left to torch.compile (the default
-        # since §4ag) and inside the op (QERL_LORA_SPLIT_ADD=0), and NVFP4 without LoRA (the overhead); 3 repeats,
-        # 64 profiled tokens, random weights. In the background into $work/bench-split
-        # (`TAG=-split session.sh bench_watch`)
+    bench_split)  # §4ag call set B as it ran (the split add was then the default): 7B decode at b1/b8/b64, the
+        # default, the add inside the op (QERL_LORA_SPLIT_ADD=0) and NVFP4 without LoRA; 3 repeats, 64 profiled
+        # tokens. Its LoRA engines ran the same graph (vLLM's compile cache; fixed since): bench_split2 compares them
         TAG=-split BENCH_ARGS="--shape 7B --configs nvfp4-lora,nvfp4 --variants default,overlap-add-in-op \
 --runs nvfp4-lora@overlap-add-in-op,nvfp4-lora@default,nvfp4@default --batches 1,8,64 --new-tokens 256 --repeats 3 \
 --profile-tokens 64" run_step bench_bg ;;
-    bench_split2)  # §4ag call set C: bench_split's two LoRA engines alone (split first, then the add in the op), now that
-        # QERL_LORA_SPLIT_ADD keys vLLM's compile cache; into $work/bench-split2 (`TAG=-split2 session.sh bench_watch`)
-        TAG=-split2 BENCH_ARGS="--shape 7B --configs nvfp4-lora --variants default,overlap-add-in-op --batches 1,8,64 \
---new-tokens 256 --repeats 3 --profile-tokens 64" run_step bench_bg ;;
+    bench_split2)  # §4ag's comparison: the two LoRA engines alone (split add first, then the add in the op), now that
+        # QERL_LORA_SPLIT_ADD keys vLLM's compile cache; into $work/bench-split2 (`TAG=-split2 session.sh bench_watch`).
+        # On a fresh machine the first engine takes ~240 s to start: leave ~500 s for the step
+        TAG=-split2 BENCH_ARGS="--shape 7B --configs nvfp4-lora --variants lora-split-add,overlap-add-in-op \
+--batches 1,8,64 --new-tokens 256 --repeats 3 --profile-tokens 64" run_step bench_bg ;;
     humming_next)  # after lora_r32_humming (§4ae): where §2's check passed on humming (its status line rc=0), the pair of
         # RESP/STEPS/TAG/V7_ARGS in the background (v7_pair_bg: V7_ARGS should hold --nvfp4-backend humming); otherwise
         # the LoRA-overhead bench (bench_hover). Follow it with `v7_watch` (same TAG) and `TAG=-hover bench_watch`: the

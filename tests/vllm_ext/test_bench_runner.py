@@ -230,8 +230,8 @@ def test_session_bench_host8_profiles_the_three_modes_at_b8(tmp_path, rollout_ar
 
 
 def test_session_bench_split_compares_the_add_in_the_op_with_the_split_default(tmp_path, rollout_args):
-    """session.sh's bench_split (§4ag): the overlap mode with the add inside the op (QERL_LORA_SPLIT_ADD=0) against
-    the split default, and NVFP4 without LoRA for the overhead, b1/b8/b64, profiled."""
+    """session.sh's bench_split (§4ag call set B, as it ran): the overlap mode with the add inside the op
+    (QERL_LORA_SPLIT_ADD=0) against the default of then, and NVFP4 without LoRA for the overhead, b1/b8/b64."""
     runs, _ = runner.plan(rollout_args(*_session_bench_args("bench_split"), "--out", str(tmp_path), "--work",
                                        str(tmp_path)), tmp_path)
     assert sorted(r.key for r in runs) == ["nvfp4-lora@default", "nvfp4-lora@overlap-add-in-op", "nvfp4@default"]
@@ -245,5 +245,5 @@ def test_session_bench_split_compares_the_add_in_the_op_with_the_split_default(t
 def test_session_bench_split2_runs_the_two_lora_engines_split_first(tmp_path, rollout_args):
     runs, _ = runner.plan(rollout_args(*_session_bench_args("bench_split2"), "--out", str(tmp_path), "--work",
                                        str(tmp_path)), tmp_path)
-    assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4-lora@overlap-add-in-op"]
-    assert runs[1].env.get("QERL_LORA_SPLIT_ADD") == "0" and "QERL_LORA_SPLIT_ADD" not in runs[0].env
+    assert [r.key for r in runs] == ["nvfp4-lora@lora-split-add", "nvfp4-lora@overlap-add-in-op"]
+    assert runs[0].env.get("QERL_LORA_SPLIT_ADD") == "1" and runs[1].env.get("QERL_LORA_SPLIT_ADD") == "0"
