@@ -138,6 +138,21 @@ def test_overlap_mode_routes_each_linear_through_the_op(cpu_config, monkeypatch,
     torch.testing.assert_close(out[~served], plain[~served], rtol=1e-5, atol=1e-5)
 
 
+def _compiled(layer, x):
+    """The layer's forward under torch.compile as vLLM runs it (fullgraph, a symbolic token count): its result on
+    ``x`` and the targets of the traced graph's function calls. Dynamo's caches are reset first: every call
+    compiles the same lambda for another layer, which would otherwise count as recompilations."""
+    torch._dynamo.reset()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    compiled = torch.compile(lambda x: _call(layer, x), backend=backend, dynamic=True, fullgraph=True)
+    return compiled(x), seen
+
+
 @pytest.mark.parametrize("kind", ["gate_up", "o"])
 def test_overlap_op_is_one_opaque_node_under_torch_compile(cpu_config, kind):
     """vLLM compiles the model with fullgraph=True and a symbolic token count: the routed apply must trace into
@@ -147,15 +162,8 @@ def test_overlap_op_is_one_opaque_node_under_torch_compile(cpu_config, kind):
     with set_current_vllm_config(cpu_config):
         layer, base, a, b = _layer(kind, "overlap", prefix=f"compiled.{kind}")
         _torch_update(layer.punica_wrapper)
-        seen = []
-
-        def backend(gm, example_inputs):
-            seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-            return gm.forward
-
-        compiled = torch.compile(lambda x: _call(layer, x), backend=backend, dynamic=True, fullgraph=True)
         x = torch.randn(5, 64)
-        got = compiled(x)
+        got, seen = _compiled(layer, x)
         eager = _call(layer, x)
     assert sum("linear_lora_overlap" in t for t in seen) == 1, seen
     assert not any("linear.default" in t or t.endswith("mm") for t in seen), seen  # the base GEMM is inside the op
@@ -176,28 +184,24 @@ def test_overlap_op_schema_and_fake_kernel(cpu_config):
     assert out.shape == (5, 128)
 
 
-@pytest.mark.parametrize("split", ["1", "0"])
+@pytest.mark.parametrize("split", ["1", "0", ""])
 @pytest.mark.parametrize("kind", ["gate_up", "qkv", "o"])
-def test_the_add_is_left_to_the_compiled_model_unless_turned_off(cpu_config, monkeypatch, kind, split):
-    """By default the overlap op returns the base output and the update apart and the traced model adds them (one
-    ``qerl::linear_lora_overlap_split`` node, then an add that torch.compile can fuse into the next kernel);
-    ``QERL_LORA_SPLIT_ADD=0`` keeps the add inside ``qerl::linear_lora_overlap``. Same result either way."""
+def test_the_add_is_left_to_the_compiled_model_when_asked(cpu_config, monkeypatch, kind, split):
+    """With ``QERL_LORA_SPLIT_ADD=1`` the overlap op returns the base output and the update apart and the traced
+    model adds them (one ``qerl::linear_lora_overlap_split`` node, then an add that torch.compile can fuse into the
+    next kernel); with 0 (the default) the add stays inside ``qerl::linear_lora_overlap``. Same result either way."""
     from vllm.config import set_current_vllm_config
 
-    monkeypatch.setenv(options.LORA_SPLIT_ADD_ENV, split)
+    if split:
+        monkeypatch.setenv(options.LORA_SPLIT_ADD_ENV, split)
+    else:  # unset: the default
+        monkeypatch.delenv(options.LORA_SPLIT_ADD_ENV, raising=False)
     with set_current_vllm_config(cpu_config):
-        layer, base, a, b = _layer(kind, "overlap", prefix=f"split{split}.{kind}")
+        layer, base, a, b = _layer(kind, "overlap", prefix=f"split{split or 'unset'}.{kind}")
         _torch_update(layer.punica_wrapper)
         assert ldw.split_add(layer) is (split == "1")
-        nodes = []
-
-        def backend(gm, example_inputs):
-            nodes.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-            return gm.forward
-
-        compiled = torch.compile(lambda x: _call(layer, x), backend=backend, dynamic=True, fullgraph=True)
         x = torch.randn(5, 64)
-        got = compiled(x)
+        got, nodes = _compiled(layer, x)
     ops = [t for t in nodes if "linear_lora_overlap" in t]
     if split == "1":
         assert ops == ["qerl.linear_lora_overlap_split"], nodes
