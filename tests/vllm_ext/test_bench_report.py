@@ -160,13 +160,14 @@ def test_profiled_steps_are_printed():
     res = _res("nvfp4-lora", "default", {1: 200.0})
     res["profile"] = {"1": profile.summarize_trace(_trace()), "8": {"error": "the trace has no GPU kernels: ..."}}
     clock = {"gc": {}, "gc_ms_per_step": 0.0, "wall_s": 0.5, "cpu_s": 0.4, "cpu_ms_per_step": 4.0}
-    res["profile"]["1"]["host_sampled"] = {"clock": clock, "threads": {
-        "MainThread": {"samples": 900, "leaf": [["core/sched.py:schedule", 0.25], ["x/y.py:f", 0.125]]},
-        "other": {"samples": 10, "leaf": [["a/b.py:wait", 1.0]]}, "third": {"samples": 1, "leaf": []}}}
+    res["profile"]["1"]["host_sampled"] = {"clock": clock, "threads": {  # as sampled: every thread equally often
+        "other": {"samples": 900, "leaf": [["a/b.py:wait", 1.0]]}, "third": {"samples": 900, "leaf": []},
+        "MainThread": {"samples": 900, "leaf": [["core/sched.py:schedule", 0.25], ["x/y.py:f", 0.125]]}}}
     table = report.format_table([res], {"rows": {}, "checks": []}, [1])
     assert "    the same tokens sampled without the profiler: cpu 4.000, gc 0.000 (0/0/0; max 0.0 ms)" in table
     assert "    MainThread (900 samples), innermost frames: core/sched.py:schedule 25%, x/y.py:f 12%" in table
-    assert "    other (10 samples), innermost frames: a/b.py:wait 100%" in table and "third (" not in table
+    assert "    other (900 samples), innermost frames: a/b.py:wait 100%" in table and "third (" not in table
+    assert table.index("MainThread (900") < table.index("other (900")  # the main thread first
     assert ("nvfp4-lora@default b1: step 1.000 = replay 0.270 (span 0.270, 4 kernels) + outside 0.305 + idle 0.425; "
             "outside:gemm 0.300, marlin 0.200, lora 0.050, attention 0.020, outside:copy 0.005") in table
     assert "    host per step: cudaGraphLaunch 8 us x1, cudaLaunchKernel 4 us x1" in table

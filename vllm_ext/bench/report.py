@@ -219,7 +219,8 @@ def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
             sampled = p.get("host_sampled") or {}
             if sampled.get("clock"):
                 lines.append(f"    the same tokens sampled without the profiler: {host_cell(sampled['clock'])}")
-            for name, t in list(sampled.get("threads", {}).items())[:2]:  # the two busiest threads
+            threads = sorted(sampled.get("threads", {}).items(), key=lambda kv: kv[0] != "MainThread")
+            for name, t in threads[:2]:  # the main thread (vLLM's in-process engine runs there) and one more
                 leaf = ", ".join(f"{w} {share:.0%}" for w, share in t["leaf"][:6])
                 lines.append(f"    {name} ({t['samples']} samples), innermost frames: {leaf}")
     if summary["checks"]:
