@@ -176,10 +176,18 @@ def _overlapped(layer: torch.nn.Module) -> bool:
 
 def split_add(layer: torch.nn.Module) -> bool:
     """Whether the overlap mode returns this layer's base output and LoRA update apart, for the model to add:
-    ``QERL_LORA_SPLIT_ADD`` (a bool, default off until §4ag's same-run comparison is made), except on layers with
-    decode_gemv's copy, whose one-row calls take the row+lora path (the update added inside its kernel). Decided
-    when the model is traced; the variable is one of vLLM's compile factors (``vllm_ext.register_compile_env``)."""
+    ``QERL_LORA_SPLIT_ADD`` (a bool, default off until §4ag's same-run comparison is made), except on q/k/v layers
+    and on layers with decode_gemv's copy. q/k/v: in §4ag's profile the add after o, down and gate/up fused into
+    the residual-add-RMSNorm and SiLU kernels (0.108 ms of add kernels per 7B b8 step gone for 0.036 ms more in those
+    kernels), but after q/k/v it made two new kernels per layer around the rotary embedding (0.071 ms for the 0.036
+    ms of adds it removed). decode_gemv layers: their one-row calls take the row+lora path, which adds inside its
+    kernel. Decided when the model is traced; the variable is one of vLLM's compile factors
+    (``vllm_ext.register_compile_env``)."""
     if not parse_bool(os.environ.get(LORA_SPLIT_ADD_ENV, "0") or "0", LORA_SPLIT_ADD_ENV):
+        return False
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    if isinstance(layer.base_layer, QKVParallelLinear):
         return False
     backend = getattr(layer._get_quant_method(), "backend", None)
     return backend is None or backend.row_weights(layer.base_layer, None) is None
