@@ -45,6 +45,9 @@ __all__ = [
     "METHOD",
     "NVFP4_BACKENDS",
     "NVFP4_BACKEND_ENV",
+    "NVFP4_DECODE_GEMV_ENV",
+    "NVFP4_FP32_REDUCE_ENV",
+    "HUMMING_BATCH_INVARIANT_ENV",
     "NVFP4_KEY",
     "PEFT_PREFIX",
     "VERL_WORKER_EXTENSION",
@@ -66,6 +69,10 @@ AQN_KEY = "qerl_aqn"
 NVFP4_KEY = "qerl_nvfp4"
 # the environment variable an nvfp4 engine reads its backend from when additional_config names none
 NVFP4_BACKEND_ENV = "QERL_NVFP4_BACKEND"
+# ... and the other nvfp4 options the environment can give (vllm_ext.nvfp4_backends reads them)
+NVFP4_FP32_REDUCE_ENV = "QERL_NVFP4_FP32_REDUCE"
+NVFP4_DECODE_GEMV_ENV = "QERL_NVFP4_DECODE_GEMV"
+HUMMING_BATCH_INVARIANT_ENV = "QERL_HUMMING_BATCH_INVARIANT"
 NVFP4_BACKENDS = ("auto", "marlin", "humming", "emulation")
 # decode_gemv: one-row calls of no layer, of the small ones (vllm_ext.nvfp4_gemv.small_linear), or of every layer the
 # row kernel takes; a bool means off / all
@@ -85,7 +92,7 @@ LORA_SPLIT_ADD_ENV = "QERL_LORA_SPLIT_ADD"
 # into the graph). vLLM keys its compile cache by its own variables only, so an engine started with another value
 # of one of these would load the graph compiled for the first (it happened in §4ag); vllm_ext registers them as
 # vLLM compile factors, so that each value gets its own cache entry.
-COMPILE_ENV = (NVFP4_BACKEND_ENV, "QERL_NVFP4_FP32_REDUCE", "QERL_NVFP4_DECODE_GEMV", "QERL_HUMMING_BATCH_INVARIANT",
+COMPILE_ENV = (NVFP4_BACKEND_ENV, NVFP4_FP32_REDUCE_ENV, NVFP4_DECODE_GEMV_ENV, HUMMING_BATCH_INVARIANT_ENV,
                LORA_SPLIT_ADD_ENV)
 # vLLM worker extensions: qerl's RPCs alone, and verl's extension with qerl's RPCs (what verl_ext starts).
 WORKER_EXTENSION = "vllm_ext.worker_extension.QerlWorkerExtension"

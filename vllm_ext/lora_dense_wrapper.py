@@ -48,6 +48,7 @@ import weakref
 
 import torch
 from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
+from vllm.model_executor.layers.linear import QKVParallelLinear
 
 from qerl_plugin.options import LORA_SPLIT_ADD_ENV, parse_bool
 from vllm_ext import lora_fused, nvfp4_gemv_lora
@@ -185,8 +186,6 @@ def split_add(layer: torch.nn.Module) -> bool:
     (``vllm_ext.register_compile_env``)."""
     if not parse_bool(os.environ.get(LORA_SPLIT_ADD_ENV, "0") or "0", LORA_SPLIT_ADD_ENV):
         return False
-    from vllm.model_executor.layers.linear import QKVParallelLinear
-
     if isinstance(layer.base_layer, QKVParallelLinear):
         return False
     backend = getattr(layer._get_quant_method(), "backend", None)
@@ -197,7 +196,7 @@ def _overlap_call(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | 
     """What a routed layer's ``apply`` returns in the overlap mode: the op, which finds the layer by name and by
     its first LoRA-A tensor. Where :func:`split_add`, the op returns ``(base output, update)`` and the sum is
     left in the traced model: torch.compile fuses it into the kernel that reads the output next (the residual add
-    and RMSNorm, SiLU-and-multiply, the rotary embedding) instead of one add kernel per linear (§4ag)."""
+    and RMSNorm after o and down, SiLU-and-multiply after gate/up) instead of one add kernel per linear (§4ag)."""
     if split_add(layer):
         out, update = torch.ops.qerl.linear_lora_overlap_split(x, bias, layer.lora_a_stacked[0], _layer_name(layer),
                                                                sum(layer.output_slices))
