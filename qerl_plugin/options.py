@@ -11,7 +11,9 @@ engine built with AQN never reuses a graph compiled without it)::
                                                                 humming (opt-in, vLLM's humming kernels), emulation)
     {"qerl_nvfp4": {"decode_gemv": true}}                       one-row calls on vllm_ext.nvfp4_gemv's kernel
                                                                 (experimental; keeps a second copy of the weights;
-                                                                "small": only layers with K <= 8192, N <= 16384);
+                                                                "small": only layers with K <= 8192, N <= 16384;
+                                                                "shared": every layer, reading Marlin's own
+                                                                tensors: no copy, vllm_ext.nvfp4_marlin_row);
                                                                 in the overlap mode with the LoRA inside it
                                                                 (vllm_ext.nvfp4_gemv_lora; QERL_NO_PDL=1: no PDL,
                                                                 QERL_PDL_FIRST=0: no PDL for a linear's first launch)
@@ -75,8 +77,9 @@ NVFP4_DECODE_GEMV_ENV = "QERL_NVFP4_DECODE_GEMV"
 HUMMING_BATCH_INVARIANT_ENV = "QERL_HUMMING_BATCH_INVARIANT"
 NVFP4_BACKENDS = ("auto", "marlin", "humming", "emulation")
 # decode_gemv: one-row calls of no layer, of the small ones (vllm_ext.nvfp4_gemv.small_linear), or of every layer the
-# row kernel takes; a bool means off / all
-DECODE_GEMV_MODES = ("off", "small", "all")
+# row kernel takes (these three keep a second, checkpoint-layout copy of the weights they take); or "shared": every
+# layer, on the kernel that reads Marlin's own tensors (vllm_ext.nvfp4_marlin_row, no copy); a bool means off / all
+DECODE_GEMV_MODES = ("off", "small", "all", "shared")
 LORA_KEY = "qerl_lora"
 # vllm_ext.lora_fused | vLLM's multi-adapter kernels | vllm_ext.lora_dense | lora_fused's kernel on a side stream
 LORA_MODES = ("fused", "punica", "dense", "overlap")
@@ -152,14 +155,14 @@ def nvfp4_options(additional_config: Mapping[str, Any] | None) -> dict[str, Any]
 
 
 def parse_decode_gemv(value: Any, what: str) -> str:
-    """A ``decode_gemv`` mode (one of :data:`DECODE_GEMV_MODES`): ``off``, ``small`` or ``all``, any case, or a bool
-    as :func:`parse_bool` reads one (true: ``all``, false: ``off``); else ValueError naming ``what``."""
+    """A ``decode_gemv`` mode (one of :data:`DECODE_GEMV_MODES`): ``off``, ``small``, ``all`` or ``shared``, any case,
+    or a bool as :func:`parse_bool` reads one (true: ``all``, false: ``off``); else ValueError naming ``what``."""
     if isinstance(value, str) and value.strip().lower() in DECODE_GEMV_MODES:
         return value.strip().lower()
     try:
         return "all" if parse_bool(value, what) else "off"
     except ValueError:
-        raise ValueError(f"{what}: expected off, small or all (or true / false), got {value!r}") from None
+        raise ValueError(f"{what}: expected off, small, all or shared (or true / false), got {value!r}") from None
 
 
 def lora_mode(additional_config: Mapping[str, Any] | None) -> str:

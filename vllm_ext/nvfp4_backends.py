@@ -24,6 +24,8 @@ from qerl_plugin import nvfp4, options
 from qerl_plugin.nvfp4 import GROUP_SIZE, NVFP4Error
 # importing it registers torch.ops.qerl.nvfp4_gemv_row (decode_gemv)
 from vllm_ext.nvfp4_gemv import SMALL_MAX_K, SMALL_MAX_N, decode_tile, small_linear
+# ... and torch.ops.qerl.nvfp4_marlin_row (decode_gemv "shared")
+from vllm_ext.nvfp4_marlin_row import marlin_divisor, marlin_row_tile
 from vllm_ext.quant import MIN_CAPABILITY
 
 __all__ = [
@@ -202,7 +204,8 @@ class MarlinBackend(Backend):
         self.fp32_reduce = fp32_reduce
         # experimental (docs/benchmarks.md §4j): one-row calls on vllm_ext.nvfp4_gemv's kernel, which reads the
         # checkpoint layout, so the layer keeps that copy of its weights next to Marlin's: in every layer the kernel
-        # takes ("all"), or only in the small ones (q/k/v and o; nvfp4_gemv.small_linear)
+        # takes ("all"), or only in the small ones (q/k/v and o; nvfp4_gemv.small_linear); or ("shared", §4ah) on
+        # vllm_ext.nvfp4_marlin_row's kernel, which reads Marlin's own tensors: no copy
         if decode_gemv is None:  # the option or the environment, parsed there
             self.decode_gemv = _option("decode_gemv", DECODE_GEMV_ENV, "off", options.parse_decode_gemv)
         else:
@@ -210,6 +213,9 @@ class MarlinBackend(Backend):
         if self.decode_gemv == "all":
             warn_once("decode_gemv", "nvfp4: decode_gemv on - one-row GEMMs run on qerl's experimental NVFP4 kernel; "
                       "each layer keeps a second copy of its 4-bit weights")
+        elif self.decode_gemv == "shared":
+            warn_once("decode_gemv", "nvfp4: decode_gemv shared - one-row GEMMs run on qerl's NVFP4 kernel that reads "
+                      "Marlin's own tensors (no second copy of the weights; vllm_ext.nvfp4_marlin_row)")
         elif self.decode_gemv == "small":
             warn_once("decode_gemv", "nvfp4: decode_gemv small - one-row GEMMs of the layers with K <= %d and N <= %d "
                       "(q/k/v and o) run on qerl's NVFP4 kernel; those layers keep a second copy of their 4-bit "
@@ -247,7 +253,12 @@ class MarlinBackend(Backend):
             _set_kernel(layer, "bias", m.bias.data if fused else raw_bias)
         if getattr(layer, "workspace", None) is None:
             layer.workspace = m.workspace  # plain attribute: kept (not re-created) across reloads
-        if self._gemv_ok(layer):
+        if self._gemv_ok(layer) and self.decode_gemv == "shared":
+            # the row kernel reads Marlin's tensors: only its divisor (and a natural-order fused bias) are its own
+            _set_kernel(layer, "qerl_gemv_gscale", marlin_divisor(m.weight_global_scale.data, layer.params_dtype))
+            if fused:
+                _set_kernel(layer, "qerl_gemv_bias", raw_bias.clone())
+        elif self._gemv_ok(layer):
             _set_kernel(layer, "qerl_gemv_packed", packed.clone())
             _set_kernel(layer, "qerl_gemv_scale", scale.clone())
             _set_kernel(layer, "qerl_gemv_gscale", gscale.reshape(-1)[:1].to(torch.float32).clone())
@@ -259,6 +270,8 @@ class MarlinBackend(Backend):
         n, k = layer.output_size_per_partition, layer.input_size_per_partition
         if self.decode_gemv == "all":
             return decode_tile(n, k) is not None
+        if self.decode_gemv == "shared":  # Marlin's layout unpadded
+            return marlin_row_tile(n, k) is not None
         return self.decode_gemv == "small" and small_linear(n, k)
 
     def refresh_bias(self, layer: torch.nn.Module, raw_bias: torch.Tensor) -> None:
@@ -278,10 +291,12 @@ class MarlinBackend(Backend):
         _set_kernel(layer, "bias", marlin_permute_bias(marlin_pad_dim(raw_bias, n, padded_n)))
 
     def row_weights(self, layer: torch.nn.Module, bias: torch.Tensor | None) -> tuple | None:
-        if self.decode_gemv == "off" or "qerl_gemv_packed" not in layer._parameters:
+        if self.decode_gemv == "off" or "qerl_gemv_gscale" not in layer._parameters:
             return None
         # the caller's bias is Marlin's permuted one exactly when it is fused; the row kernel takes the natural order
         row_bias = None if bias is None else layer._parameters.get("qerl_gemv_bias", bias)
+        if "qerl_gemv_packed" not in layer._parameters:  # "shared": Marlin's own tensors (int32 codes)
+            return layer.weight, layer.weight_scale, layer.qerl_gemv_gscale, row_bias
         return layer.qerl_gemv_packed, layer.qerl_gemv_scale, layer.qerl_gemv_gscale, row_bias
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -454,8 +469,12 @@ def nvfp4_marlin_or_row(
     packed: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor, row_bias: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
     """decode_gemv's GEMM: one row of ``x`` on the one-row kernel (checkpoint-layout ``packed``/``scale``/``gscale``,
-    natural-order ``row_bias``), any other count on Marlin (its tensors and permuted ``bias``), decided per call."""
+    natural-order ``row_bias``; or, with int32 ``packed``, Marlin's own tensors and their divisor, read by
+    :mod:`vllm_ext.nvfp4_marlin_row`), any other count on Marlin (its tensors and permuted ``bias``), decided per
+    call."""
     if x.numel() == x.shape[-1]:
+        if packed.dtype == torch.int32:
+            return torch.ops.qerl.nvfp4_marlin_row(x, packed, scale, gscale, row_bias)
         return torch.ops.qerl.nvfp4_gemv_row(x, packed, scale, gscale, row_bias)
     return marlin_gemm(x, weight, weight_scale, weight_global_scale, workspace, size_n, size_k, bias, fp32_reduce)
 

@@ -213,21 +213,11 @@ if triton is not None:
         return (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-                  ASM: tl.constexpr, XVEC: tl.constexpr):
-        """K tile ``t`` of :func:`_row_dot`: ``[BLOCK_N, WORDS]`` float32 sums of each word's 8 products, times its
-        group's scale."""
-        cw = t * WORDS + tl.arange(0, WORDS)  # this tile's words: codes 8*cw .. 8*cw + 7, code j in bits 4j .. 4j + 3
-        wv = tl.load(w_ptr + rn[:, None] * kw + cw[None, :], mask=n_ok[:, None], other=0)
-        if XVEC:  # one load per group, its two words take it from registers
-            cg = t * (WORDS // 2) + tl.arange(0, WORDS // 2)
-            sg = tl.load(s_ptr + rn[:, None] * kg + cg[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-            sc = tl.reshape(tl.join(sg, sg), (BLOCK_N, WORDS))
-        else:
-            sc = tl.load(s_ptr + rn[:, None] * kg + (cw // 2)[None, :], mask=n_ok[:, None], other=0.0)
-            sc = sc.to(tl.float32)
-        part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-        if ASM:  # the same decode in PTX (the interpreter cannot run it; the GPU tests check it)
+    def _decode8(wv, ASM: tl.constexpr):
+        """The 8 E2M1 codes of each int32 word of ``wv`` (code j in bits 4j .. 4j + 3) as 8 float32 tensors shaped
+        like ``wv``: code j's value times 2^-14. ``ASM``: in PTX (the interpreter cannot run it; the GPU tests check
+        it)."""
+        if ASM:
             codes = tl.inline_asm_elementwise(
                 asm=_DECODE8_PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wv],
                 dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
@@ -242,6 +232,24 @@ if triton is not None:
             h3 = ((wv >> 3) & 0x0E000E00) | (wv & -2147450880)
             codes = (_half_lo(h0), _half_lo(h1), _half_lo(h2), _half_lo(h3),
                      _half_hi(h0), _half_hi(h1), _half_hi(h2), _half_hi(h3))
+        return codes
+
+    @triton.jit
+    def _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+                  ASM: tl.constexpr, XVEC: tl.constexpr):
+        """K tile ``t`` of :func:`_row_dot`: ``[BLOCK_N, WORDS]`` float32 sums of each word's 8 products, times its
+        group's scale."""
+        cw = t * WORDS + tl.arange(0, WORDS)  # this tile's words: codes 8*cw .. 8*cw + 7, code j in bits 4j .. 4j + 3
+        wv = tl.load(w_ptr + rn[:, None] * kw + cw[None, :], mask=n_ok[:, None], other=0)
+        if XVEC:  # one load per group, its two words take it from registers
+            cg = t * (WORDS // 2) + tl.arange(0, WORDS // 2)
+            sg = tl.load(s_ptr + rn[:, None] * kg + cg[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            sc = tl.reshape(tl.join(sg, sg), (BLOCK_N, WORDS))
+        else:
+            sc = tl.load(s_ptr + rn[:, None] * kg + (cw // 2)[None, :], mask=n_ok[:, None], other=0.0)
+            sc = sc.to(tl.float32)
+        part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        codes = _decode8(wv, ASM)
         if XVEC:
             # codes[L] in natural order along a new last axis: nested joins put code 4k + 2j + i at [k, j, i]
             c8 = tl.join(tl.join(tl.join(codes[0], codes[4]), tl.join(codes[2], codes[6])),

@@ -42,11 +42,13 @@ import torch
 
 from vllm_ext import lora_fused
 from vllm_ext.nvfp4_gemv import NO_PDL_ENV, _counters, decode_tile, pdl_first_allowed, pdl_supported
+from vllm_ext.nvfp4_marlin_row import CHUNK, marlin_row_tile
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
-__all__ = ["MAX_CHUNKS", "NO_PDL_ENV", "chunking", "launch", "launch_supported", "pdl_supported", "supports"]
+__all__ = ["MAX_CHUNKS", "NO_PDL_ENV", "chunking", "launch", "launch_supported", "pdl_supported", "row_tile",
+           "supports"]
 
 SUB_K = 256  # input features per step of a shrink program
 MAX_CHUNKS = 16  # shrink programs per slice: the partials a finishing program sums
@@ -64,6 +66,7 @@ if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     from vllm_ext.nvfp4_gemv import _row_dot, _scaled, _sum_partials
+    from vllm_ext.nvfp4_marlin_row import _marlin_row_dot, _marlin_rows
 
     @triton.jit
     def _shrink_kernel(x_ptr, a0, a1, a2, hp_ptr, K, CH, R: tl.constexpr, SUB: tl.constexpr, KS_PAD: tl.constexpr,
@@ -133,28 +136,47 @@ if triton is not None:
         tl.store(y_ptr + rn, (base.to(tl.float32) + up.to(tl.float32)).to(out_ty), mask=n_ok)
 
     @triton.jit
+    def _dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_n, pid_k, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             SPLIT_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr, MARLIN: tl.constexpr):
+        """The base GEMM's float32 sums for the outputs ``rn``: the checkpoint layout's row loop, or with ``MARLIN``
+        the loop over Marlin's tensors (:mod:`vllm_ext.nvfp4_marlin_row`; ``BLOCK_N`` = 8 HB, ``BLOCK_K`` = 16 T)."""
+        if MARLIN:
+            part = _marlin_row_dot(x_ptr, w_ptr, s_ptr, pid_n, pid_k, N, K, BLOCK_N // 8, BLOCK_K // 16, SPLIT_K, ASM,
+                                   STAGES)
+        else:
+            part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, True, STAGES)
+        return part
+
+    @triton.jit
     def _row_lora_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, bias_ptr, N, K,
         hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
         HAS_BIAS: tl.constexpr, R: tl.constexpr, KS_PAD: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+        MARLIN: tl.constexpr,
     ):  # fmt: skip
         out_ty: tl.constexpr = y_ptr.dtype.element_ty
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        row0 = pid_n * BLOCK_N
-        rn = row0 + tl.arange(0, BLOCK_N)
+        if MARLIN:  # 8 HB outputs of one 64-output chunk, strided (vllm_ext.nvfp4_marlin_row); the chunk's slice
+            row0 = (pid_n // (64 // BLOCK_N)) * 64
+            rn = _marlin_rows(pid_n, BLOCK_N // 8)
+        else:
+            row0 = pid_n * BLOCK_N
+            rn = row0 + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         if SPLIT_K == 1:  # every program finishes its block: B's rows (and, without PDL, h) load before the main loop
             bt, hs = _lora_rows(b0, b1, b2, n0, n1, rn, n_ok, row0, R)
             if not PDL:
                 h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
-            part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, True, STAGES)
+            part = _dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_n, pid_k, N, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, STAGES,
+                        MARLIN)
             if PDL:  # the shrink grid may still be running: h after the main loop
                 h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
             _store_with_update(part, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS)
         else:  # float32 partials [SPLIT_K, N]; the block's last program to arrive finishes it
-            part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, True, STAGES)
+            part = _dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_n, pid_k, N, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, STAGES,
+                        MARLIN)
             tl.store(ws_ptr + pid_k * N + rn, part, mask=n_ok)
             arrived = tl.atomic_add(cnt_ptr + pid_n, 1)  # acq_rel at GPU scope: the partials above are visible
             if arrived == SPLIT_K - 1:
@@ -178,16 +200,33 @@ def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, 
     why = lora_fused.weights_supported(x.dtype, k, lora_a, lora_b, output_slices)
     if why is not None:
         return why
-    n = packed.shape[0]
-    if sum(output_slices) != n or tuple(packed.shape) != (n, k // 2):
+    marlin = packed.dtype == torch.int32
+    n = packed.shape[1] // 2 if marlin else packed.shape[0]
+    if sum(output_slices) != n or tuple(packed.shape) != ((k // 16, 2 * n) if marlin else (n, k // 2)):
         return f"weight {tuple(packed.shape)} does not fit input {k} and slices {tuple(output_slices)}"
-    tile = decode_tile(n, k, lora=True)
+    tile = row_tile(n, k, marlin)
     if tile is None:
-        return f"K={k} is not a multiple of 128"
-    ragged = _ragged(output_slices, tile["block_n"])
+        return (f"Marlin's layout of this weight is padded (N={n}, K={k})" if marlin
+                else f"K={k} is not a multiple of 128")
+    ragged = _ragged(output_slices, CHUNK if marlin else tile["block_n"])
     if ragged:
-        return f"slice sizes {ragged} are not multiples of the row kernel's {tile['block_n']} rows per block"
+        rows = "64-output chunks of Marlin's layout" if marlin else f"{tile['block_n']} rows per block"
+        return f"slice sizes {ragged} are not multiples of the row kernel's {rows}"
     return None
+
+
+def row_tile(n: int, k: int, marlin: bool = False) -> dict[str, int] | None:
+    """The row+lora kernel's tile (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``stages``) for an ``[n, k]``
+    weight: :func:`~vllm_ext.nvfp4_gemv.decode_tile` for the checkpoint layout, or with ``marlin`` (Marlin's own
+    tensors, ``decode_gemv: "shared"``) :func:`~vllm_ext.nvfp4_marlin_row.marlin_row_tile` in these terms
+    (``block_n`` = 8 HB outputs, ``block_k`` = 16 T inputs per loop step)."""
+    if not marlin:
+        return decode_tile(n, k, lora=True)
+    t = marlin_row_tile(n, k, lora=True)
+    if t is None:
+        return None
+    return dict(block_n=8 * t["hb"], block_k=16 * t["t"], split_k=t["split_k"], num_warps=t["num_warps"],
+                stages=t["stages"])
 
 
 def _ragged(output_slices: tuple[int, ...], block_n: int) -> list[int]:
@@ -202,7 +241,9 @@ def launch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_sc
            pdl: bool | None = None, pdl_first: bool | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias) + B_s @ (lora_scale * A_s @ x)`` per slice for one row ``x`` ``[..., K]``, where the token's
     slot (``token_lora_indices[0]``) is 0; returns ``[..., N]`` in ``x``'s dtype. ``W`` is the NVFP4 triple
-    (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor);
+    (``packed`` uint8 ``[N, K/2]``, ``scale`` float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor), or
+    Marlin's own tensors (``packed`` int32 ``[K/16, 2N]``, ``scale`` ``[K/16, N]``, ``global_scale``
+    :func:`~vllm_ext.nvfp4_marlin_row.marlin_divisor`'s divisor; :mod:`vllm_ext.nvfp4_marlin_row`);
     ``bias`` ``[N]`` in natural order; ``lora_a[s]`` ``[1, 1, R, K]``, ``lora_b[s]`` ``[1, 1, n_s, R]``. Two
     launches (shrink, then the row kernel with the expand); ``pdl`` (default: where :func:`pdl_supported`): the row
     kernel as a programmatic dependent launch, so it starts while the shrink runs and waits for it only before
@@ -227,14 +268,18 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     the slices must be multiples of its ``block_n``."""
     slices = tuple(output_slices)
     k = x.shape[-1]
-    n = packed.shape[0]
+    marlin = packed.dtype == torch.int32  # Marlin's own tensors (decode_gemv "shared")
+    n = packed.shape[1] // 2 if marlin else packed.shape[0]
     rank = lora_a[0].shape[-2]
-    if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, k // 16):
-        raise ValueError(f"scale {scale.dtype} {tuple(scale.shape)}, expected float8_e4m3fn ({n}, {k // 16})")
+    want = (k // 16, n) if marlin else (n, k // 16)
+    if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != want:
+        raise ValueError(f"scale {scale.dtype} {tuple(scale.shape)}, expected float8_e4m3fn {want}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias {tuple(bias.shape)}, expected ({n},)")
     if tile is None:
-        tile = decode_tile(n, k, lora=True)
+        tile = row_tile(n, k, marlin)
+    elif marlin and (tile["block_n"] not in (8, 16, 32, 64) or k % tile["block_k"] or tile["block_k"] % 16):
+        raise ValueError(f"tile {tile}: on Marlin's layout block_n is 8, 16, 32 or 64 and block_k 16 T dividing K={k}")
     elif _ragged(slices, tile["block_n"]):
         raise ValueError(f"slices {slices} are not multiples of the given tile's {tile['block_n']} rows per block")
     x2 = x.reshape(1, k)
@@ -260,11 +305,13 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     _shrink_kernel[(ks, s_count)](x2, *a, hp, k, per, R=rank, SUB=SUB_K, KS_PAD=MAX_CHUNKS, PDL=pdl, WAIT=pdl_first,
                                   num_warps=4, launch_pdl=pdl_first)
     g = global_scale.reshape(-1)[:1].to(torch.float32)
+    w = packed if marlin else packed.contiguous().view(torch.int32)
     _row_lora_kernel[(blocks, split_k)](
-        x2, packed.contiguous().view(torch.int32), scale.contiguous(), g, out, ws, cnt,
+        x2, w, scale.view(torch.int32) if marlin else scale.contiguous(), g, out, ws, cnt,
         out if bias is None else bias.contiguous(), n, k, hp, token_lora_indices, *b, n_first[0], n_first[1], ks,
         float(lora_scale),
         BLOCK_N=block_n, BLOCK_K=tile["block_k"], SPLIT_K=split_k, ASM=not _interpreting(), HAS_BIAS=bias is not None,
-        R=rank, KS_PAD=MAX_CHUNKS, PDL=pdl, STAGES=tile.get("stages", 0), num_warps=tile["num_warps"], launch_pdl=pdl,
+        R=rank, KS_PAD=MAX_CHUNKS, PDL=pdl, STAGES=tile.get("stages", 0), MARLIN=marlin, num_warps=tile["num_warps"],
+        launch_pdl=pdl,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

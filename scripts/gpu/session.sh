@@ -371,6 +371,25 @@ overlap-lora --batches 8 --new-tokens 256 --repeats 3 --profile-tokens 64" run_s
         # On a fresh machine the first engine takes ~240 s to start: leave ~500 s for the step
         TAG=-split2 BENCH_ARGS="--shape 7B --configs nvfp4-lora --variants lora-split-add,overlap-add-in-op \
 --batches 1,8,64 --new-tokens 256 --repeats 3 --profile-tokens 64" run_step bench_bg ;;
+    marlin_row_test)  # §4ah: decode_gemv "shared"'s kernel on Marlin's own tensors (the CUDA repack against vLLM's reference,
+        # the kernel against Marlin and the exact product, row+lora against the checkpoint layout) and the row+lora tests
+        step marlin_row_test 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_marlin_row.py \
+            tests/vllm_ext/test_nvfp4_gemv_lora.py ;;
+    sweep_shared)  # §4ah: that kernel's tiles on the 7B and 32B linears against the checkpoint-layout row kernel and Marlin
+        # at one row; writes $work/sweep_shared/marlin_row_tiles.json (after every linear), which bench_shared and
+        # lora_r32_shared hand the engines (QERL_MARLIN_ROW_TILES)
+        step sweep_shared 300 python3 scripts/gpu/sweep_marlin_row.py ${SWEEP_ARGS:-} ;;
+    bench_shared)  # §4ah: 7B decode b1/b8/b64: LoRA off (the default), NVFP4 without LoRA, the split add, decode_gemv shared,
+        # decode_gemv all (the copy), in that order. In the background into $work/bench-shared (`TAG=-shared bench_watch`)
+        [ -f "$work/sweep_shared/marlin_row_tiles.json" ] && export QERL_MARLIN_ROW_TILES="$work/sweep_shared/marlin_row_tiles.json"
+        echo "bench_shared: QERL_MARLIN_ROW_TILES=${QERL_MARLIN_ROW_TILES:-unset: the rule of marlin_row_tile}" | tee -a "$work/status.txt"
+        TAG=-shared BENCH_ARGS="--shape 7B --configs nvfp4-lora,nvfp4 --variants default,lora-split-add,decode-gemv-shared,\
+decode-gemv --runs nvfp4-lora@default,nvfp4-lora@lora-split-add,nvfp4-lora@decode-gemv-shared,nvfp4-lora@decode-gemv,\
+nvfp4@default --batches 1,8,64 --new-tokens 256 --repeats 3 --profile-tokens 64" run_step bench_bg ;;
+    lora_r32_shared)  # §2's engine check at batch-1 decode with decode_gemv shared (the row+lora path on Marlin's tensors)
+        [ -f "$work/sweep_shared/marlin_row_tiles.json" ] && export QERL_MARLIN_ROW_TILES="$work/sweep_shared/marlin_row_tiles.json"
+        step lora_r32_shared 540 env QERL_NVFP4_DECODE_GEMV=shared python3 scripts/gpu/check_lora_correctness.py --skip-stock \
+            --ranks 32 --prompts 1 ;;
     humming_next)  # after lora_r32_humming (§4ae): where §2's check passed on humming (its status line rc=0), the pair of
         # RESP/STEPS/TAG/V7_ARGS in the background (v7_pair_bg: V7_ARGS should hold --nvfp4-backend humming); otherwise
         # the LoRA-overhead bench (bench_hover). Follow it with `v7_watch` (same TAG) and `TAG=-hover bench_watch`: the

@@ -41,7 +41,8 @@ def test_nvfp4_options():
     got = options.nvfp4_options({"qerl_nvfp4": {"backend": "Marlin", "fp32_reduce": "false"}})
     assert got == {"backend": "marlin", "fp32_reduce": False}
     assert options.nvfp4_options({"qerl_nvfp4": {"decode_gemv": "1"}}) == {"decode_gemv": "all"}
-    with pytest.raises(ValueError, match="decode_gemv: expected off, small or all .or true / false., got 'often'"):
+    with pytest.raises(ValueError,
+                       match="decode_gemv: expected off, small, all or shared .or true / false., got 'often'"):
         options.nvfp4_options({"qerl_nvfp4": {"decode_gemv": "often"}})
     with pytest.raises(ValueError, match="backend='cutlass': expected auto, marlin, humming or emulation"):
         options.nvfp4_options({"qerl_nvfp4": {"backend": "cutlass"}})
@@ -62,12 +63,14 @@ def test_options_and_upstream_import_nothing_heavy():
 
 
 @pytest.mark.parametrize("value, mode", [(True, "all"), (False, "off"), ("on", "all"), ("0", "off"), (1, "all"),
-                                         ("Small", "small"), (" ALL ", "all"), ("off", "off")])
+                                         ("Small", "small"), (" ALL ", "all"), ("off", "off"), ("Shared", "shared")])
 def test_decode_gemv_modes(value, mode):
-    """decode_gemv: off / small / all, or a bool as before the small mode (true: every layer the kernel takes)."""
+    """decode_gemv: off / small / all / shared, or a bool as before the small mode (true: every layer the checkpoint
+    layout's kernel takes)."""
     assert options.parse_decode_gemv(value, "x") == mode
     assert options.nvfp4_options({"qerl_nvfp4": {"decode_gemv": value}}) == {"decode_gemv": mode}
-    assert set(options.DECODE_GEMV_MODES) == {"off", "small", "all"}
-    with pytest.raises(ValueError, match=r"QERL_NVFP4_DECODE_GEMV: expected off, small or all \(or true / false\), "
+    assert set(options.DECODE_GEMV_MODES) == {"off", "small", "all", "shared"}
+    with pytest.raises(ValueError, match=r"QERL_NVFP4_DECODE_GEMV: expected off, small, all or shared \(or true / "
+                                         r"false\), "
                                          r"got 2"):
         options.parse_decode_gemv(2, "QERL_NVFP4_DECODE_GEMV")

@@ -247,3 +247,17 @@ def test_session_bench_split2_runs_the_two_lora_engines_split_first(tmp_path, ro
                                        str(tmp_path)), tmp_path)
     assert [r.key for r in runs] == ["nvfp4-lora@lora-split-add", "nvfp4-lora@overlap-add-in-op"]
     assert runs[0].env.get("QERL_LORA_SPLIT_ADD") == "1" and runs[1].env.get("QERL_LORA_SPLIT_ADD") == "0"
+
+
+def test_session_bench_shared_plans_the_five_engines_of_4ah(tmp_path, rollout_args):
+    """session.sh's bench_shared (§4ah), engines in the order of the variants: with LoRA off (the default), NVFP4
+    without LoRA, the split add, decode_gemv shared (Marlin's own tensors), decode_gemv all (the copy); b1/b8/b64."""
+    runs, _ = runner.plan(rollout_args(*_session_bench_args("bench_shared"), "--out", str(tmp_path), "--work",
+                                       str(tmp_path)), tmp_path)
+    assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4@default", "nvfp4-lora@lora-split-add",
+                                     "nvfp4-lora@decode-gemv-shared", "nvfp4-lora@decode-gemv"]
+    nvfp4 = {r.key: r.spec["engine"].get("additional_config", {}).get("qerl_nvfp4") for r in runs}
+    assert nvfp4["nvfp4-lora@decode-gemv-shared"] == {"decode_gemv": "shared"}
+    assert nvfp4["nvfp4-lora@decode-gemv"] == {"decode_gemv": True} and nvfp4["nvfp4-lora@default"] is None
+    assert runs[2].env.get("QERL_LORA_SPLIT_ADD") == "1"
+    assert all(r.spec["batches"] == [1, 8, 64] and r.spec["repeats"] == 3 for r in runs)

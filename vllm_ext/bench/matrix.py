@@ -83,6 +83,9 @@ VARIANTS: dict[str, Variant] = {
     "decode-gemv-small": Variant("decode-gemv for the small layers only (K <= 8192, N <= 16384: q/k/v and o), the "
                                  "others' one-row GEMMs on Marlin; the second copy is theirs alone",
                                  nvfp4={"decode_gemv": "small"}, only="nvfp4"),
+    "decode-gemv-shared": Variant("decode-gemv on every layer with the kernel that reads Marlin's own tensors "
+                                  "(vllm_ext.nvfp4_marlin_row; no second copy)", nvfp4={"decode_gemv": "shared"},
+                                  only="nvfp4"),
     "pdl-first-off": Variant("decode_gemv's first launch per linear (the row kernel alone, or row+lora's shrink) as a "
                              "plain launch, as before §4p (QERL_PDL_FIRST=0)", env={"QERL_PDL_FIRST": "0"},
                              only="nvfp4"),

@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""GPU sweep of decode_gemv's one-row kernel on Marlin's own tensors (``vllm_ext.nvfp4_marlin_row``, the
+``decode_gemv: "shared"`` mode) over its tiles, on the linears of the 7B and 32B decode steps with the weights
+streamed from HBM, against the checkpoint-layout row kernel as ``decode_gemv: "all"`` runs it (its shipped tile,
+``torch.ops.qerl.nvfp4_gemv_row``) and vLLM's Marlin GEMM at one row. Run from the repository root on the GPU machine:
+
+    PYTHONPATH=. python3 scripts/gpu/sweep_marlin_row.py [--shapes 7B,32B] [--reps 5] [--quick]
+
+For each linear:
+  1. every tile (hb x t x split_k x warps x stages) runs once on Marlin's tensors as ``MarlinBackend._marlin`` makes
+     them (vLLM's CUDA repack) and is checked: against the float64 product with the codec's exact weight, at most
+     Marlin's own error plus one bf16 step (2^-8) of the largest output, and the same bits on a second call. Only
+     correct tiles are timed, once: ``--iters`` calls in one CUDA graph cycling through enough weight copies that one
+     pass reads >= ``--cold-mib`` MiB (from HBM, not the L2).
+  2. the fastest tile, the module's own rule (``marlin_row_tile`` without a tiles file), the checkpoint-layout row
+     kernel and Marlin are timed ``--reps`` times each, interleaved: median and spread (max - min). Per decode step:
+     the medians summed over the four linears times the layer count.
+
+"Faster" where the difference of the medians exceeds both spreads. Writes $OUT/sweep_marlin_row.jsonl (one JSON
+object per measurement) and $OUT/marlin_row_tiles.json (the fastest correct tile per weight shape, the file
+``QERL_MARLIN_ROW_TILES`` takes), and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT, ROOT / "scripts" / "gpu"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from check_gemv import (  # noqa: E402
+    LAYERS, LINEARS, add_timing_args, jsonl_recorder, per_step_ms, streamed_weight, timed_interleaved, verdict)
+
+
+def sweep_tiles(quick: bool = False) -> list[dict[str, int]]:
+    """The tiles tried, before :func:`fits` drops those a linear cannot take."""
+    hbs, ts, warps = ((1, 2), (32,), (1, 2, 4)) if quick else ((1, 2, 4), (16, 32), (1, 2, 4))
+    return [dict(hb=hb, t=t, split_k=sk, num_warps=w, stages=st)
+            for st, hb, t, sk, w in itertools.product((0, 3), hbs, ts, (1, 2, 4, 8), warps)]
+
+
+def fits(tile: dict[str, int], n: int, k: int) -> bool:
+    """Whether the linear takes the tile: its loop step divides K, every split-K program has a step, and the grid
+    stays below 32 768 programs."""
+    steps = k // (16 * tile["t"])
+    return k % (16 * tile["t"]) == 0 and steps >= tile["split_k"] and n // (8 * tile["hb"]) * tile["split_k"] <= 32768
+
+
+def tile_name(t: dict[str, int]) -> str:
+    return f"h{t['hb']}t{t['t']}s{t['split_k']}w{t['num_warps']}" + (f"S{t['stages']}" if t["stages"] else "")
+
+
+def marlin_tensors(packed, scale, gscale, dtype):  # noqa: ANN001, ANN201
+    """Marlin's tensors of one NVFP4 triple as the engine's backend makes them, and the row kernel's divisor."""
+    from vllm_ext.nvfp4_backends import MarlinBackend
+    from vllm_ext.nvfp4_marlin_row import marlin_divisor
+
+    n, k = packed.shape[0], packed.shape[1] * 2
+    shape = SimpleNamespace(params_dtype=dtype, output_size_per_partition=n, input_size_per_partition=k)
+    m = MarlinBackend._marlin(shape, packed, scale, gscale, None)
+    return m, marlin_divisor(m.weight_global_scale.data, dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="7B,32B", help="Qwen2.5 shapes (default 7B,32B)")
+    p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
+    p.add_argument("--quick", action="store_true", help="a smaller tile set (hb 1-2, t 32)")
+    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+    add_timing_args(p)
+    args = p.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("sweep_marlin_row: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    from qerl_plugin import nvfp4
+    from vllm_ext.bench.kernels import capture_graph, replay_us
+    from vllm_ext.nvfp4_backends import marlin_gemm
+    from vllm_ext.nvfp4_marlin_row import TILES_ENV, marlin_row_gemm, marlin_row_tile
+
+    os.environ.pop(TILES_ENV, None)  # marlin_row_tile's own rule is one of the rows timed
+    record = jsonl_recorder(args.out, "sweep_marlin_row.jsonl")
+    out_dir = Path(args.out or os.environ.get("OUT") or ".out").expanduser().resolve()
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    tiles = sweep_tiles(args.quick)
+    record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "tiles": len(tiles), "cold_mib": args.cold_mib, "iters": args.iters, "reps": args.reps})
+    best_tiles: dict[str, dict[str, int]] = {}
+    finals: dict[str, list[dict[str, Any]]] = {}
+    bad = 0
+    for shape in args.shapes.split(","):
+        for lname in args.linears.split(","):
+            k, n = LINEARS[shape][lname]
+            w, q, raw_bytes, raws = streamed_weight(n, k, args.cold_mib, dev)
+            ms = [marlin_tensors(p_, s_, q.global_scale, bf16) for p_, s_ in raws]
+            x = torch.randn(1, k, device=dev, dtype=bf16)
+            exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
+            m0, d0 = ms[0]
+
+            def marlin_call(m_):  # noqa: ANN001, ANN202
+                return lambda: marlin_gemm(x, m_.weight, m_.weight_scale, m_.weight_global_scale, m_.workspace, n, k,
+                                           None, True)
+
+            marlin_err = (marlin_call(m0)().double() - exact).abs().max().item()
+            tol = marlin_err + 2.0**-8 * exact.abs().max().item()
+            iters = max(args.iters, len(ms))
+
+            def row_graph(tile):  # noqa: ANN001, ANN202
+                return capture_graph([(lambda m_=m_, d_=d_: marlin_row_gemm(x, m_.weight, m_.weight_scale, d_, **tile))
+                                      for m_, d_ in ms], iters)
+
+            swept = []
+            for tile in (t for t in tiles if fits(t, n, k)):
+                row: dict[str, Any] = {"what": "tile", "shape": shape, "linear": lname, "tile": tile_name(tile)}
+                try:
+                    y1 = marlin_row_gemm(x, m0.weight, m0.weight_scale, d0, **tile)
+                    y2 = marlin_row_gemm(x, m0.weight, m0.weight_scale, d0, **tile)
+                    err = (y1.double() - exact).abs().max().item()
+                    row.update(max_err=err, tol=tol, repeat_identical=torch.equal(y1, y2))
+                    row["ok"] = err <= tol and row["repeat_identical"]
+                    if row["ok"]:
+                        g = row_graph(tile)
+                        row["us"] = round(replay_us(g, iters), 2)
+                        del g
+                        swept.append((row["us"], tile))
+                    else:
+                        bad += 1
+                except Exception as exc:  # a tile that does not compile must not hide the others
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                record(row, echo=False)
+            if not swept:
+                record({"what": "final", "shape": shape, "linear": lname, "error": "no tile correct"})
+                continue
+            best = min(swept, key=lambda s: s[0])[1]
+            best_tiles[f"{n},{k}"] = best
+            # after every linear: a run cut short still leaves the tiles it found
+            (out_dir / "marlin_row_tiles.json").write_text(json.dumps(best_tiles, indent=1) + "\n")
+            rule = marlin_row_tile(n, k)
+            graphs = {"best": (row_graph(best), iters), "rule": (row_graph(rule), iters),
+                      "checkpoint_row": (capture_graph([(lambda p_=p_, s_=s_: torch.ops.qerl.nvfp4_gemv_row(
+                          x, p_, s_, q.global_scale.reshape(1).float())) for p_, s_ in raws], iters), iters),
+                      "marlin": (capture_graph([marlin_call(m_) for m_, _ in ms], iters), iters)}
+            res = timed_interleaved(graphs, args.reps)
+            del graphs
+            fin = {"what": "final", "shape": shape, "linear": lname, "n": n, "k": k, "tile": tile_name(best),
+                   "rule_tile": tile_name(rule), **res, "swept": len(swept),
+                   "best_vs_checkpoint_row": verdict(res["best"], res["checkpoint_row"]),
+                   "best_vs_marlin": verdict(res["best"], res["marlin"]),
+                   "best_gb_s": round(raw_bytes / res["best"]["median_us"] / 1e3, 1)}
+            record(fin)
+            finals.setdefault(shape, []).append(fin)
+            raws = ms = None  # the copies go before the next linear
+            torch.cuda.empty_cache()
+    lines = ["", "one row, weights streamed from HBM: us per call, median of "
+             f"{args.reps} (spread = max - min)",
+             f"{'shape':<6}{'linear':<9}{'best tile':<14}{'best':>15}{'rule':>15}{'ckpt row':>15}{'marlin':>15}"
+             f"{'GB/s':>7}  vs ckpt row / vs marlin"]
+    cell = lambda r: f"{r['median_us']:>9.1f} ±{r['spread_us']:<4.1f}"  # noqa: E731
+    for shape, sel in finals.items():
+        for f in sel:
+            lines.append(f"{shape:<6}{f['linear']:<9}{f['tile']:<14}{cell(f['best'])}{cell(f['rule'])}"
+                         f"{cell(f['checkpoint_row'])}{cell(f['marlin'])}{f['best_gb_s']:>7.0f}  "
+                         f"{f['best_vs_checkpoint_row']} / {f['best_vs_marlin']}")
+        if len(sel) == len(args.linears.split(",")):
+            step, spread = per_step_ms(sel, ("best", "rule", "checkpoint_row", "marlin"), LAYERS[shape])
+            record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
+            lines.append(f"per {shape} decode step (x{LAYERS[shape]}): " + ", ".join(
+                f"{key} {step[key]:.3f} ms (±{spread[key]:.3f})" for key in step))
+    lines.append(f"tiles refused for error or non-reproducible split-K: {bad}; tiles file: "
+                 f"{out_dir / 'marlin_row_tiles.json'}")
+    print("\n".join(lines), flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,294 @@
+"""decode_gemv's one-row NVFP4 kernel reading vLLM's Marlin layout, so that a layer needs no second copy of its weights
+(``decode_gemv: "shared"``).
+
+Why: the one-row kernel of :mod:`vllm_ext.nvfp4_gemv` made the 7B engine's batch-1 decode 16-23 % faster
+(docs/benchmarks.md §4k, §4p, §4af), but it reads the checkpoint's layout, so every layer kept that copy next to
+Marlin's: +3.4 GiB at 7B and +16.4 GiB at 32B, taken from the KV cache. That is why it stayed opt-in. This kernel
+reads the tensors Marlin already holds (``prepare_fp4_layer_for_marlin``), so the only extra bytes are a float32
+divisor per layer (and a natural-order copy of a fused bias).
+
+Marlin's layout, as vLLM 0.24 builds it (``gptq_marlin_repack`` on the codes, 4 bits; ``marlin_permute_scales`` and
+``nvfp4_marlin_process_scales`` on the FP8 scales; vLLM's own pure-torch reference of the repack is
+``marlin_utils_test.marlin_weights``, which the tests use):
+
+- ``qweight`` int32 ``[K/16, 2N]``: row ``t`` holds the 16 inputs ``16t .. 16t + 15`` (one scale group) of every
+  output, in chunks of 128 words per 64 outputs. In chunk ``c``, word ``u = 16 h + 4 a + j`` (``h``, ``a``, ``j``:
+  0-7, 0-3, 0-3) holds in its nibble ``q`` the code of output ``64 c + 16 j + 8 b + h`` and input ``16 t + r`` with
+  ``(b, r)`` = (0, 2a), (0, 2a + 8), (1, 2a), (1, 2a + 8), (0, 2a + 1), (0, 2a + 9), (1, 2a + 1), (1, 2a + 9) for
+  ``q`` = 0 .. 7. So a program that takes ``h`` in ``[h0, h0 + HB)`` reads ``16 HB`` consecutive words per group.
+- ``scale`` FP8 bytes ``[K/16, N]``: in chunk ``c`` of group row ``t``, byte ``8 h + 4 (j // 2) + (j % 2) + 2 b`` is
+  the scale of output ``64 c + 16 j + 8 b + h``: ``8 HB`` consecutive bytes per program and group. Each byte is
+  Marlin's S0E5M3 form: the top 8 bits (after the sign) of the float16 ``scale * 2^7 * sf`` (``sf`` a power of two
+  vLLM picks per layer, divided out of its global scale), so ``float16(byte << 7)`` gives it back exactly. Marlin
+  zeroes the bytes of scales whose ``scale * 2^7 * sf`` is below 2; reading its bytes, this kernel computes with
+  exactly Marlin's weight.
+- The weight is ``code * scale_byte_value * g / 2^e``, ``g`` Marlin's float32 global scale and ``2^e`` the factor
+  ``nvfp4_marlin_process_global_scale`` put in it (2^126 for bfloat16, 2^14 for float16): the kernel takes the
+  divisor ``2^e / g`` (:func:`marlin_divisor`).
+
+How: per group row, each word's 8 codes are decoded as in :mod:`vllm_ext.nvfp4_gemv` (PTX, each code times
+2^-14, exact in float32) and meet ``x`` at the word's four inputs, two outputs per word: two float32 products sums per
+word, each times its output's group scale, accumulated over the program's groups and summed over ``a`` once at the
+end. ``T`` groups per loop step (one 16-byte load per thread of four words), ``HB`` eighths of a 64-output chunk per
+program, split-K as in :mod:`vllm_ext.nvfp4_gemv` (fixed-order sum of float32 partials: the same bits every call).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import torch
+
+from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
+from vllm_ext.triton_support import interpreting as _interpreting
+from vllm_ext.triton_support import tl, triton
+
+__all__ = ["MARLIN_ROW_OP", "TILES_ENV", "marlin_divisor", "marlin_row_gemm", "marlin_row_tile", "nvfp4_marlin_row",
+           "shared_layout"]
+
+CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths of one
+# a JSON file of tiles by weight shape, {"N,K": {"hb": ..., "t": ..., "split_k": ..., "num_warps": ..., "stages": ...}}
+# (what scripts/gpu/sweep_marlin_row.py writes), taken before marlin_row_tile's rule for the shapes it names
+TILES_ENV = "QERL_MARLIN_ROW_TILES"
+TILE_KEYS = ("hb", "t", "split_k", "num_warps", "stages")
+
+
+@functools.lru_cache(maxsize=4)
+def _swept_tiles(path: str) -> dict[tuple[int, int], dict[str, int]]:
+    """The tiles of :data:`TILES_ENV`'s file, checked: an unreadable file or a bad entry is an error naming it."""
+    try:
+        raw = json.loads(open(path).read())
+        tiles = {}
+        for key, tile in raw.items():
+            n, k = (int(v) for v in key.split(","))
+            if set(tile) != set(TILE_KEYS) or not all(isinstance(tile[v], int) for v in TILE_KEYS):
+                raise ValueError(f"entry {key!r}: expected the integer keys {', '.join(TILE_KEYS)}, got {tile}")
+            tiles[(n, k)] = {v: tile[v] for v in TILE_KEYS}
+        return tiles
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{TILES_ENV}={path}: {exc} (write it with scripts/gpu/sweep_marlin_row.py, or unset "
+                         "it)") from None
+
+
+if triton is not None:
+    from triton.language.extra.cuda import gdc_wait
+
+    from vllm_ext.nvfp4_gemv import _decode8, _finish
+
+    @triton.jit
+    def _marlin_scale(b):
+        """Marlin's S0E5M3 scale byte ``b`` (int32, 0-255) as float32: ``float16(b << 7)``."""
+        return (b << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _marlin_rows(pid_n, HB: tl.constexpr):
+        """The ``8 HB`` outputs of program ``pid_n``, in the order of :func:`_marlin_row_dot`'s sums: ``(h, j, b)``
+        -> ``64 c + 16 j + 8 b + h0 + h``."""
+        c = pid_n // (8 // HB)
+        h0 = (pid_n % (8 // HB)) * HB
+        hv = tl.arange(0, HB)[:, None, None]
+        jv = tl.arange(0, 4)[None, :, None]
+        bv = tl.arange(0, 2)[None, None, :]
+        return tl.reshape(64 * c + h0 + hv + 16 * jv + 8 * bv, (8 * HB,))
+
+    @triton.jit
+    def _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+        """Groups ``t T .. t T + T - 1`` of the program's outputs: two ``[T, HB, 4, 4]`` float32 tensors (outputs
+        ``b`` = 0 and 1 of each word), each word's four products summed and times its output's group scale."""
+        kt = (t * T + tl.arange(0, T))[:, None, None, None]
+        hv = tl.arange(0, HB)[None, :, None, None]
+        av = tl.arange(0, 4)[None, None, :, None]
+        jv = tl.arange(0, 4)[None, None, None, :]
+        wv = tl.load(w_ptr + wbase + kt * (2 * N) + hv * 16 + av * 4 + jv)
+        c = _decode8(wv, ASM)
+        xk = x_ptr + kt * 16 + 2 * av  # [T, 1, 4, 1]: inputs 2a, 2a + 1, 2a + 8, 2a + 9 of each group
+        x0 = tl.load(xk).to(tl.float32)
+        x1 = tl.load(xk + 1).to(tl.float32)
+        x2 = tl.load(xk + 8).to(tl.float32)
+        x3 = tl.load(xk + 9).to(tl.float32)
+        p0 = c[0] * x0 + c[4] * x1 + c[1] * x2 + c[5] * x3
+        p1 = c[2] * x0 + c[6] * x1 + c[3] * x2 + c[7] * x3
+        sw = tl.load(s_ptr + sbase + kt * (N // 4) + hv * 2 + jv // 2)  # [T, HB, 1, 4]: 4 scale bytes per int32
+        sh = (jv % 2) * 8
+        return p0 * _marlin_scale((sw >> sh) & 0xFF), p1 * _marlin_scale((sw >> (sh + 16)) & 0xFF)
+
+    @triton.jit
+    def _marlin_row_dot(x_ptr, w_ptr, s_ptr, pid_n, pid_k, N, K, HB: tl.constexpr, T: tl.constexpr,
+                        SPLIT_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
+        """``sum_k x[k] W[n, k]`` in float32, before the global scale, for the outputs :func:`_marlin_rows` names,
+        over the loop steps ``pid_k, pid_k + SPLIT_K, ...`` (``T`` groups each). ``STAGES`` > 0: the loop
+        software-pipelined that many stages deep."""
+        c = pid_n // (8 // HB)
+        h0 = (pid_n % (8 // HB)) * HB
+        wbase = 128 * c + 16 * h0
+        sbase = 16 * c + 2 * h0
+        acc0 = tl.zeros((T, HB, 4, 4), dtype=tl.float32)
+        acc1 = tl.zeros((T, HB, 4, 4), dtype=tl.float32)
+        steps = K // (16 * T)
+        if STAGES > 0:
+            for t in tl.range(pid_k, steps, SPLIT_K, num_stages=STAGES):
+                q0, q1 = _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB, T, ASM)
+                acc0 += q0
+                acc1 += q1
+        else:
+            for t in range(pid_k, steps, SPLIT_K):
+                q0, q1 = _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB, T, ASM)
+                acc0 += q0
+                acc1 += q1
+        r0 = tl.sum(tl.sum(acc0, axis=2), axis=0)  # [HB, 4]
+        r1 = tl.sum(tl.sum(acc1, axis=2), axis=0)
+        return tl.reshape(tl.join(r0, r1), (8 * HB,))
+
+    @triton.jit
+    def _marlin_row_kernel(
+        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, b_ptr, N, K,
+        HB: tl.constexpr, T: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, HAS_BIAS: tl.constexpr,
+        STAGES: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """One row on Marlin's tensors: ``y[n] = sum_k x[k] W[n, k] / divisor (+ bias[n])``. ``PDL``: launched as a
+        programmatic dependent launch; its programs wait for the previous kernel before any load."""
+        if PDL:
+            gdc_wait()
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = _marlin_rows(pid_n, HB)
+        n_ok = rn < N
+        part = _marlin_row_dot(x_ptr, w_ptr, s_ptr, pid_n, pid_k, N, K, HB, T, SPLIT_K, ASM, STAGES)
+        _finish(y_ptr + rn, ws_ptr + rn, N, part, n_ok, 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k, SPLIT_K,
+                b_ptr + rn, HAS_BIAS)
+
+
+def shared_layout(qweight: torch.Tensor, scale: torch.Tensor, k: int) -> int | None:
+    """``N`` when ``qweight``/``scale`` are Marlin's tensors of an unpadded ``[N, k]`` NVFP4 weight (int32
+    ``[k/16, 2N]``, FP8 ``[k/16, N]``, N a multiple of 64, k of 128), else None."""
+    if qweight.dtype != torch.int32 or qweight.dim() != 2 or scale.dim() != 2:
+        return None
+    n = scale.shape[1]
+    if (n % CHUNK or k % 128 or tuple(qweight.shape) != (k // 16, 2 * n) or tuple(scale.shape) != (k // 16, n)
+            or scale.dtype != torch.float8_e4m3fn):
+        return None
+    return n
+
+
+def _steps(k: int, t_max: int) -> int:
+    """The largest power of two ``T`` <= ``t_max`` with ``16 T`` dividing ``k``."""
+    t = t_max
+    while t > 1 and (k // 16) % t:
+        t //= 2
+    return t
+
+
+def marlin_row_tile(n: int, k: int, lora: bool = False) -> dict[str, int] | None:
+    """The kernel's tile for an ``[n, k]`` weight: ``hb`` eighths of a 64-output chunk per program, ``t`` groups per
+    loop step, ``split_k``, ``num_warps``, ``stages``. From :data:`TILES_ENV`'s file where it names the shape; else a
+    rule not yet swept on a GPU (docs/benchmarks.md §4ah): programs of 8 outputs, with split-K where that leaves fewer
+    than ~1 000 programs. ``lora``: the same. None where Marlin's layout of the weight is padded (N not a multiple of
+    64 or K of 128)."""
+    del lora  # same tiles for the row+lora kernel until a sweep says otherwise
+    if n % CHUNK or k % 128:
+        return None
+    path = os.environ.get(TILES_ENV)
+    if path:
+        swept = _swept_tiles(path).get((n, k))
+        if swept is not None:
+            return dict(swept)
+    t = _steps(k, 32)
+    programs = n // 8
+    split_k = 1
+    while programs * split_k < 1024 and split_k < 8 and (k // (16 * t)) >= 2 * split_k:
+        split_k *= 2
+    return dict(hb=1, t=t, split_k=split_k, num_warps=4, stages=0)
+
+
+def marlin_divisor(marlin_global_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float32 ``[1]`` divisor the kernel takes for a layer whose Marlin global scale is
+    ``marlin_global_scale`` and activations ``dtype``: ``2^e / g``, with ``2^e`` the factor vLLM's
+    ``nvfp4_marlin_process_global_scale`` multiplies into ``g`` (its exponent-bias shift for ``dtype``, times the
+    2^7 that Marlin's scale bytes carry)."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import nvfp4_marlin_process_global_scale
+
+    one = torch.ones(1, dtype=torch.float64)
+    factor = nvfp4_marlin_process_global_scale(one, dtype).item() * 2.0**7
+    g = marlin_global_scale.reshape(-1)[:1].to(torch.float64)
+    return (factor / g).to(torch.float32)
+
+
+def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, divisor: torch.Tensor,
+                    bias: torch.Tensor | None = None, hb: int = 1, t: int = 32, split_k: int = 1, num_warps: int = 4,
+                    stages: int = 0, pdl: bool = False, asm: bool | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for one row ``x`` ``[..., K]`` (bfloat16/float16) with ``W`` as Marlin holds it
+    (``qweight`` int32 ``[K/16, 2N]``, ``scale`` FP8 ``[K/16, N]``, :func:`marlin_divisor`'s ``divisor``); ``bias``
+    ``[N]`` in natural order, added in float32 before the one rounding. ``hb`` (1, 2, 4, 8): eighths of a 64-output
+    chunk per program; ``t`` (a power of two, ``16 t`` dividing K): groups per loop step; ``split_k`` programs per
+    output block; ``stages`` > 0: the pipelined loop; ``pdl``: a programmatic dependent launch (Hopper); ``asm``:
+    the PTX decode (default: on CUDA, not under the interpreter)."""
+    if triton is None:
+        raise RuntimeError(f"marlin_row_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
+    k = x.shape[-1]
+    n = shared_layout(qweight, scale, k)
+    problems = []
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        problems.append(f"activations in {x.dtype} (bfloat16/float16 supported)")
+    if x.numel() != k:
+        problems.append(f"{x.numel() // max(k, 1)} rows (one supported)")
+    if n is None:
+        problems.append(f"qweight {qweight.dtype} {tuple(qweight.shape)} / scale {scale.dtype} {tuple(scale.shape)} "
+                        f"are not Marlin's unpadded tensors for K={k} (int32 [K/16, 2N], float8_e4m3fn [K/16, N], "
+                        "N a multiple of 64, K of 128)")
+    if hb not in (1, 2, 4, 8):
+        problems.append(f"hb={hb} (1, 2, 4 or 8)")
+    if t < 1 or t & (t - 1) or k % (16 * t):
+        problems.append(f"t={t} (a power of two with 16 t dividing K={k})")
+    if split_k < 1 or stages < 0:
+        problems.append(f"split_k={split_k} (>= 1), stages={stages} (>= 0)")
+    if divisor.numel() != 1:
+        problems.append(f"divisor has {divisor.numel()} values, expected 1")
+    if bias is not None and n is not None and tuple(bias.shape) != (n,):
+        problems.append(f"bias {tuple(bias.shape)}, expected ({n},)")
+    if problems:
+        raise ValueError("marlin_row_gemm: " + "; ".join(problems))
+    from vllm_ext.nvfp4_gemv import _counters
+
+    x2 = x.reshape(1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    blocks = n // (8 * hb)
+    split_k = min(split_k, k // (16 * t))
+    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    if split_k > 1:
+        ws = torch.empty(split_k, n, device=x.device, dtype=torch.float32)
+        cnt = _counters(x.device, blocks)
+    else:
+        ws, cnt = out, out  # unused
+    b = out if bias is None else bias.contiguous()
+    _marlin_row_kernel[(blocks, split_k)](
+        x2, qweight, scale.view(torch.int32), divisor.reshape(1).to(torch.float32), out, ws, cnt, b, n, k,
+        HB=hb, T=t, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm, HAS_BIAS=bias is not None,
+        STAGES=stages, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+    )  # fmt: skip
+    return out.reshape(*x.shape[:-1], n)
+
+
+MARLIN_ROW_OP = "qerl::nvfp4_marlin_row"
+
+
+@torch.library.custom_op(MARLIN_ROW_OP, mutates_args=())
+def nvfp4_marlin_row(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, divisor: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for one row on Marlin's own tensors, :func:`marlin_row_tile`'s tile, as one opaque op
+    for torch.compile and CUDA graphs; a programmatic dependent launch where the row kernel's would be."""
+    from vllm_ext.nvfp4_gemv import pdl_first_allowed, pdl_supported
+
+    tile = marlin_row_tile(scale.shape[1], x.shape[-1])
+    if tile is None:
+        raise ValueError(f"{MARLIN_ROW_OP}: Marlin's layout of this weight is padded (N={scale.shape[1]}, "
+                         f"K={x.shape[-1]})")
+    return marlin_row_gemm(x, qweight, scale, divisor, bias, pdl=pdl_supported(x.device) and pdl_first_allowed(),
+                           **tile)
+
+
+@nvfp4_marlin_row.register_fake
+def _nvfp4_marlin_row_fake(x, qweight, scale, divisor, bias=None):  # noqa: ANN001, ANN202
+    return x.new_empty((*x.shape[:-1], scale.shape[1]))
