@@ -158,8 +158,9 @@ if triton is not None:
         out_ty: tl.constexpr = y_ptr.dtype.element_ty
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        if MARLIN:  # 8 HB outputs of one 64-output chunk, strided (vllm_ext.nvfp4_marlin_row); the chunk's slice
-            row0 = (pid_n // (64 // BLOCK_N)) * 64
+        if MARLIN:  # 8 HB outputs of one or more 64-output chunks, strided (vllm_ext.nvfp4_marlin_row); the first
+            # chunk's slice (launch checks that a block never straddles two)
+            row0 = (pid_n * BLOCK_N) // 64 * 64
             rn = _marlin_rows(pid_n, BLOCK_N // 8)
         else:
             row0 = pid_n * BLOCK_N
@@ -208,9 +209,10 @@ def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, 
     if tile is None:
         return (f"Marlin's layout of this weight is padded (N={n}, K={k})" if marlin
                 else f"K={k} is not a multiple of 128")
-    ragged = _ragged(output_slices, CHUNK if marlin else tile["block_n"])
+    ragged = _ragged(output_slices, max(CHUNK, tile["block_n"]) if marlin else tile["block_n"])
     if ragged:
-        rows = "64-output chunks of Marlin's layout" if marlin else f"{tile['block_n']} rows per block"
+        rows = (f"{max(CHUNK, tile['block_n'])}-output chunks of Marlin's layout" if marlin
+                else f"{tile['block_n']} rows per block")
         return f"slice sizes {ragged} are not multiples of the row kernel's {rows}"
     return None
 
@@ -278,9 +280,11 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"bias {tuple(bias.shape)}, expected ({n},)")
     if tile is None:
         tile = row_tile(n, k, marlin)
-    elif marlin and (tile["block_n"] not in (8, 16, 32, 64) or k % tile["block_k"] or tile["block_k"] % 16):
-        raise ValueError(f"tile {tile}: on Marlin's layout block_n is 8, 16, 32 or 64 and block_k 16 T dividing K={k}")
-    elif _ragged(slices, tile["block_n"]):
+    elif marlin and (tile["block_n"] not in (8, 16, 32, 64, 128, 256, 512) or k % tile["block_k"] or tile["block_k"] % 16
+                     or n % tile["block_n"]):
+        raise ValueError(f"tile {tile}: on Marlin's layout block_n is 8 ... 512 (a power of two dividing N={n}) and "
+                         f"block_k 16 T dividing K={k}")
+    elif _ragged(slices, max(CHUNK, tile["block_n"]) if marlin else tile["block_n"]):
         raise ValueError(f"slices {slices} are not multiples of the given tile's {tile['block_n']} rows per block")
     x2 = x.reshape(1, k)
     if x2.stride(-1) != 1:

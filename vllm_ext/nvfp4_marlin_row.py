@@ -83,15 +83,26 @@ if triton is not None:
         return (b << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _marlin_origin(pid_n, HB: tl.constexpr):
+        """Program ``pid_n``'s first chunk ``c`` and first ``h`` in it: ``HB`` < 8 takes ``HB`` eighths of one chunk,
+        ``HB`` >= 8 takes ``HB / 8`` whole chunks (their words and scale bytes are contiguous too)."""
+        if HB >= 8:
+            c = pid_n * (HB // 8)
+            h0 = 0
+        else:
+            c = pid_n // (8 // HB)
+            h0 = (pid_n % (8 // HB)) * HB
+        return c, h0
+
+    @triton.jit
     def _marlin_rows(pid_n, HB: tl.constexpr):
         """The ``8 HB`` outputs of program ``pid_n``, in the order of :func:`_marlin_row_dot`'s sums: ``(h, j, b)``
-        -> ``64 c + 16 j + 8 b + h0 + h``."""
-        c = pid_n // (8 // HB)
-        h0 = (pid_n % (8 // HB)) * HB
+        -> ``64 (c + h // 8) + 16 j + 8 b + h0 + h % 8``."""
+        c, h0 = _marlin_origin(pid_n, HB)
         hv = tl.arange(0, HB)[:, None, None]
         jv = tl.arange(0, 4)[None, :, None]
         bv = tl.arange(0, 2)[None, None, :]
-        return tl.reshape(64 * c + h0 + hv + 16 * jv + 8 * bv, (8 * HB,))
+        return tl.reshape(64 * (c + hv // 8) + h0 + hv % 8 + 16 * jv + 8 * bv, (8 * HB,))
 
     @triton.jit
     def _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
@@ -120,8 +131,7 @@ if triton is not None:
         """``sum_k x[k] W[n, k]`` in float32, before the global scale, for the outputs :func:`_marlin_rows` names,
         over the loop steps ``pid_k, pid_k + SPLIT_K, ...`` (``T`` groups each). ``STAGES`` > 0: the loop
         software-pipelined that many stages deep."""
-        c = pid_n // (8 // HB)
-        h0 = (pid_n % (8 // HB)) * HB
+        c, h0 = _marlin_origin(pid_n, HB)
         wbase = 128 * c + 16 * h0
         sbase = 16 * c + 2 * h0
         acc0 = tl.zeros((T, HB, 4, 4), dtype=tl.float32)
@@ -220,8 +230,8 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                     stages: int = 0, pdl: bool = False, asm: bool | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for one row ``x`` ``[..., K]`` (bfloat16/float16) with ``W`` as Marlin holds it
     (``qweight`` int32 ``[K/16, 2N]``, ``scale`` FP8 ``[K/16, N]``, :func:`marlin_divisor`'s ``divisor``); ``bias``
-    ``[N]`` in natural order, added in float32 before the one rounding. ``hb`` (1, 2, 4, 8): eighths of a 64-output
-    chunk per program; ``t`` (a power of two, ``16 t`` dividing K): groups per loop step; ``split_k`` programs per
+    ``[N]`` in natural order, added in float32 before the one rounding. ``hb`` (1, 2, 4, 8; 16, 32, 64): eighths of a
+    64-output chunk per program (``8 hb`` outputs); ``t`` (a power of two, ``16 t`` dividing K): groups per loop step; ``split_k`` programs per
     output block; ``stages`` > 0: the pipelined loop; ``pdl``: a programmatic dependent launch (Hopper); ``asm``:
     the PTX decode (default: on CUDA, not under the interpreter)."""
     if triton is None:
@@ -237,8 +247,8 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         problems.append(f"qweight {qweight.dtype} {tuple(qweight.shape)} / scale {scale.dtype} {tuple(scale.shape)} "
                         f"are not Marlin's unpadded tensors for K={k} (int32 [K/16, 2N], float8_e4m3fn [K/16, N], "
                         "N a multiple of 64, K of 128)")
-    if hb not in (1, 2, 4, 8):
-        problems.append(f"hb={hb} (1, 2, 4 or 8)")
+    if hb not in (1, 2, 4, 8, 16, 32, 64) or (n is not None and n % (8 * hb)):
+        problems.append(f"hb={hb} (1, 2, 4 or 8; 16, 32 or 64 where N is a multiple of 8 hb, here N={n})")
     if t < 1 or t & (t - 1) or k % (16 * t):
         problems.append(f"t={t} (a power of two with 16 t dividing K={k})")
     if split_k < 1 or stages < 0:

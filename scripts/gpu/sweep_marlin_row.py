@@ -41,9 +41,14 @@ from check_gemv import (  # noqa: E402
     LAYERS, LINEARS, add_timing_args, jsonl_recorder, per_step_ms, streamed_weight, timed_interleaved, verdict)
 
 
-def sweep_tiles(quick: bool = False) -> list[dict[str, int]]:
-    """The tiles tried, before :func:`fits` drops those a linear cannot take."""
-    hbs, ts, warps = ((1, 2), (32,), (1, 2, 4)) if quick else ((1, 2, 4), (16, 32), (1, 2, 4))
+def sweep_tiles(quick: bool = False, grid: str = "first") -> list[dict[str, int]]:
+    """The tiles tried, before :func:`fits` drops those a linear cannot take. ``grid="first"``: §4ah's first sweep
+    (at most one chunk per program); ``"wide"``: programs of up to four whole chunks, shorter loop steps and larger
+    split-K, unpipelined (the first sweep's best tiles all were)."""
+    if grid == "wide":
+        return [dict(hb=hb, t=t, split_k=sk, num_warps=w, stages=0)
+                for hb, t, sk, w in itertools.product((1, 2, 4, 8, 16, 32), (8, 16, 32), (1, 2, 4, 8, 16), (1, 2, 4))]
+    hbs, ts, warps = ((1, 2), (32,), (1, 2)) if quick else ((1, 2, 4), (32,), (1, 2, 4))
     return [dict(hb=hb, t=t, split_k=sk, num_warps=w, stages=st)
             for st, hb, t, sk, w in itertools.product((0, 3), hbs, ts, (1, 2, 4, 8), warps)]
 
@@ -52,7 +57,8 @@ def fits(tile: dict[str, int], n: int, k: int) -> bool:
     """Whether the linear takes the tile: its loop step divides K, every split-K program has a step, and the grid
     stays below 32 768 programs."""
     steps = k // (16 * tile["t"])
-    return k % (16 * tile["t"]) == 0 and steps >= tile["split_k"] and n // (8 * tile["hb"]) * tile["split_k"] <= 32768
+    return (k % (16 * tile["t"]) == 0 and steps >= tile["split_k"] and n % (8 * tile["hb"]) == 0
+            and n // (8 * tile["hb"]) * tile["split_k"] <= 32768)
 
 
 def tile_name(t: dict[str, int]) -> str:
@@ -74,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="7B,32B", help="Qwen2.5 shapes (default 7B,32B)")
     p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
-    p.add_argument("--quick", action="store_true", help="a smaller tile set (hb 1-2, t 32)")
+    p.add_argument("--quick", action="store_true", help="a smaller tile set (hb 1-2, 1-2 warps)")
+    p.add_argument("--grid", choices=("first", "wide"), default="first", help="the tile set (see sweep_tiles)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
     add_timing_args(p)
     args = p.parse_args(argv)
@@ -93,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     record = jsonl_recorder(args.out, "sweep_marlin_row.jsonl")
     out_dir = Path(args.out or os.environ.get("OUT") or ".out").expanduser().resolve()
     dev, bf16 = torch.device("cuda"), torch.bfloat16
-    tiles = sweep_tiles(args.quick)
+    tiles = sweep_tiles(args.quick, args.grid)
     record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "tiles": len(tiles), "cold_mib": args.cold_mib, "iters": args.iters, "reps": args.reps})
     best_tiles: dict[str, dict[str, int]] = {}

@@ -24,13 +24,16 @@ from qerl_plugin import nvfp4
 pytest.importorskip("triton", reason="Triton is not installed: the kernel cannot run or be interpreted")
 pytest.importorskip("vllm", reason="Marlin's layout is vLLM's: its reference code builds the tensors")
 
-# (N, K, tile): one chunk, several chunks with each program width, split-K (even and not), the pipelined loop, a bias
+# (N, K, tile): one chunk, several chunks with each program width (up to four chunks per program), split-K (even and
+# not), the pipelined loop, a bias
 CASES = [
     (64, 256, dict(hb=1, t=4)),
     (192, 512, dict(hb=2, t=8, split_k=2, bias=True)),
     (128, 384, dict(hb=8, t=8, split_k=3, stages=2)),
     (64, 2048, dict(hb=4, t=32, stages=3, bias=True)),
     (320, 1024, dict(hb=1, t=16, split_k=4)),
+    (256, 512, dict(hb=16, t=4, split_k=8, bias=True)),  # two whole chunks per program, a large split-K
+    (256, 256, dict(hb=32, t=2, split_k=2, stages=2)),
 ]
 
 INTERPRETED = textwrap.dedent(
@@ -200,6 +203,7 @@ LORA_CASES = [  # (slices, K, rank, bias, tile): q/k/v-like three slices, split-
     ((128, 64, 64), 512, 16, True, dict(block_n=8, block_k=128, split_k=1, num_warps=4)),
     ((64,), 1024, 32, True, dict(block_n=16, block_k=64, split_k=4, num_warps=4)),
     ((128, 128), 768, 16, False, dict(block_n=64, block_k=256, split_k=3, num_warps=4, stages=2)),
+    ((256, 128, 128), 256, 16, True, dict(block_n=128, block_k=64, split_k=4, num_warps=4)),  # two chunks per block
 ]
 
 
@@ -366,7 +370,7 @@ def test_gpu_kernel_on_marlins_own_tensors(n, k):
     ref_qw, ref_s, ref_g = marlin_tensors(q.packed, q.scale, q.global_scale, torch.bfloat16)
     assert torch.equal(m.weight.data, ref_qw) and torch.equal(m.weight_scale.data.view(torch.uint8),
                                                               ref_s.view(torch.uint8))
-    assert torch.equal(m.weight_global_scale.data, ref_g)
+    assert torch.equal(m.weight_global_scale.data.reshape(-1), ref_g.reshape(-1))
     d = marlin_divisor(m.weight_global_scale.data, torch.bfloat16)
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     w64 = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double()
