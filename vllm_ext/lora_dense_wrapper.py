@@ -20,10 +20,11 @@ call instead, when it runs (eagerly, or while vLLM captures a CUDA graph for one
 The ``overlap`` path (``additional_config={"qerl_lora": "overlap"}``) runs the same kernel on a second CUDA stream,
 beside the layer's base GEMM instead of after it: one op, ``qerl::linear_lora_overlap``, computes the base GEMM
 on the current stream while the kernel writes the update into a scratch tensor on the side stream, joins, and
-adds (``y + round(update)``: the bits ``fused`` gives). With ``QERL_LORA_SPLIT_ADD=1`` (§4ag; opt-in until a
-same-run comparison) the add is the model's: ``qerl::linear_lora_overlap_split`` returns ``(y, update)`` and the
-traced ``y + update`` is fused by torch.compile into the kernel that reads the output next, instead of an add
-kernel per linear (112 per 7B step, 0.14 ms at batch 8 on an H200). At decode the kernel is latency-bound (5-7 us
+adds (``y + round(update)``: the bits ``fused`` gives). By default (``QERL_LORA_SPLIT_ADD``, unset or 1; §4ag,
+§4ah) the add is the model's for o, down and gate/up: ``qerl::linear_lora_overlap_split`` returns ``(y, update)``
+and the traced ``y + update`` is fused by torch.compile into the kernel that reads the output next, instead of an
+add kernel per linear (112 per 7B step, 0.14 ms at batch 8 on an H200); the 7B engine decoded 2.1-2.6 % faster at
+batch 1, 8 and 64 (one H200 run, §4ah). ``QERL_LORA_SPLIT_ADD=0`` keeps every add inside the op. At decode the kernel is latency-bound (5-7 us
 per linear, §4v) and the 4-bit GEMM bandwidth-bound, so the two can share the GPU. Calls of more than 64 tokens
 run the base GEMM and punica one after the other, as ``fused`` does. vLLM's own ``VLLM_LORA_ENABLE_DUAL_STREAM``
 does the same with punica's three launches (and a zero-filled buffer) for every call size; it is a process-wide
@@ -177,14 +178,14 @@ def _overlapped(layer: torch.nn.Module) -> bool:
 
 def split_add(layer: torch.nn.Module) -> bool:
     """Whether the overlap mode returns this layer's base output and LoRA update apart, for the model to add:
-    ``QERL_LORA_SPLIT_ADD`` (a bool, default off until §4ag's same-run comparison is made), except on q/k/v layers
+    ``QERL_LORA_SPLIT_ADD`` (a bool, default on since §4ah's same-run comparison), except on q/k/v layers
     and on layers with decode_gemv's copy. q/k/v: in §4ag's profile the add after o, down and gate/up fused into
     the residual-add-RMSNorm and SiLU kernels (0.108 ms of add kernels per 7B b8 step gone for 0.036 ms more in those
     kernels), but after q/k/v it made two new kernels per layer around the rotary embedding (0.071 ms for the 0.036
     ms of adds it removed). decode_gemv layers: their one-row calls take the row+lora path, which adds inside its
     kernel. Decided when the model is traced; the variable is one of vLLM's compile factors
     (``vllm_ext.register_compile_env``)."""
-    if not parse_bool(os.environ.get(LORA_SPLIT_ADD_ENV, "0") or "0", LORA_SPLIT_ADD_ENV):
+    if not parse_bool(os.environ.get(LORA_SPLIT_ADD_ENV, "1") or "1", LORA_SPLIT_ADD_ENV):
         return False
     if isinstance(layer.base_layer, QKVParallelLinear):
         return False

@@ -31,6 +31,14 @@ How: per group row, each word's 8 codes are decoded as in :mod:`vllm_ext.nvfp4_g
 word, each times its output's group scale, accumulated over the program's groups and summed over ``a`` once at the
 end. ``T`` groups per loop step (one 16-byte load per thread of four words), ``HB`` eighths of a 64-output chunk per
 program, split-K as in :mod:`vllm_ext.nvfp4_gemv` (fixed-order sum of float32 partials: the same bits every call).
+
+Measured (docs/benchmarks.md §4ah, one H200): correct (vLLM's CUDA repack gives exactly the reference's tensors; every
+tile within Marlin's error plus one bf16 step of the exact product), but **slower than the checkpoint-layout kernel**:
+2.70 against 1.74 ms per 7B decode step at one row (Marlin 2.29), 11.41 against 7.20 per 32B step, reading 0.9-1.7
+TB/s. In the 7B engine with LoRA, batch 1 decoded 4.0 % slower than with ``decode_gemv`` off (``all``: +24.0 %); b8
+and b64 equal. So ``shared`` is opt-in and experimental. With one chunk or less per program a program reads 64-256
+bytes per group row, rows 8N bytes apart; programs of whole chunks with larger split-K (``hb`` 16, 32) made the 7B
+q/k/v call 18 % faster (10.57 -> 8.64 us, §4ah call set B, cut short) and are the direction to sweep next.
 """
 
 from __future__ import annotations
@@ -192,10 +200,14 @@ def _steps(k: int, t_max: int) -> int:
 
 def marlin_row_tile(n: int, k: int, lora: bool = False) -> dict[str, int] | None:
     """The kernel's tile for an ``[n, k]`` weight: ``hb`` eighths of a 64-output chunk per program, ``t`` groups per
-    loop step, ``split_k``, ``num_warps``, ``stages``. From :data:`TILES_ENV`'s file where it names the shape; else a
-    rule not yet swept on a GPU (docs/benchmarks.md §4ah): programs of 8 outputs, with split-K where that leaves fewer
-    than ~1 000 programs. ``lora``: the same. None where Marlin's layout of the weight is padded (N not a multiple of
-    64 or K of 128)."""
+    loop step, ``split_k``, ``num_warps``, ``stages``. From :data:`TILES_ENV`'s file where it names the shape; else
+    the best tiles of §4ah's first sweep (H200, one row, weights streamed from HBM, 72 tiles per linear; each of the
+    eight 7B and 32B linears took its own best): one warp, 32 groups per loop step, unpipelined; long K (down) 4 or 2
+    eighths with split-K 8; large N (gate/up) 2 eighths, split-K 2 up to N = 40 000 and 1 above; q/k/v and o 2
+    eighths, split-K 4 (the 32B q/k/v's best had 4 eighths, 1.4 % faster in the sweep; the wider grid of §4ah's call
+    set B found 8.64 us for the 7B q/k/v with two whole chunks per program and split-K 16, against 10.5, before it was
+    cut short). ``lora``: the same. None where Marlin's layout of the weight is padded (N not a multiple of 64 or K of
+    128)."""
     del lora  # same tiles for the row+lora kernel until a sweep says otherwise
     if n % CHUNK or k % 128:
         return None
@@ -204,12 +216,14 @@ def marlin_row_tile(n: int, k: int, lora: bool = False) -> dict[str, int] | None
         swept = _swept_tiles(path).get((n, k))
         if swept is not None:
             return dict(swept)
+    if k > 8192:
+        hb, split_k = (4 if k <= 20480 else 2), 8
+    elif n > 16384:
+        hb, split_k = 2, (2 if n <= 40000 else 1)
+    else:
+        hb, split_k = 2, 4
     t = _steps(k, 32)
-    programs = n // 8
-    split_k = 1
-    while programs * split_k < 1024 and split_k < 8 and (k // (16 * t)) >= 2 * split_k:
-        split_k *= 2
-    return dict(hb=1, t=t, split_k=split_k, num_warps=4, stages=0)
+    return dict(hb=hb, t=t, split_k=max(1, min(split_k, k // (16 * t))), num_warps=1, stages=0)
 
 
 def marlin_divisor(marlin_global_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

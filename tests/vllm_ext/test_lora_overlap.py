@@ -187,10 +187,10 @@ def test_overlap_op_schema_and_fake_kernel(cpu_config):
 @pytest.mark.parametrize("split", ["1", "0", ""])
 @pytest.mark.parametrize("kind", ["gate_up", "qkv", "o"])
 def test_the_add_is_left_to_the_compiled_model_when_asked(cpu_config, monkeypatch, kind, split):
-    """With ``QERL_LORA_SPLIT_ADD=1`` the overlap op returns the base output and the update apart and the traced
-    model adds them (one ``qerl::linear_lora_overlap_split`` node, then an add that torch.compile can fuse into the
-    next kernel), except on q/k/v; with 0 (the default) the add stays inside ``qerl::linear_lora_overlap``. Same
-    result either way."""
+    """With ``QERL_LORA_SPLIT_ADD`` 1 or unset (the default since §4ah) the overlap op returns the base output and the
+    update apart and the traced model adds them (one ``qerl::linear_lora_overlap_split`` node, then an add that
+    torch.compile can fuse into the next kernel), except on q/k/v; with 0 the add stays inside
+    ``qerl::linear_lora_overlap``. Same result either way."""
     from vllm.config import set_current_vllm_config
 
     if split:
@@ -200,7 +200,7 @@ def test_the_add_is_left_to_the_compiled_model_when_asked(cpu_config, monkeypatc
     with set_current_vllm_config(cpu_config):
         layer, base, a, b = _layer(kind, "overlap", prefix=f"split{split or 'unset'}.{kind}")
         _torch_update(layer.punica_wrapper)
-        splits = split == "1" and kind != "qkv"
+        splits = split in ("1", "") and kind != "qkv"
         assert ldw.split_add(layer) is splits
         x = torch.randn(5, 64)
         got, nodes = _compiled(layer, x)

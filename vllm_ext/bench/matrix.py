@@ -107,9 +107,11 @@ VARIANTS: dict[str, Variant] = {
                             "fork, base GEMM, kernel, join, add) for calls of at most 64 tokens",
                             additional={"qerl_lora": "overlap"}, only="lora"),
     "overlap-add-in-op": Variant("the overlap mode with its add inside the op, one add kernel per linear (the "
-                                 "default; QERL_LORA_SPLIT_ADD=0)", env={"QERL_LORA_SPLIT_ADD": "0"}, only="lora"),
-    "lora-split-add": Variant("the overlap mode's add left to torch.compile, fused into the next kernel (§4ag; "
-                              "QERL_LORA_SPLIT_ADD=1)", env={"QERL_LORA_SPLIT_ADD": "1"}, only="lora"),
+                                 "default until §4ah; QERL_LORA_SPLIT_ADD=0)", env={"QERL_LORA_SPLIT_ADD": "0"},
+                                 only="lora"),
+    "lora-split-add": Variant("the overlap mode's add left to torch.compile, fused into the next kernel (§4ag; the "
+                              "default since §4ah, named: QERL_LORA_SPLIT_ADD=1)", env={"QERL_LORA_SPLIT_ADD": "1"},
+                              only="lora"),
     "fused-lora": Variant("the adapter's shrink and expand in one Triton launch per linear for calls of at most 64 "
                           "tokens, punica above (vllm_ext.lora_fused)", additional={"qerl_lora": "fused"}, only="lora"),
 }
