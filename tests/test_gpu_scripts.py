@@ -1519,3 +1519,19 @@ def test_decode_gemv_small_verdicts_from_the_twentyninth_sessions_raw_results():
     busy = [p["replay_busy_ms"] for p in prof.values()]
     assert max(busy) - min(busy) < 0.01  # the same GPU work per b8 step
     assert {k: round(p["idle_ms"], 2) for k, p in prof.items()} == {off: 0.23, small: 1.28, every: 0.96}
+
+
+def test_sweep_marlin_row_grids_and_the_tiles_each_linear_takes():
+    """sweep_marlin_row.py: the first grid (72 tiles of at most one chunk per program), the wide one (270) and the
+    chunks one (36, whole chunks); a tile fits a linear only where its loop step divides K, every split-K program has
+    a step, its programs tile N and the grid stays below 32 768 programs. Its tile names are what §4ah quotes."""
+    sweep = _import_script("sweep_marlin_row")
+    first, wide, chunks = (sweep.sweep_tiles(grid=g) for g in ("first", "wide", "chunks"))
+    assert (len(first), len(wide), len(chunks)) == (72, 270, 36)
+    assert {t["hb"] for t in chunks} == {8, 16, 32} and all(t["stages"] == 0 for t in wide + chunks)
+    assert sweep.fits(dict(hb=16, t=8, split_k=16, num_warps=2, stages=0), 4608, 3584)  # call set B's best q/k/v
+    assert not sweep.fits(dict(hb=32, t=32, split_k=8, num_warps=2, stages=0), 4608, 3584)  # 7 steps < split-K 8
+    assert not sweep.fits(dict(hb=32, t=8, split_k=1, num_warps=2, stages=0), 3584 + 64, 3584)  # N not 256-aligned
+    assert not sweep.fits(dict(hb=1, t=8, split_k=16, num_warps=1, stages=0), 37888, 3584)  # 75 776 programs
+    assert sweep.tile_name(dict(hb=16, t=8, split_k=16, num_warps=2, stages=0)) == "h16t8s16w2"
+    assert sweep.tile_name(dict(hb=2, t=32, split_k=4, num_warps=1, stages=3)) == "h2t32s4w1S3"
