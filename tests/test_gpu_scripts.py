@@ -1535,3 +1535,5 @@ def test_sweep_marlin_row_grids_and_the_tiles_each_linear_takes():
     assert not sweep.fits(dict(hb=1, t=8, split_k=16, num_warps=1, stages=0), 37888, 3584)  # 75 776 programs
     assert sweep.tile_name(dict(hb=16, t=8, split_k=16, num_warps=2, stages=0)) == "h16t8s16w2"
     assert sweep.tile_name(dict(hb=2, t=32, split_k=4, num_warps=1, stages=3)) == "h2t32s4w1S3"
+    assert [t["asum"] for t in sweep.sweep_tiles(grid="asum")] == [1] * 36
+    assert sweep.tile_name(sweep.sweep_tiles(grid="asum")[0]) == "h8t8s4w2A"

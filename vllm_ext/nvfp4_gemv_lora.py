@@ -137,12 +137,12 @@ if triton is not None:
 
     @triton.jit
     def _dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_n, pid_k, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             SPLIT_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr, MARLIN: tl.constexpr):
+             SPLIT_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr, MARLIN: tl.constexpr, ASUM: tl.constexpr):
         """The base GEMM's float32 sums for the outputs ``rn``: the checkpoint layout's row loop, or with ``MARLIN``
         the loop over Marlin's tensors (:mod:`vllm_ext.nvfp4_marlin_row`; ``BLOCK_N`` = 8 HB, ``BLOCK_K`` = 16 T)."""
         if MARLIN:
             part = _marlin_row_dot(x_ptr, w_ptr, s_ptr, pid_n, pid_k, N, K, BLOCK_N // 8, BLOCK_K // 16, SPLIT_K, ASM,
-                                   STAGES)
+                                   STAGES, ASUM)
         else:
             part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, True, STAGES)
         return part
@@ -153,7 +153,7 @@ if triton is not None:
         hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
         HAS_BIAS: tl.constexpr, R: tl.constexpr, KS_PAD: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
-        MARLIN: tl.constexpr,
+        MARLIN: tl.constexpr, ASUM: tl.constexpr,
     ):  # fmt: skip
         out_ty: tl.constexpr = y_ptr.dtype.element_ty
         pid_n = tl.program_id(0)
@@ -171,13 +171,13 @@ if triton is not None:
             if not PDL:
                 h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
             part = _dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_n, pid_k, N, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, STAGES,
-                        MARLIN)
+                        MARLIN, ASUM)
             if PDL:  # the shrink grid may still be running: h after the main loop
                 h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
             _store_with_update(part, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS)
         else:  # float32 partials [SPLIT_K, N]; the block's last program to arrive finishes it
             part = _dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_n, pid_k, N, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, STAGES,
-                        MARLIN)
+                        MARLIN, ASUM)
             tl.store(ws_ptr + pid_k * N + rn, part, mask=n_ok)
             arrived = tl.atomic_add(cnt_ptr + pid_n, 1)  # acq_rel at GPU scope: the partials above are visible
             if arrived == SPLIT_K - 1:
@@ -228,7 +228,7 @@ def row_tile(n: int, k: int, marlin: bool = False) -> dict[str, int] | None:
     if t is None:
         return None
     return dict(block_n=8 * t["hb"], block_k=16 * t["t"], split_k=t["split_k"], num_warps=t["num_warps"],
-                stages=t["stages"])
+                stages=t["stages"], asum=t.get("asum", 0))
 
 
 def _ragged(output_slices: tuple[int, ...], block_n: int) -> list[int]:
@@ -280,8 +280,8 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"bias {tuple(bias.shape)}, expected ({n},)")
     if tile is None:
         tile = row_tile(n, k, marlin)
-    elif marlin and (tile["block_n"] not in (8, 16, 32, 64, 128, 256, 512) or k % tile["block_k"] or tile["block_k"] % 16
-                     or n % tile["block_n"]):
+    elif marlin and (tile["block_n"] not in (8, 16, 32, 64, 128, 256, 512) or k % tile["block_k"]
+                     or tile["block_k"] % 16 or n % tile["block_n"]):
         raise ValueError(f"tile {tile}: on Marlin's layout block_n is 8 ... 512 (a power of two dividing N={n}) and "
                          f"block_k 16 T dividing K={k}")
     elif _ragged(slices, max(CHUNK, tile["block_n"]) if marlin else tile["block_n"]):
@@ -315,7 +315,7 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         out if bias is None else bias.contiguous(), n, k, hp, token_lora_indices, *b, n_first[0], n_first[1], ks,
         float(lora_scale),
         BLOCK_N=block_n, BLOCK_K=tile["block_k"], SPLIT_K=split_k, ASM=not _interpreting(), HAS_BIAS=bias is not None,
-        R=rank, KS_PAD=MAX_CHUNKS, PDL=pdl, STAGES=tile.get("stages", 0), MARLIN=marlin, num_warps=tile["num_warps"],
-        launch_pdl=pdl,
+        R=rank, KS_PAD=MAX_CHUNKS, PDL=pdl, STAGES=tile.get("stages", 0), MARLIN=marlin,
+        ASUM=bool(tile.get("asum", 0)), num_warps=tile["num_warps"], launch_pdl=pdl,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

@@ -61,6 +61,7 @@ CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths o
 # (what scripts/gpu/sweep_marlin_row.py writes), taken before marlin_row_tile's rule for the shapes it names
 TILES_ENV = "QERL_MARLIN_ROW_TILES"
 TILE_KEYS = ("hb", "t", "split_k", "num_warps", "stages")
+OPTIONAL_TILE_KEYS = {"asum": 0}  # may be left out of a tiles file
 
 
 @functools.lru_cache(maxsize=4)
@@ -71,9 +72,12 @@ def _swept_tiles(path: str) -> dict[tuple[int, int], dict[str, int]]:
         tiles = {}
         for key, tile in raw.items():
             n, k = (int(v) for v in key.split(","))
-            if set(tile) != set(TILE_KEYS) or not all(isinstance(tile[v], int) for v in TILE_KEYS):
-                raise ValueError(f"entry {key!r}: expected the integer keys {', '.join(TILE_KEYS)}, got {tile}")
-            tiles[(n, k)] = {v: tile[v] for v in TILE_KEYS}
+            tile = {**OPTIONAL_TILE_KEYS, **tile}
+            keys = (*TILE_KEYS, *OPTIONAL_TILE_KEYS)
+            if set(tile) != set(keys) or not all(isinstance(tile[v], int) for v in keys):
+                raise ValueError(f"entry {key!r}: expected the integer keys {', '.join(TILE_KEYS)} (and optionally "
+                                 f"{', '.join(OPTIONAL_TILE_KEYS)}), got {tile}")
+            tiles[(n, k)] = {v: tile[v] for v in keys}
         return tiles
     except (OSError, ValueError, AttributeError) as exc:
         raise ValueError(f"{TILES_ENV}={path}: {exc} (write it with scripts/gpu/sweep_marlin_row.py, or unset "
@@ -113,9 +117,12 @@ if triton is not None:
         return tl.reshape(64 * (c + hv // 8) + h0 + hv % 8 + 16 * jv + 8 * bv, (8 * HB,))
 
     @triton.jit
-    def _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+    def _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr,
+                     ASUM: tl.constexpr):
         """Groups ``t T .. t T + T - 1`` of the program's outputs: two ``[T, HB, 4, 4]`` float32 tensors (outputs
-        ``b`` = 0 and 1 of each word), each word's four products summed and times its output's group scale."""
+        ``b`` = 0 and 1 of each word), each word's four products summed and times its output's group scale. ``ASUM``:
+        the four words ``a`` of an output and group summed first, then one scale per output and group: two
+        ``[T, HB, 4]`` tensors (fewer scale decodes and products, a sum across ``a`` per step)."""
         kt = (t * T + tl.arange(0, T))[:, None, None, None]
         hv = tl.arange(0, HB)[None, :, None, None]
         av = tl.arange(0, 4)[None, None, :, None]
@@ -129,41 +136,57 @@ if triton is not None:
         x3 = tl.load(xk + 9).to(tl.float32)
         p0 = c[0] * x0 + c[4] * x1 + c[1] * x2 + c[5] * x3
         p1 = c[2] * x0 + c[6] * x1 + c[3] * x2 + c[7] * x3
+        if ASUM:
+            k3 = (t * T + tl.arange(0, T))[:, None, None]
+            h3 = tl.arange(0, HB)[None, :, None]
+            j3 = tl.arange(0, 4)[None, None, :]
+            s3 = tl.load(s_ptr + sbase + k3 * (N // 4) + h3 * 2 + j3 // 2)  # [T, HB, 4]: 4 scale bytes per int32
+            sh3 = (j3 % 2) * 8
+            return (tl.sum(p0, axis=2) * _marlin_scale((s3 >> sh3) & 0xFF),
+                    tl.sum(p1, axis=2) * _marlin_scale((s3 >> (sh3 + 16)) & 0xFF))
         sw = tl.load(s_ptr + sbase + kt * (N // 4) + hv * 2 + jv // 2)  # [T, HB, 1, 4]: 4 scale bytes per int32
         sh = (jv % 2) * 8
         return p0 * _marlin_scale((sw >> sh) & 0xFF), p1 * _marlin_scale((sw >> (sh + 16)) & 0xFF)
 
     @triton.jit
     def _marlin_row_dot(x_ptr, w_ptr, s_ptr, pid_n, pid_k, N, K, HB: tl.constexpr, T: tl.constexpr,
-                        SPLIT_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr):
+                        SPLIT_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr, ASUM: tl.constexpr):
         """``sum_k x[k] W[n, k]`` in float32, before the global scale, for the outputs :func:`_marlin_rows` names,
         over the loop steps ``pid_k, pid_k + SPLIT_K, ...`` (``T`` groups each). ``STAGES`` > 0: the loop
-        software-pipelined that many stages deep."""
+        software-pipelined that many stages deep; ``ASUM``: see :func:`_marlin_tile`."""
         c, h0 = _marlin_origin(pid_n, HB)
         wbase = 128 * c + 16 * h0
         sbase = 16 * c + 2 * h0
-        acc0 = tl.zeros((T, HB, 4, 4), dtype=tl.float32)
-        acc1 = tl.zeros((T, HB, 4, 4), dtype=tl.float32)
+        if ASUM:
+            acc0 = tl.zeros((T, HB, 4), dtype=tl.float32)
+            acc1 = tl.zeros((T, HB, 4), dtype=tl.float32)
+        else:
+            acc0 = tl.zeros((T, HB, 4, 4), dtype=tl.float32)
+            acc1 = tl.zeros((T, HB, 4, 4), dtype=tl.float32)
         steps = K // (16 * T)
         if STAGES > 0:
             for t in tl.range(pid_k, steps, SPLIT_K, num_stages=STAGES):
-                q0, q1 = _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB, T, ASM)
+                q0, q1 = _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB, T, ASM, ASUM)
                 acc0 += q0
                 acc1 += q1
         else:
             for t in range(pid_k, steps, SPLIT_K):
-                q0, q1 = _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB, T, ASM)
+                q0, q1 = _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB, T, ASM, ASUM)
                 acc0 += q0
                 acc1 += q1
-        r0 = tl.sum(tl.sum(acc0, axis=2), axis=0)  # [HB, 4]
-        r1 = tl.sum(tl.sum(acc1, axis=2), axis=0)
+        if ASUM:
+            r0 = tl.sum(acc0, axis=0)  # [HB, 4]
+            r1 = tl.sum(acc1, axis=0)
+        else:
+            r0 = tl.sum(tl.sum(acc0, axis=2), axis=0)
+            r1 = tl.sum(tl.sum(acc1, axis=2), axis=0)
         return tl.reshape(tl.join(r0, r1), (8 * HB,))
 
     @triton.jit
     def _marlin_row_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, b_ptr, N, K,
         HB: tl.constexpr, T: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, HAS_BIAS: tl.constexpr,
-        STAGES: tl.constexpr, PDL: tl.constexpr,
+        STAGES: tl.constexpr, PDL: tl.constexpr, ASUM: tl.constexpr,
     ):  # fmt: skip
         """One row on Marlin's tensors: ``y[n] = sum_k x[k] W[n, k] / divisor (+ bias[n])``. ``PDL``: launched as a
         programmatic dependent launch; its programs wait for the previous kernel before any load."""
@@ -173,7 +196,7 @@ if triton is not None:
         pid_k = tl.program_id(1)
         rn = _marlin_rows(pid_n, HB)
         n_ok = rn < N
-        part = _marlin_row_dot(x_ptr, w_ptr, s_ptr, pid_n, pid_k, N, K, HB, T, SPLIT_K, ASM, STAGES)
+        part = _marlin_row_dot(x_ptr, w_ptr, s_ptr, pid_n, pid_k, N, K, HB, T, SPLIT_K, ASM, STAGES, ASUM)
         _finish(y_ptr + rn, ws_ptr + rn, N, part, n_ok, 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k, SPLIT_K,
                 b_ptr + rn, HAS_BIAS)
 
@@ -223,7 +246,7 @@ def marlin_row_tile(n: int, k: int, lora: bool = False) -> dict[str, int] | None
     else:
         hb, split_k = 2, 4
     t = _steps(k, 32)
-    return dict(hb=hb, t=t, split_k=max(1, min(split_k, k // (16 * t))), num_warps=1, stages=0)
+    return dict(hb=hb, t=t, split_k=max(1, min(split_k, k // (16 * t))), num_warps=1, stages=0, asum=0)
 
 
 def marlin_divisor(marlin_global_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -241,13 +264,16 @@ def marlin_divisor(marlin_global_scale: torch.Tensor, dtype: torch.dtype) -> tor
 
 def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, divisor: torch.Tensor,
                     bias: torch.Tensor | None = None, hb: int = 1, t: int = 32, split_k: int = 1, num_warps: int = 4,
-                    stages: int = 0, pdl: bool = False, asm: bool | None = None) -> torch.Tensor:
+                    stages: int = 0, pdl: bool = False, asm: bool | None = None,
+                    asum: bool | int = False) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for one row ``x`` ``[..., K]`` (bfloat16/float16) with ``W`` as Marlin holds it
     (``qweight`` int32 ``[K/16, 2N]``, ``scale`` FP8 ``[K/16, N]``, :func:`marlin_divisor`'s ``divisor``); ``bias``
     ``[N]`` in natural order, added in float32 before the one rounding. ``hb`` (1, 2, 4, 8; 16, 32, 64): eighths of a
-    64-output chunk per program (``8 hb`` outputs); ``t`` (a power of two, ``16 t`` dividing K): groups per loop step; ``split_k`` programs per
-    output block; ``stages`` > 0: the pipelined loop; ``pdl``: a programmatic dependent launch (Hopper); ``asm``:
-    the PTX decode (default: on CUDA, not under the interpreter)."""
+    64-output chunk per program (``8 hb`` outputs); ``t`` (a power of two, ``16 t`` dividing K): groups per loop step;
+    ``split_k`` programs per output block; ``stages`` > 0: the pipelined loop; ``pdl``: a programmatic dependent
+    launch (Hopper); ``asm``: the PTX decode (default: on CUDA, not under the interpreter); ``asum``: each output's
+    four words per group summed before its scale (:func:`_marlin_tile`; §4ah's estimate of what binds the kernel, not
+    yet measured)."""
     if triton is None:
         raise RuntimeError(f"marlin_row_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -290,7 +316,7 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     _marlin_row_kernel[(blocks, split_k)](
         x2, qweight, scale.view(torch.int32), divisor.reshape(1).to(torch.float32), out, ws, cnt, b, n, k,
         HB=hb, T=t, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm, HAS_BIAS=bias is not None,
-        STAGES=stages, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        STAGES=stages, PDL=pdl, ASUM=bool(asum), num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 

@@ -46,9 +46,10 @@ def sweep_tiles(quick: bool = False, grid: str = "first") -> list[dict[str, int]
     (at most one chunk per program); ``"wide"``: programs of up to four whole chunks, shorter loop steps and larger
     split-K, unpipelined (the first sweep's best tiles all were): 270 tiles, more than one 300 s step compiles for one
     linear (§4ah call set B); ``"chunks"``: the part of it where call set B's ten fastest q/k/v tiles lay (one to four
-    whole chunks, 8 or 16 groups per step, split-K 4-16, 2 or 4 warps), 36 tiles."""
-    if grid == "chunks":
-        return [dict(hb=hb, t=t, split_k=sk, num_warps=w, stages=0)
+    whole chunks, 8 or 16 groups per step, split-K 4-16, 2 or 4 warps), 36 tiles; ``"asum"``: the same 36 with each
+    output's four words summed before its scale (``asum``, §4ah's estimate)."""
+    if grid in ("chunks", "asum"):
+        return [dict(hb=hb, t=t, split_k=sk, num_warps=w, stages=0, asum=int(grid == "asum"))
                 for hb, t, sk, w in itertools.product((8, 16, 32), (8, 16), (4, 8, 16), (2, 4))]
     if grid == "wide":
         return [dict(hb=hb, t=t, split_k=sk, num_warps=w, stages=0)
@@ -67,7 +68,8 @@ def fits(tile: dict[str, int], n: int, k: int) -> bool:
 
 
 def tile_name(t: dict[str, int]) -> str:
-    return f"h{t['hb']}t{t['t']}s{t['split_k']}w{t['num_warps']}" + (f"S{t['stages']}" if t["stages"] else "")
+    name = f"h{t['hb']}t{t['t']}s{t['split_k']}w{t['num_warps']}" + (f"S{t['stages']}" if t["stages"] else "")
+    return name + ("A" if t.get("asum") else "")
 
 
 def marlin_tensors(packed, scale, gscale, dtype):  # noqa: ANN001, ANN201
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="7B,32B", help="Qwen2.5 shapes (default 7B,32B)")
     p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
     p.add_argument("--quick", action="store_true", help="a smaller tile set (hb 1-2, 1-2 warps)")
-    p.add_argument("--grid", choices=("first", "wide", "chunks"), default="first",
+    p.add_argument("--grid", choices=("first", "wide", "chunks", "asum"), default="first",
                    help="the tile set (see sweep_tiles)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
     add_timing_args(p)

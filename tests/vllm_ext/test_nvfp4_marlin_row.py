@@ -34,6 +34,8 @@ CASES = [
     (320, 1024, dict(hb=1, t=16, split_k=4)),
     (256, 512, dict(hb=16, t=4, split_k=8, bias=True)),  # two whole chunks per program, a large split-K
     (256, 256, dict(hb=32, t=2, split_k=2, stages=2)),
+    (192, 512, dict(hb=2, t=8, split_k=2, bias=True, asum=True)),  # the four words of an output summed first
+    (256, 512, dict(hb=16, t=4, split_k=4, stages=2, asum=True)),
 ]
 
 INTERPRETED = textwrap.dedent(
@@ -183,7 +185,7 @@ LORA = textwrap.dedent(
             ref = (base + torch.cat(ups, dim=-1)).to(x.dtype).double()
             ulp = torch.finfo(torch.float16).eps * ref.abs().clamp_min(2**-14)
             plain = marlin_row_gemm(x, qw, s, d, bias, hb=tile["block_n"] // 8, t=tile["block_k"] // 16,
-                                    split_k=tile["split_k"])
+                                    split_k=tile["split_k"], asum=tile.get("asum", 0))
             row[f"slot{slot}"] = {"max_ulps": ((got.double() - ref).abs() / ulp).max().item(),
                                   "equals_row_kernel": torch.equal(got, plain)}
         out.append(row)
@@ -204,6 +206,7 @@ LORA_CASES = [  # (slices, K, rank, bias, tile): q/k/v-like three slices, split-
     ((64,), 1024, 32, True, dict(block_n=16, block_k=64, split_k=4, num_warps=4)),
     ((128, 128), 768, 16, False, dict(block_n=64, block_k=256, split_k=3, num_warps=4, stages=2)),
     ((256, 128, 128), 256, 16, True, dict(block_n=128, block_k=64, split_k=4, num_warps=4)),  # two chunks per block
+    ((128, 64, 64), 512, 16, False, dict(block_n=16, block_k=128, split_k=2, num_warps=4, asum=1)),
 ]
 
 
@@ -426,7 +429,7 @@ def test_tiles_file_overrides_the_rule_for_the_shapes_it_names(tmp_path, monkeyp
     good = tmp_path / "tiles.json"
     good.write_text(json.dumps({"4608,3584": {"hb": 2, "t": 16, "split_k": 2, "num_warps": 1, "stages": 3}}))
     monkeypatch.setenv(mr.TILES_ENV, str(good))
-    assert mr.marlin_row_tile(4608, 3584) == {"hb": 2, "t": 16, "split_k": 2, "num_warps": 1, "stages": 3}
+    assert mr.marlin_row_tile(4608, 3584) == {"hb": 2, "t": 16, "split_k": 2, "num_warps": 1, "stages": 3, "asum": 0}
     monkeypatch.delenv(mr.TILES_ENV)
     other = mr.marlin_row_tile(3584, 3584)
     monkeypatch.setenv(mr.TILES_ENV, str(good))
