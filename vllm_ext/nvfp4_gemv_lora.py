@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from vllm_ext import lora_fused
-from vllm_ext.nvfp4_gemv import NO_PDL_ENV, _counters, decode_tile, pdl_first_allowed, pdl_supported
+from vllm_ext.nvfp4_gemv import NO_PDL_ENV, decode_tile, one_row_buffers, pdl_first_allowed, pdl_supported
 from vllm_ext.nvfp4_marlin_row import CHUNK, marlin_row_tile
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
@@ -286,17 +286,9 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                          f"block_k 16 T dividing K={k}")
     elif _ragged(slices, max(CHUNK, tile["block_n"]) if marlin else tile["block_n"]):
         raise ValueError(f"slices {slices} are not multiples of the given tile's {tile['block_n']} rows per block")
-    x2 = x.reshape(1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     block_n, split_k = tile["block_n"], min(tile["split_k"], k // tile["block_k"])
     blocks = triton.cdiv(n, block_n)
-    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    if split_k > 1:
-        ws = torch.empty(split_k, n, device=x.device, dtype=torch.float32)
-        cnt = _counters(x.device, blocks)
-    else:
-        ws, cnt = out, out  # unused
+    x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks)
     s_count = len(slices)
     a, b = lora_fused.slice_operands(lora_a, lora_b, rank, k)
     n_first = list(slices[:2]) + [n] * (2 - min(2, s_count))  # slices past the last start beyond N: never taken

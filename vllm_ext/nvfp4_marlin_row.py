@@ -299,19 +299,11 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         problems.append(f"bias {tuple(bias.shape)}, expected ({n},)")
     if problems:
         raise ValueError("marlin_row_gemm: " + "; ".join(problems))
-    from vllm_ext.nvfp4_gemv import _counters
+    from vllm_ext.nvfp4_gemv import one_row_buffers
 
-    x2 = x.reshape(1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     blocks = n // (8 * hb)
     split_k = min(split_k, k // (16 * t))
-    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    if split_k > 1:
-        ws = torch.empty(split_k, n, device=x.device, dtype=torch.float32)
-        cnt = _counters(x.device, blocks)
-    else:
-        ws, cnt = out, out  # unused
+    x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks)
     b = out if bias is None else bias.contiguous()
     _marlin_row_kernel[(blocks, split_k)](
         x2, qweight, scale.view(torch.int32), divisor.reshape(1).to(torch.float32), out, ws, cnt, b, n, k,
