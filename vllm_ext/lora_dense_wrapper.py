@@ -26,9 +26,9 @@ and the traced ``y + update`` is fused by torch.compile into the kernel that rea
 add kernel per linear (112 per 7B step, 0.14 ms at batch 8 on an H200); the 7B engine decoded 2.1-2.6 % faster at
 batch 1, 8 and 64 (one H200 run, §4ah). ``QERL_LORA_SPLIT_ADD=0`` keeps every add inside the op. At decode the
 kernel is latency-bound (5-7 us per linear, §4v) and the 4-bit GEMM bandwidth-bound, so the two can share the GPU.
-Calls of more than 64 tokens run the base GEMM and punica one after the other, as ``fused`` does. vLLM's own ``VLLM_LORA_ENABLE_DUAL_STREAM``
-does the same with punica's three launches (and a zero-filled buffer) for every call size; it is a process-wide
-switch.
+Calls of more than 64 tokens run the base GEMM and punica one after the other, as ``fused`` does. vLLM's own
+``VLLM_LORA_ENABLE_DUAL_STREAM`` does the same with punica's three launches (and a zero-filled buffer) for every
+call size; it is a process-wide switch.
 In an engine with ``decode_gemv`` on, one-row calls take neither: :mod:`vllm_ext.nvfp4_gemv_lora` runs a small
 shrink kernel, then the one-row NVFP4 kernel with the LoRA expand in its epilogue, as a programmatic dependent
 launch on Hopper (the ``row+lora`` path; §4m on an H200: 2.229 against 2.774 ms per 7B step for the LoRA kernel
