@@ -22,15 +22,15 @@ Marlin's layout, as vLLM 0.24 builds it (``gptq_marlin_repack`` on the codes, 4 
   vLLM picks per layer, divided out of its global scale), so ``float16(byte << 7)`` gives it back exactly. Marlin
   zeroes the bytes of scales whose ``scale * 2^7 * sf`` is below 2; reading its bytes, this kernel computes with
   exactly Marlin's weight.
-- The weight is ``code * scale_byte_value * g / 2^e``, ``g`` Marlin's float32 global scale and ``2^e`` the factor
-  ``nvfp4_marlin_process_global_scale`` put in it (2^126 for bfloat16, 2^14 for float16): the kernel takes the
-  divisor ``2^e / g`` (:func:`marlin_divisor`).
+- The weight is ``code * scale_byte_value * g / 2^e``, ``g`` Marlin's float32 global scale and ``2^e`` 2^7 times
+  the factor ``nvfp4_marlin_process_global_scale`` put in it (2^126 for bfloat16, 2^14 for float16): the kernel takes
+  the divisor ``2^e / g`` (:func:`marlin_divisor`).
 
 How: per group row, each word's 8 codes are decoded as in :mod:`vllm_ext.nvfp4_gemv` (PTX, each code times
-2^-14, exact in float32) and meet ``x`` at the word's four inputs, two outputs per word: two float32 products sums per
-word, each times its output's group scale, accumulated over the program's groups and summed over ``a`` once at the
-end. ``T`` groups per loop step (one 16-byte load per thread of four words), ``HB`` eighths of a 64-output chunk per
-program, split-K as in :mod:`vllm_ext.nvfp4_gemv` (fixed-order sum of float32 partials: the same bits every call).
+2^-14, exact in float32) and meet ``x`` at the word's four inputs, two outputs per word: two float32 sums of products
+per word, each times its output's group scale, accumulated over the program's groups and summed over ``a`` once at
+the end (``asum``: over ``a`` first, then one scale per output and group). ``T`` groups per loop step (one 16-byte
+load per thread of four words), ``HB`` eighths of a 64-output chunk per program (8 or more: whole chunks), split-K as in :mod:`vllm_ext.nvfp4_gemv` (fixed-order sum of float32 partials: the same bits every call).
 
 Measured (docs/benchmarks.md §4ah, one H200): correct (vLLM's CUDA repack gives exactly the reference's tensors; every
 tile within Marlin's error plus one bf16 step of the exact product), but **slower than the checkpoint-layout kernel**:
@@ -56,9 +56,10 @@ from vllm_ext.triton_support import tl, triton
 __all__ = ["MARLIN_ROW_OP", "TILES_ENV", "marlin_divisor", "marlin_row_gemm", "marlin_row_tile", "nvfp4_marlin_row",
            "shared_layout"]
 
-CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths of one
-# a JSON file of tiles by weight shape, {"N,K": {"hb": ..., "t": ..., "split_k": ..., "num_warps": ..., "stages": ...}}
-# (what scripts/gpu/sweep_marlin_row.py writes), taken before marlin_row_tile's rule for the shapes it names
+CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths of one (HB >= 8: whole chunks)
+# a JSON file of tiles by weight shape, {"N,K": {"hb": ..., "t": ..., "split_k": ..., "num_warps": ..., "stages": ...,
+# optionally "asum": 0 or 1}} (what scripts/gpu/sweep_marlin_row.py writes), taken before marlin_row_tile's rule for
+# the shapes it names
 TILES_ENV = "QERL_MARLIN_ROW_TILES"
 TILE_KEYS = ("hb", "t", "split_k", "num_warps", "stages")
 OPTIONAL_TILE_KEYS = {"asum": 0}  # may be left out of a tiles file
