@@ -30,7 +30,8 @@ How: per group row, each word's 8 codes are decoded as in :mod:`vllm_ext.nvfp4_g
 2^-14, exact in float32) and meet ``x`` at the word's four inputs, two outputs per word: two float32 sums of products
 per word, each times its output's group scale, accumulated over the program's groups and summed over ``a`` once at
 the end (``asum``: over ``a`` first, then one scale per output and group). ``T`` groups per loop step (one 16-byte
-load per thread of four words), ``HB`` eighths of a 64-output chunk per program (8 or more: whole chunks), split-K as in :mod:`vllm_ext.nvfp4_gemv` (fixed-order sum of float32 partials: the same bits every call).
+load per thread of four words), ``HB`` eighths of a 64-output chunk per program (8 or more: whole chunks), split-K
+as in :mod:`vllm_ext.nvfp4_gemv` (fixed-order sum of float32 partials: the same bits every call).
 
 Measured (docs/benchmarks.md §4ah, one H200): correct (vLLM's CUDA repack gives exactly the reference's tensors; every
 tile within Marlin's error plus one bf16 step of the exact product), but **slower than the checkpoint-layout kernel**:
