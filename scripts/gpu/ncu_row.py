@@ -8,6 +8,11 @@ alone) on the four 7B linears, ``--calls`` launches each, for Nsight Compute. Ne
 
 (the first launch of each linear compiles; ``--launch-skip 4`` skips one round). Without ncu it prints each
 linear's time, CUDA events around ``--calls`` launches of the same weights (so not streamed from HBM).
+
+``--shared``: ``decode_gemv: "shared"``'s kernel instead (``vllm_ext.nvfp4_marlin_row``, on Marlin's tensors made by
+the engine's backend, so vLLM is needed; its shipped tiles; ``--asum``: the tiles' ``asum`` form), for
+``ncu --kernel-name regex:marlin_row_kernel`` (docs/benchmarks.md §4ah: what binds it, the instruction count by the
+estimate there, or its reads).
 """
 
 from __future__ import annotations
@@ -26,11 +31,16 @@ SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "dow
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--shared", action="store_true", help="the kernel on Marlin's own tensors (decode_gemv shared)")
+    p.add_argument("--asum", action="store_true", help="with --shared: its asum form")
     args = p.parse_args(argv)
 
     import torch
 
     from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_small_gemm
+
+    if args.shared:
+        return _shared(args.calls, args.asum)
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -44,7 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         ops[name] = (lambda x=x, packed=packed, scale=scale, g=g, tile=tile:
                      nvfp4_small_gemm(x, packed, scale, g, words=True, xvec=True, **tile))
         print(name, n, k, tile, flush=True)
-    for _ in range(args.calls):
+    _timed(ops, args.calls)
+    return 0
+
+
+def _timed(ops: dict, calls: int) -> None:
+    """``calls`` rounds of every op (compiles, warms up), then each op's time per call from CUDA events."""
+    import torch
+
+    for _ in range(calls):
         for fn in ops.values():
             fn()
     torch.cuda.synchronize()
@@ -56,6 +74,32 @@ def main(argv: list[str] | None = None) -> int:
         end.record()
         end.synchronize()
         print(f"{name}: {start.elapsed_time(end) * 1000 / 20:.2f} us per call (host launches included, weights hot)")
+
+
+def _shared(calls: int, asum: bool) -> int:
+    """``--shared``: the Marlin-layout kernel on the four 7B linears, random NVFP4 weights through the backend's
+    ``MarlinBackend._marlin``, its shipped tile (``asum`` set as asked), PDL off."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from qerl_plugin import nvfp4
+    from vllm_ext.nvfp4_backends import MarlinBackend
+    from vllm_ext.nvfp4_marlin_row import marlin_divisor, marlin_row_gemm, marlin_row_tile
+
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    ops = {}
+    for name, (n, k) in SHAPES.items():
+        q = nvfp4.quantize((torch.randn(n, k, device=dev) * 0.02).to(bf16))
+        shape = SimpleNamespace(params_dtype=bf16, output_size_per_partition=n, input_size_per_partition=k)
+        m = MarlinBackend._marlin(shape, q.packed, q.scale, q.global_scale, None)
+        d = marlin_divisor(m.weight_global_scale.data, bf16)
+        x = torch.randn(1, k, device=dev, dtype=bf16)
+        tile = dict(marlin_row_tile(n, k), asum=int(asum))
+        ops[name] = (lambda x=x, m=m, d=d, tile=tile: marlin_row_gemm(x, m.weight, m.weight_scale, d, **tile))
+        print(name, n, k, tile, flush=True)
+    _timed(ops, calls)
     return 0
 
 

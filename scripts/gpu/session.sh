@@ -224,6 +224,12 @@ run_step() {
         step gemv 420 python3 scripts/gpu/check_gemv.py ${GEMV_ARGS:-} ;;
     ncu_kernels)  # the dequant kernel, Marlin and the one-row W4A16 kernel under Nsight Compute (scripts/gpu/profile_kernels.py)
         step ncu_kernels 300 bash -c 'python3 scripts/gpu/profile_kernels.py --calls 3 && ncu --kernel-name regex:"dequant|marlin|row_kernel" --launch-count 16 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats python3 scripts/gpu/profile_kernels.py --calls 3' ;;
+    ncu_shared)  # §4ah: decode_gemv shared's kernel (NCU_ARGS: --asum for its asum form) under Nsight Compute, the sections of
+        # §4t's look at the row kernel: does the instruction count or the read bind it (scripts/gpu/ncu_row.py --shared)
+        step ncu_shared 300 ncu --kernel-name regex:marlin_row_kernel --launch-skip 4 --launch-count 4 \
+            --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+            --section LaunchStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+            python3 scripts/gpu/ncu_row.py --calls 2 --shared ${NCU_ARGS:-} ;;
     fused_test)  # the one-launch LoRA kernel against vLLM's punica Triton kernels (bf16, 7B shapes, CUDA-graph replay)
         step fused_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_lora_fused.py ;;
     bench_fused_bg)  # §4g's 7B decode: bench_bg with FUSED_CONFIGS (default nvfp4-lora,nvfp4) x variants fused-lora,default,
