@@ -201,20 +201,32 @@ def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, 
     why = lora_fused.weights_supported(x.dtype, k, lora_a, lora_b, output_slices)
     if why is not None:
         return why
-    marlin = packed.dtype == torch.int32
-    n = packed.shape[1] // 2 if marlin else packed.shape[0]
+    marlin, n = _layout(packed)
     if sum(output_slices) != n or tuple(packed.shape) != ((k // 16, 2 * n) if marlin else (n, k // 2)):
         return f"weight {tuple(packed.shape)} does not fit input {k} and slices {tuple(output_slices)}"
     tile = row_tile(n, k, marlin)
     if tile is None:
         return (f"Marlin's layout of this weight is padded (N={n}, K={k})" if marlin
                 else f"K={k} is not a multiple of 128")
-    ragged = _ragged(output_slices, max(CHUNK, tile["block_n"]) if marlin else tile["block_n"])
+    ragged = _ragged(output_slices, _block_outputs(tile, marlin))
     if ragged:
-        rows = (f"{max(CHUNK, tile['block_n'])}-output chunks of Marlin's layout" if marlin
+        rows = (f"{_block_outputs(tile, marlin)}-output chunks of Marlin's layout" if marlin
                 else f"{tile['block_n']} rows per block")
         return f"slice sizes {ragged} are not multiples of the row kernel's {rows}"
     return None
+
+
+def _layout(packed: torch.Tensor) -> tuple[bool, int]:
+    """``(marlin, N)``: whether ``packed`` is Marlin's int32 ``[K/16, 2N]`` (``decode_gemv: "shared"``) rather than
+    the checkpoint's uint8 ``[N, K/2]``, and the weight's output count."""
+    marlin = packed.dtype == torch.int32
+    return marlin, packed.shape[1] // 2 if marlin else packed.shape[0]
+
+
+def _block_outputs(tile: dict[str, int], marlin: bool) -> int:
+    """The outputs a slice size must be a multiple of, so that no program's block straddles two slices: the tile's
+    ``block_n`` rows, or on Marlin's layout its chunks (64 outputs, or ``block_n`` where a block is several)."""
+    return max(CHUNK, tile["block_n"]) if marlin else tile["block_n"]
 
 
 def row_tile(n: int, k: int, marlin: bool = False) -> dict[str, int] | None:
@@ -270,8 +282,7 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     the slices must be multiples of its ``block_n``."""
     slices = tuple(output_slices)
     k = x.shape[-1]
-    marlin = packed.dtype == torch.int32  # Marlin's own tensors (decode_gemv "shared")
-    n = packed.shape[1] // 2 if marlin else packed.shape[0]
+    marlin, n = _layout(packed)
     rank = lora_a[0].shape[-2]
     want = (k // 16, n) if marlin else (n, k // 16)
     if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != want:
@@ -284,8 +295,9 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                      or tile["block_k"] % 16 or n % tile["block_n"]):
         raise ValueError(f"tile {tile}: on Marlin's layout block_n is 8 ... 512 (a power of two dividing N={n}) and "
                          f"block_k 16 T dividing K={k}")
-    elif _ragged(slices, max(CHUNK, tile["block_n"]) if marlin else tile["block_n"]):
-        raise ValueError(f"slices {slices} are not multiples of the given tile's {tile['block_n']} rows per block")
+    elif _ragged(slices, _block_outputs(tile, marlin)):
+        raise ValueError(f"slices {slices} are not multiples of the given tile's {_block_outputs(tile, marlin)} rows "
+                         "per block")
     block_n, split_k = tile["block_n"], min(tile["split_k"], k // tile["block_k"])
     blocks = triton.cdiv(n, block_n)
     x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks)

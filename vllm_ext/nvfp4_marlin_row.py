@@ -50,6 +50,7 @@ import os
 
 import torch
 
+from vllm_ext.nvfp4_gemv import one_row_buffers, pdl_first_allowed, pdl_supported
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
@@ -301,8 +302,6 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         problems.append(f"bias {tuple(bias.shape)}, expected ({n},)")
     if problems:
         raise ValueError("marlin_row_gemm: " + "; ".join(problems))
-    from vllm_ext.nvfp4_gemv import one_row_buffers
-
     blocks = n // (8 * hb)
     split_k = min(split_k, k // (16 * t))
     x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks)
@@ -323,8 +322,6 @@ def nvfp4_marlin_row(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for one row on Marlin's own tensors, :func:`marlin_row_tile`'s tile, as one opaque op
     for torch.compile and CUDA graphs; a programmatic dependent launch where the row kernel's would be."""
-    from vllm_ext.nvfp4_gemv import pdl_first_allowed, pdl_supported
-
     tile = marlin_row_tile(scale.shape[1], x.shape[-1])
     if tile is None:
         raise ValueError(f"{MARLIN_ROW_OP}: Marlin's layout of this weight is padded (N={scale.shape[1]}, "
