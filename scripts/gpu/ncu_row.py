@@ -79,12 +79,10 @@ def _timed(ops: dict, calls: int) -> None:
 def _shared(calls: int, asum: bool) -> int:
     """``--shared``: the Marlin-layout kernel on the four 7B linears, random NVFP4 weights through the backend's
     ``MarlinBackend._marlin``, its shipped tile (``asum`` set as asked), PDL off."""
-    from types import SimpleNamespace
-
     import torch
 
     from qerl_plugin import nvfp4
-    from vllm_ext.nvfp4_backends import MarlinBackend
+    from vllm_ext.bench.kernels import marlin_layer
     from vllm_ext.nvfp4_marlin_row import marlin_divisor, marlin_row_gemm, marlin_row_tile
 
     dev, bf16 = torch.device("cuda"), torch.bfloat16
@@ -92,8 +90,7 @@ def _shared(calls: int, asum: bool) -> int:
     ops = {}
     for name, (n, k) in SHAPES.items():
         q = nvfp4.quantize((torch.randn(n, k, device=dev) * 0.02).to(bf16))
-        shape = SimpleNamespace(params_dtype=bf16, output_size_per_partition=n, input_size_per_partition=k)
-        m = MarlinBackend._marlin(shape, q.packed, q.scale, q.global_scale, None)
+        m = marlin_layer(q.packed, q.scale, q.global_scale, bf16)
         d = marlin_divisor(m.weight_global_scale.data, bf16)
         x = torch.randn(1, k, device=dev, dtype=bf16)
         tile = dict(marlin_row_tile(n, k), asum=int(asum))

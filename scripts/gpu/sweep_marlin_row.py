@@ -29,7 +29,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,12 +73,10 @@ def tile_name(t: dict[str, int]) -> str:
 
 def marlin_tensors(packed, scale, gscale, dtype):  # noqa: ANN001, ANN201
     """Marlin's tensors of one NVFP4 triple as the engine's backend makes them, and the row kernel's divisor."""
-    from vllm_ext.nvfp4_backends import MarlinBackend
+    from vllm_ext.bench.kernels import marlin_layer
     from vllm_ext.nvfp4_marlin_row import marlin_divisor
 
-    n, k = packed.shape[0], packed.shape[1] * 2
-    shape = SimpleNamespace(params_dtype=dtype, output_size_per_partition=n, input_size_per_partition=k)
-    m = MarlinBackend._marlin(shape, packed, scale, gscale, None)
+    m = marlin_layer(packed, scale, gscale, dtype)
     return m, marlin_divisor(m.weight_global_scale.data, dtype)
 
 

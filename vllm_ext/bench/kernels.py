@@ -41,19 +41,29 @@ COLUMNS = ("bf16", "marlin", "marlin_bf16r", "gemv", "gemv_sk4", "gemv_row", "lo
            "serial", "serial_fused", "overlap", "overlap_fused", "overlap_row")
 
 
-def marlin_linear(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
+def marlin_layer(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
     """vLLM's Marlin FP4 layout of an NVFP4 triple (``packed`` uint8 ``[N, K/2]``, ``scale`` float8 ``[N, K/16]``,
-    ``global_scale`` the divisor), made by the nvfp4 backend's own :meth:`MarlinBackend._marlin`, and
-    ``run(x, fp32_reduce=True) -> x @ W.T`` through its :func:`marlin_gemm`."""
+    ``global_scale`` the divisor) for activations in ``dtype`` (default bfloat16), made by the nvfp4 backend's own
+    :meth:`MarlinBackend._marlin`: a module with ``weight``, ``weight_scale``, ``weight_global_scale`` and
+    ``workspace`` (new tensors: the inputs stay as they are)."""
     from types import SimpleNamespace
 
     import torch
 
-    from vllm_ext.nvfp4_backends import MarlinBackend, marlin_gemm
+    from vllm_ext.nvfp4_backends import MarlinBackend
 
     n, k = packed.shape[0], packed.shape[1] * 2
     shape = SimpleNamespace(params_dtype=dtype or torch.bfloat16, output_size_per_partition=n, input_size_per_partition=k)
-    layer = MarlinBackend._marlin(shape, packed, scale, global_scale, None)  # new tensors: the inputs stay as they are
+    return MarlinBackend._marlin(shape, packed, scale, global_scale, None)
+
+
+def marlin_linear(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
+    """:func:`marlin_layer`'s tensors and ``run(x, fp32_reduce=True) -> x @ W.T`` through the backend's
+    :func:`marlin_gemm`."""
+    from vllm_ext.nvfp4_backends import marlin_gemm
+
+    n, k = packed.shape[0], packed.shape[1] * 2
+    layer = marlin_layer(packed, scale, global_scale, dtype)
 
     def run(x, fp32_reduce: bool = True):  # noqa: ANN001, ANN202
         return marlin_gemm(x, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.workspace, n, k, None,
