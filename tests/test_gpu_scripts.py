@@ -1381,6 +1381,42 @@ def test_humming_next_starts_the_pair_only_after_a_passing_check(tmp_path, check
         assert "nvfp4@default" in called and (work / "bench-hover" / "bg.log").exists()
 
 
+@pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
+@pytest.mark.parametrize("best, bench", [(2.0, True), (2.27, False)])
+def test_bench_shared_if_starts_the_engines_only_after_a_sweep_faster_than_marlin(tmp_path, best, bench):
+    """bench_shared_if (§4ai): the sweep's record is judged by sweep_marlin_row.py --gate; only a 7B step faster than
+    Marlin's starts the three-engine bench, with the sweep's tiles file; lora_r32_shared_if then waits for that
+    bench's end before §2's check, and without a passed gate does nothing. A python3 shim records the other runs."""
+    shim, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    shim.mkdir()
+    (shim / "python3").write_text(f'#!/bin/sh\ncase "$*" in *--gate*) exec {sys.executable} "$@";; esac\n'
+                                  f'echo "$QERL_MARLIN_ROW_TILES $*" >> {calls}\n')
+    (shim / "python3").chmod(0o755)
+    folder = tmp_path / "work" / "sweep_shared"
+    folder.mkdir(parents=True)
+    step = {"what": "per_step_ms", "shape": "7B", "median": {"best": best, "rule": 3.4, "checkpoint_row": 1.74,
+                                                               "marlin": 2.285},
+            "spread": {"best": 0.02, "rule": 0.01, "checkpoint_row": 0.01, "marlin": 0.02}}
+    (folder / "sweep_marlin_row.jsonl").write_text(json.dumps(step) + "\n")
+    env = dict(PATH=f"{shim}:{os.environ['PATH']}")
+    _, status, _ = _session(tmp_path, "bench_shared_if", **env)
+    assert (f"shared_gate rc={0 if bench else 3} " in status) and ("bench_bg rc=0" in status) is bench
+    if not bench:
+        _, status, _ = _session(tmp_path, "lora_r32_shared_if", **env)
+        assert "lora_r32_shared_if skipped: no passed shared_gate" in status and not calls.exists()
+        return
+    deadline = time.monotonic() + 20
+    while not calls.exists() and time.monotonic() < deadline:  # the bench starts detached (setsid)
+        time.sleep(0.2)
+    called = calls.read_text()
+    assert called.startswith(f"{folder / 'marlin_row_tiles.json'} scripts/gpu/bench_rollout.py --shape 7B")
+    assert "--runs nvfp4-lora@default,nvfp4-lora@decode-gemv-shared,nvfp4-lora@decode-gemv --batches 1,8,64" in called
+    (tmp_path / "work" / "bench-shared3" / "DONE").write_text("0\n")  # the bench has ended
+    _, status, _ = _session(tmp_path, "lora_r32_shared_if", **env)
+    assert "shared_wait rc=0" in status and "lora_r32_shared rc=0" in status
+    assert calls.read_text().splitlines()[-1].endswith("check_lora_correctness.py --skip-stock --ranks 32 --prompts 1")
+
+
 def test_humming_verdicts_from_the_twentyseventh_sessions_raw_results():
     """§4ac and §4ad, recomputed from the committed raw files: the kernel check refused all 12 humming cases (error
     above 2x Marlin's in 10, never the same bits twice); the refused mode was 1.31x Marlin per 7B step at 64 rows; in
@@ -1537,3 +1573,28 @@ def test_sweep_marlin_row_grids_and_the_tiles_each_linear_takes():
     assert sweep.tile_name(dict(hb=2, t=32, split_k=4, num_warps=1, stages=3)) == "h2t32s4w1S3"
     assert [t["asum"] for t in sweep.sweep_tiles(grid="asum")] == [1] * 36
     assert sweep.tile_name(sweep.sweep_tiles(grid="asum")[0]) == "h8t8s4w2A"
+    forms = sweep.sweep_tiles(grid="forms")  # the chunks grid in each of the kernel's three forms
+    assert len(forms) == 108 and [t["asum"] for t in forms] == [0] * 36 + [1] * 36 + [2] * 36
+    assert forms[72:] == sweep.sweep_tiles(grid="asum2") and sweep.tile_name(forms[72]) == "h8t8s4w2A2"
+
+
+def test_sweep_marlin_row_gate_runs_the_engines_only_for_a_step_faster_than_marlin(tmp_path):
+    """--gate (session.sh bench_shared_if, §4ai): exit 0 only where the best tiles' 7B step beats Marlin's by more
+    than both spreads; a sweep cut before its per-step line is a 'no' that says why."""
+    sweep = _import_script("sweep_marlin_row")
+
+    def record(best, spread):
+        path = tmp_path / f"{best}-{spread}.jsonl"
+        step = {"what": "per_step_ms", "shape": "7B", "median": {"best": best, "rule": 3.4, "checkpoint_row": 1.74,
+                                                                   "marlin": 2.285},
+                "spread": {"best": spread, "rule": 0.01, "checkpoint_row": 0.01, "marlin": 0.02}}
+        path.write_text(json.dumps({"what": "setup"}) + "\n" + json.dumps(step) + "\n")
+        return str(path)
+
+    assert sweep.gate(record(2.0, 0.02))[0] and sweep.main(["--gate", record(2.0, 0.02)]) == 0
+    assert not sweep.gate(record(2.27, 0.02))[0]  # 0.015 ms faster, within the spreads
+    assert sweep.main(["--gate", record(2.7, 0.02)]) == 3
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(json.dumps({"what": "setup"}) + "\n")
+    ok, line = sweep.gate(cut)
+    assert not ok and "no 7B decode step recorded" in line

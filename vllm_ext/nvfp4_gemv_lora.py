@@ -320,6 +320,6 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         float(lora_scale),
         BLOCK_N=block_n, BLOCK_K=tile["block_k"], SPLIT_K=split_k, ASM=not _interpreting(), HAS_BIAS=bias is not None,
         R=rank, KS_PAD=MAX_CHUNKS, PDL=pdl, STAGES=tile.get("stages", 0), MARLIN=marlin,
-        ASUM=bool(tile.get("asum", 0)), num_warps=tile["num_warps"], launch_pdl=pdl,
+        ASUM=int(tile.get("asum", 0)), num_warps=tile["num_warps"], launch_pdl=pdl,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

@@ -29,7 +29,8 @@ Marlin's layout, as vLLM 0.24 builds it (``gptq_marlin_repack`` on the codes, 4 
 How: per group row, each word's 8 codes are decoded as in :mod:`vllm_ext.nvfp4_gemv` (PTX, each code times
 2^-14, exact in float32) and meet ``x`` at the word's four inputs, two outputs per word: two float32 sums of products
 per word, each times its output's group scale, accumulated over the program's groups and summed over ``a`` once at
-the end (``asum``: over ``a`` first, then one scale per output and group). ``T`` groups per loop step (one 16-byte
+the end (``asum``: over ``a`` first, then one scale per output and group; ``asum`` 2 with ``a`` unrolled, so the
+sum stays in a thread's registers). ``T`` groups per loop step (one 16-byte
 load per thread of four words), ``HB`` eighths of a 64-output chunk per program (8 or more: whole chunks), split-K
 as in :mod:`vllm_ext.nvfp4_gemv` (fixed-order sum of float32 partials: the same bits every call).
 
@@ -60,7 +61,7 @@ __all__ = ["MARLIN_ROW_OP", "TILES_ENV", "marlin_divisor", "marlin_row_gemm", "m
 
 CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths of one (HB >= 8: whole chunks)
 # a JSON file of tiles by weight shape, {"N,K": {"hb": ..., "t": ..., "split_k": ..., "num_warps": ..., "stages": ...,
-# optionally "asum": 0 or 1}} (what scripts/gpu/sweep_marlin_row.py writes), taken before marlin_row_tile's rule for
+# optionally "asum": 0, 1 or 2}} (what scripts/gpu/sweep_marlin_row.py writes), taken before marlin_row_tile's rule for
 # the shapes it names
 TILES_ENV = "QERL_MARLIN_ROW_TILES"
 TILE_KEYS = ("hb", "t", "split_k", "num_warps", "stages")
@@ -123,9 +124,29 @@ if triton is not None:
     def _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr,
                      ASUM: tl.constexpr):
         """Groups ``t T .. t T + T - 1`` of the program's outputs: two ``[T, HB, 4, 4]`` float32 tensors (outputs
-        ``b`` = 0 and 1 of each word), each word's four products summed and times its output's group scale. ``ASUM``:
-        the four words ``a`` of an output and group summed first, then one scale per output and group: two
-        ``[T, HB, 4]`` tensors (fewer scale decodes and products, a sum across ``a`` per step)."""
+        ``b`` = 0 and 1 of each word), each word's four products summed and times its output's group scale. ``ASUM``
+        1: the four words ``a`` of an output and group summed first, then one scale per output and group: two
+        ``[T, HB, 4]`` tensors (fewer scale decodes and products, but ``a`` lies across threads, so the sum is a
+        shuffle per step). ``ASUM`` 2: the same sums with ``a`` unrolled, one 16-byte load per ``a``, so that a
+        thread holds all four words of its outputs and sums them in registers (half a scale decode per word)."""
+        if ASUM == 2:
+            k3 = (t * T + tl.arange(0, T))[:, None, None]
+            h3 = tl.arange(0, HB)[None, :, None]
+            j3 = tl.arange(0, 4)[None, None, :]
+            q0 = tl.zeros((T, HB, 4), dtype=tl.float32)
+            q1 = tl.zeros((T, HB, 4), dtype=tl.float32)
+            for a in tl.static_range(4):
+                c = _decode8(tl.load(w_ptr + wbase + k3 * (2 * N) + h3 * 16 + a * 4 + j3), ASM)
+                xa = x_ptr + k3 * 16 + 2 * a  # [T, 1, 1]: inputs 2a, 2a + 1, 2a + 8, 2a + 9 of each group
+                x0 = tl.load(xa).to(tl.float32)
+                x1 = tl.load(xa + 1).to(tl.float32)
+                x2 = tl.load(xa + 8).to(tl.float32)
+                x3 = tl.load(xa + 9).to(tl.float32)
+                q0 += c[0] * x0 + c[4] * x1 + c[1] * x2 + c[5] * x3
+                q1 += c[2] * x0 + c[6] * x1 + c[3] * x2 + c[7] * x3
+            s3 = tl.load(s_ptr + sbase + k3 * (N // 4) + h3 * 2 + j3 // 2)  # [T, HB, 4]: 4 scale bytes per int32
+            sh3 = (j3 % 2) * 8
+            return q0 * _marlin_scale((s3 >> sh3) & 0xFF), q1 * _marlin_scale((s3 >> (sh3 + 16)) & 0xFF)
         kt = (t * T + tl.arange(0, T))[:, None, None, None]
         hv = tl.arange(0, HB)[None, :, None, None]
         av = tl.arange(0, 4)[None, None, :, None]
@@ -139,7 +160,7 @@ if triton is not None:
         x3 = tl.load(xk + 9).to(tl.float32)
         p0 = c[0] * x0 + c[4] * x1 + c[1] * x2 + c[5] * x3
         p1 = c[2] * x0 + c[6] * x1 + c[3] * x2 + c[7] * x3
-        if ASUM:
+        if ASUM == 1:
             k3 = (t * T + tl.arange(0, T))[:, None, None]
             h3 = tl.arange(0, HB)[None, :, None]
             j3 = tl.arange(0, 4)[None, None, :]
@@ -160,7 +181,7 @@ if triton is not None:
         c, h0 = _marlin_origin(pid_n, HB)
         wbase = 128 * c + 16 * h0
         sbase = 16 * c + 2 * h0
-        if ASUM:
+        if ASUM > 0:
             acc0 = tl.zeros((T, HB, 4), dtype=tl.float32)
             acc1 = tl.zeros((T, HB, 4), dtype=tl.float32)
         else:
@@ -177,7 +198,7 @@ if triton is not None:
                 q0, q1 = _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB, T, ASM, ASUM)
                 acc0 += q0
                 acc1 += q1
-        if ASUM:
+        if ASUM > 0:
             r0 = tl.sum(acc0, axis=0)  # [HB, 4]
             r1 = tl.sum(acc1, axis=0)
         else:
@@ -268,15 +289,15 @@ def marlin_divisor(marlin_global_scale: torch.Tensor, dtype: torch.dtype) -> tor
 def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, divisor: torch.Tensor,
                     bias: torch.Tensor | None = None, hb: int = 1, t: int = 32, split_k: int = 1, num_warps: int = 4,
                     stages: int = 0, pdl: bool = False, asm: bool | None = None,
-                    asum: bool | int = False) -> torch.Tensor:
+                    asum: bool | int = 0) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for one row ``x`` ``[..., K]`` (bfloat16/float16) with ``W`` as Marlin holds it
     (``qweight`` int32 ``[K/16, 2N]``, ``scale`` FP8 ``[K/16, N]``, :func:`marlin_divisor`'s ``divisor``); ``bias``
     ``[N]`` in natural order, added in float32 before the one rounding. ``hb`` (1, 2, 4, 8; 16, 32, 64): eighths of a
     64-output chunk per program (``8 hb`` outputs); ``t`` (a power of two, ``16 t`` dividing K): groups per loop step;
     ``split_k`` programs per output block; ``stages`` > 0: the pipelined loop; ``pdl``: a programmatic dependent
-    launch (Hopper); ``asm``: the PTX decode (default: on CUDA, not under the interpreter); ``asum``: each output's
-    four words per group summed before its scale (:func:`_marlin_tile`; §4ah's estimate of what binds the kernel, not
-    yet measured)."""
+    launch (Hopper); ``asm``: the PTX decode (default: on CUDA, not under the interpreter); ``asum`` 1 or 2: each
+    output's four words per group summed before its scale, across threads (1) or in registers (2) (:func:`_marlin_tile`;
+    §4ah's estimate of what binds the kernel, not yet measured)."""
     if triton is None:
         raise RuntimeError(f"marlin_row_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -294,6 +315,8 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         problems.append(f"hb={hb} (1, 2, 4 or 8; 16, 32 or 64 where N is a multiple of 8 hb, here N={n})")
     if t < 1 or t & (t - 1) or k % (16 * t):
         problems.append(f"t={t} (a power of two with 16 t dividing K={k})")
+    if int(asum) not in (0, 1, 2):
+        problems.append(f"asum={asum} (0, 1 or 2)")
     if split_k < 1 or stages < 0:
         problems.append(f"split_k={split_k} (>= 1), stages={stages} (>= 0)")
     if divisor.numel() != 1:
@@ -309,7 +332,7 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     _marlin_row_kernel[(blocks, split_k)](
         x2, qweight, scale.view(torch.int32), divisor.reshape(1).to(torch.float32), out, ws, cnt, b, n, k,
         HB=hb, T=t, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm, HAS_BIAS=bias is not None,
-        STAGES=stages, PDL=pdl, ASUM=bool(asum), num_warps=num_warps, launch_pdl=pdl,
+        STAGES=stages, PDL=pdl, ASUM=int(asum), num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 

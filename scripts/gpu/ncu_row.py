@@ -10,7 +10,8 @@ alone) on the four 7B linears, ``--calls`` launches each, for Nsight Compute. Ne
 linear's time, CUDA events around ``--calls`` launches of the same weights (so not streamed from HBM).
 
 ``--shared``: ``decode_gemv: "shared"``'s kernel instead (``vllm_ext.nvfp4_marlin_row``, on Marlin's tensors made by
-the engine's backend, so vLLM is needed; its shipped tiles; ``--asum``: the tiles' ``asum`` form), for
+the engine's backend, so vLLM is needed; its tiles: ``QERL_MARLIN_ROW_TILES``'s file where set, else the shipped
+rule; ``--asum 0/1/2``: that ``asum`` form in place of the tiles'), for
 ``ncu --kernel-name regex:marlin_row_kernel`` (docs/benchmarks.md §4ah: what binds it, the instruction count by the
 estimate there, or its reads).
 """
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--shared", action="store_true", help="the kernel on Marlin's own tensors (decode_gemv shared)")
-    p.add_argument("--asum", action="store_true", help="with --shared: its asum form")
+    p.add_argument("--asum", type=int, choices=(0, 1, 2), default=None,
+                   help="with --shared: this asum form instead of the tile's")
     args = p.parse_args(argv)
 
     import torch
@@ -76,9 +78,9 @@ def _timed(ops: dict, calls: int) -> None:
         print(f"{name}: {start.elapsed_time(end) * 1000 / 20:.2f} us per call (host launches included, weights hot)")
 
 
-def _shared(calls: int, asum: bool) -> int:
+def _shared(calls: int, asum: int | None) -> int:
     """``--shared``: the Marlin-layout kernel on the four 7B linears, random NVFP4 weights through the backend's
-    ``MarlinBackend._marlin``, its shipped tile (``asum`` set as asked), PDL off."""
+    ``MarlinBackend._marlin``, ``marlin_row_tile``'s tile (``asum`` replaced where given), PDL off."""
     import torch
 
     from qerl_plugin import nvfp4
@@ -93,7 +95,9 @@ def _shared(calls: int, asum: bool) -> int:
         m = marlin_layer(q.packed, q.scale, q.global_scale, bf16)
         d = marlin_divisor(m.weight_global_scale.data, bf16)
         x = torch.randn(1, k, device=dev, dtype=bf16)
-        tile = dict(marlin_row_tile(n, k), asum=int(asum))
+        tile = marlin_row_tile(n, k)
+        if asum is not None:
+            tile["asum"] = asum
         ops[name] = (lambda x=x, m=m, d=d, tile=tile: marlin_row_gemm(x, m.weight, m.weight_scale, d, **tile))
         print(name, n, k, tile, flush=True)
     _timed(ops, calls)

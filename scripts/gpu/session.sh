@@ -226,6 +226,7 @@ run_step() {
         step ncu_kernels 300 bash -c 'python3 scripts/gpu/profile_kernels.py --calls 3 && ncu --kernel-name regex:"dequant|marlin|row_kernel" --launch-count 16 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats python3 scripts/gpu/profile_kernels.py --calls 3' ;;
     ncu_shared)  # §4ah: decode_gemv shared's kernel (NCU_ARGS: --asum for its asum form) under Nsight Compute, the sections of
         # §4t's look at the row kernel: does the instruction count or the read bind it (scripts/gpu/ncu_row.py --shared)
+        [ -f "$work/sweep_shared/marlin_row_tiles.json" ] && export QERL_MARLIN_ROW_TILES="$work/sweep_shared/marlin_row_tiles.json"
         step ncu_shared 300 ncu --kernel-name regex:marlin_row_kernel --launch-skip 4 --launch-count 4 \
             --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
             --section LaunchStats --section SchedulerStats --section ComputeWorkloadAnalysis \
@@ -384,7 +385,8 @@ overlap-lora --batches 8 --new-tokens 256 --repeats 3 --profile-tokens 64" run_s
     sweep_shared)  # §4ah: that kernel's tiles on the 7B and 32B linears against the checkpoint-layout row kernel and Marlin
         # at one row; writes $work/sweep_shared/marlin_row_tiles.json (after every linear), which bench_shared and
         # lora_r32_shared hand the engines (QERL_MARLIN_ROW_TILES)
-        step sweep_shared 300 python3 scripts/gpu/sweep_marlin_row.py ${SWEEP_ARGS:-} ;;
+        # SWEEP_S: its limit (default 300 s; the call's deadline still applies)
+        step sweep_shared "${SWEEP_S:-300}" python3 scripts/gpu/sweep_marlin_row.py ${SWEEP_ARGS:-} ;;
     bench_shared)  # §4ah: 7B decode b1/b8/b64: LoRA off (the default), NVFP4 without LoRA, the split add, decode_gemv shared,
         # decode_gemv all (the copy), in that order. In the background into $work/bench-shared (`TAG=-shared bench_watch`)
         [ -f "$work/sweep_shared/marlin_row_tiles.json" ] && export QERL_MARLIN_ROW_TILES="$work/sweep_shared/marlin_row_tiles.json"
@@ -392,6 +394,25 @@ overlap-lora --batches 8 --new-tokens 256 --repeats 3 --profile-tokens 64" run_s
         TAG=-shared BENCH_ARGS="--shape 7B --configs nvfp4-lora,nvfp4 --variants default,lora-split-add,decode-gemv-shared,\
 decode-gemv --runs nvfp4-lora@default,nvfp4-lora@lora-split-add,nvfp4-lora@decode-gemv-shared,nvfp4-lora@decode-gemv,\
 nvfp4@default --batches 1,8,64 --new-tokens 256 --repeats 3 --profile-tokens 64" run_step bench_bg ;;
+    bench_shared_if)  # §4ai: where sweep_shared's best 7B decode step is faster than Marlin's (the difference of the medians
+        # above both spreads), 7B decode b1/b8/b64 with LoRA: off (the default), decode_gemv shared (the sweep's tiles),
+        # decode_gemv all, in that order, in the background into $work/bench-shared3 (`TAG=-shared3 bench_watch`);
+        # otherwise rc 3 and no bench
+        step shared_gate 30 python3 scripts/gpu/sweep_marlin_row.py --gate "$work/sweep_shared/sweep_marlin_row.jsonl"
+        if grep -q "^shared_gate rc=0 " "$work/status.txt"; then
+            export QERL_MARLIN_ROW_TILES="$work/sweep_shared/marlin_row_tiles.json"
+            TAG=-shared3 BENCH_ARGS="--shape 7B --configs nvfp4-lora --variants default,decode-gemv-shared,decode-gemv \
+--runs nvfp4-lora@default,nvfp4-lora@decode-gemv-shared,nvfp4-lora@decode-gemv --batches 1,8,64 --new-tokens 256 \
+--repeats 3 --profile-tokens 64" run_step bench_bg
+        fi ;;
+    lora_r32_shared_if)  # after bench_shared_if on the same machine: where its gate passed, wait for its bench to end (the
+        # check must not share the GPU with it), then lora_r32_shared; otherwise nothing
+        if grep -q "^shared_gate rc=0 " "$work/status.txt" 2>/dev/null; then
+            step shared_wait 560 bash -c "while [ ! -f $work/bench-shared3/DONE ]; do sleep 5; done; echo the bench has ended"
+            [ -f "$work/bench-shared3/DONE" ] && run_step lora_r32_shared
+        else
+            echo "lora_r32_shared_if skipped: no passed shared_gate on this machine" | tee -a "$work/status.txt"
+        fi ;;
     lora_r32_shared)  # §2's engine check at batch-1 decode with decode_gemv shared (the row+lora path on Marlin's tensors)
         [ -f "$work/sweep_shared/marlin_row_tiles.json" ] && export QERL_MARLIN_ROW_TILES="$work/sweep_shared/marlin_row_tiles.json"
         step lora_r32_shared 540 env QERL_NVFP4_DECODE_GEMV=shared python3 scripts/gpu/check_lora_correctness.py --skip-stock \

@@ -16,9 +16,12 @@ For each linear:
      kernel and Marlin are timed ``--reps`` times each, interleaved: median and spread (max - min). Per decode step:
      the medians summed over the four linears times the layer count.
 
-"Faster" where the difference of the medians exceeds both spreads. Writes $OUT/sweep_marlin_row.jsonl (one JSON
-object per measurement) and $OUT/marlin_row_tiles.json (the fastest correct tile per weight shape, the file
-``QERL_MARLIN_ROW_TILES`` takes), and prints the tables.
+"Faster" where the difference of the medians exceeds both spreads. ``--gate FILE``: read a finished sweep's
+``sweep_marlin_row.jsonl`` instead; exit 0 where its best 7B decode step is faster than Marlin's by that rule, else 3
+(session.sh's ``bench_shared_if`` runs the engines only then; docs/benchmarks.md §4ai).
+
+Writes $OUT/sweep_marlin_row.jsonl (one JSON object per measurement) and $OUT/marlin_row_tiles.json (the fastest
+correct tile per weight shape, the file ``QERL_MARLIN_ROW_TILES`` takes), and prints the tables.
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ def sweep_tiles(quick: bool = False, grid: str = "first") -> list[dict[str, int]
     split-K, unpipelined (the first sweep's best tiles all were): 270 tiles, more than one 300 s step compiles for one
     linear (§4ah call set B); ``"chunks"``: the part of it where call set B's ten fastest q/k/v tiles lay (one to four
     whole chunks, 8 or 16 groups per step, split-K 4-16, 2 or 4 warps), 36 tiles; ``"asum"``: the same 36 with each
-    output's four words summed before its scale (``asum``, §4ah's estimate)."""
-    if grid in ("chunks", "asum"):
-        return [dict(hb=hb, t=t, split_k=sk, num_warps=w, stages=0, asum=int(grid == "asum"))
-                for hb, t, sk, w in itertools.product((8, 16, 32), (8, 16), (4, 8, 16), (2, 4))]
+    output's four words summed before its scale (``asum`` 1, §4ah's estimate); ``"asum2"``: the same 36 with that sum
+    in registers (``asum`` 2); ``"forms"``: all three, 108 tiles."""
+    forms = {"chunks": (0,), "asum": (1,), "asum2": (2,), "forms": (0, 1, 2)}
+    if grid in forms:
+        return [dict(hb=hb, t=t, split_k=sk, num_warps=w, stages=0, asum=a)
+                for a, hb, t, sk, w in itertools.product(forms[grid], (8, 16, 32), (8, 16), (4, 8, 16), (2, 4))]
     if grid == "wide":
         return [dict(hb=hb, t=t, split_k=sk, num_warps=w, stages=0)
                 for hb, t, sk, w in itertools.product((1, 2, 4, 8, 16, 32), (8, 16, 32), (1, 2, 4, 8, 16), (1, 2, 4))]
@@ -68,7 +73,7 @@ def fits(tile: dict[str, int], n: int, k: int) -> bool:
 
 def tile_name(t: dict[str, int]) -> str:
     name = f"h{t['hb']}t{t['t']}s{t['split_k']}w{t['num_warps']}" + (f"S{t['stages']}" if t["stages"] else "")
-    return name + ("A" if t.get("asum") else "")
+    return name + {0: "", 1: "A", 2: "A2"}[t.get("asum", 0)]
 
 
 def marlin_tensors(packed, scale, gscale, dtype):  # noqa: ANN001, ANN201
@@ -80,16 +85,35 @@ def marlin_tensors(packed, scale, gscale, dtype):  # noqa: ANN001, ANN201
     return m, marlin_divisor(m.weight_global_scale.data, dtype)
 
 
+def gate(path: str | Path, shape: str = "7B") -> tuple[bool, str]:
+    """Whether the sweep recorded in ``path`` found a ``shape`` decode step faster than Marlin's (the difference of the
+    medians above both spreads), and a line saying so."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if r.get("what") == "per_step_ms" and r.get("shape") == shape]
+    if not steps:
+        return False, f"{path}: no {shape} decode step recorded (the sweep did not finish its four linears)"
+    med, spread = steps[-1]["median"], steps[-1]["spread"]
+    faster = med["marlin"] - med["best"] > max(spread["best"], spread["marlin"])
+    return faster, (f"{shape} decode step: best tiles {med['best']:.3f} ms (±{spread['best']:.3f}), Marlin "
+                    f"{med['marlin']:.3f} ms (±{spread['marlin']:.3f}), checkpoint row kernel "
+                    f"{med['checkpoint_row']:.3f} ms: {'faster than Marlin' if faster else 'not faster than Marlin'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="7B,32B", help="Qwen2.5 shapes (default 7B,32B)")
     p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
     p.add_argument("--quick", action="store_true", help="a smaller tile set (hb 1-2, 1-2 warps)")
-    p.add_argument("--grid", choices=("first", "wide", "chunks", "asum"), default="first",
+    p.add_argument("--grid", choices=("first", "wide", "chunks", "asum", "asum2", "forms"), default="first",
                    help="the tile set (see sweep_tiles)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+    p.add_argument("--gate", default=None, metavar="JSONL", help="only judge a finished sweep's record (see above)")
     add_timing_args(p)
     args = p.parse_args(argv)
+    if args.gate:
+        faster, line = gate(args.gate)
+        print(line, flush=True)
+        return 0 if faster else 3
 
     import torch
 

@@ -36,6 +36,8 @@ CASES = [
     (256, 256, dict(hb=32, t=2, split_k=2, stages=2)),
     (192, 512, dict(hb=2, t=8, split_k=2, bias=True, asum=True)),  # the four words of an output summed first
     (256, 512, dict(hb=16, t=4, split_k=4, stages=2, asum=True)),
+    (192, 512, dict(hb=2, t=8, split_k=3, bias=True, asum=2)),  # the same sums with a unrolled, in registers
+    (256, 1024, dict(hb=16, t=8, split_k=4, stages=2, asum=2)),
 ]
 
 INTERPRETED = textwrap.dedent(
@@ -207,6 +209,7 @@ LORA_CASES = [  # (slices, K, rank, bias, tile): q/k/v-like three slices, split-
     ((128, 128), 768, 16, False, dict(block_n=64, block_k=256, split_k=3, num_warps=4, stages=2)),
     ((256, 128, 128), 256, 16, True, dict(block_n=128, block_k=64, split_k=4, num_warps=4)),  # two chunks per block
     ((128, 64, 64), 512, 16, False, dict(block_n=16, block_k=128, split_k=2, num_warps=4, asum=1)),
+    ((256, 128, 128), 512, 16, True, dict(block_n=128, block_k=128, split_k=2, num_warps=2, asum=2)),
 ]
 
 
@@ -255,6 +258,8 @@ def test_refusals_name_the_bad_input():
         marlin_row_gemm(x, qw, s, d, t=3)
     with pytest.raises(ValueError, match=r"hb=3 .1, 2, 4 or 8."):
         marlin_row_gemm(x, qw, s, d, hb=3)
+    with pytest.raises(ValueError, match=r"asum=3 .0, 1 or 2."):
+        marlin_row_gemm(x, qw, s, d, asum=3)
     with pytest.raises(ValueError, match=r"bias \(3,\), expected \(64,\)"):
         marlin_row_gemm(x, qw, s, d, torch.zeros(3).half())
 
