@@ -121,18 +121,44 @@ if triton is not None:
         return tl.reshape(64 * (c + hv // 8) + h0 + hv % 8 + 16 * jv + 8 * bv, (8 * HB,))
 
     @triton.jit
-    def _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr,
-                     ASUM: tl.constexpr):
-        """Groups ``t T .. t T + T - 1`` of the program's outputs: two ``[T, HB, 4, 4]`` float32 tensors (outputs
-        ``b`` = 0 and 1 of each word), each word's four products summed and times its output's group scale. ``ASUM``
-        1: the four words ``a`` of an output and group summed first, then one scale per output and group: two
-        ``[T, HB, 4]`` tensors (fewer scale decodes and products, but ``a`` lies across threads, so the sum is a
-        shuffle per step). ``ASUM`` 2: the same sums with ``a`` unrolled, one 16-byte load per ``a``, so that a
-        thread holds all four words of its outputs and sums them in registers (half a scale decode per word)."""
+    def _marlin_words(x_ptr, w_ptr, wbase, t, N, HB: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+        """Groups ``t T .. t T + T - 1`` of the program's outputs, before their scales: two ``[T, HB, 4, 4]`` float32
+        tensors (``[group, h, a, j]``; outputs ``b`` = 0 and 1 of each word), each word's four products summed."""
+        kt = (t * T + tl.arange(0, T))[:, None, None, None]
+        hv = tl.arange(0, HB)[None, :, None, None]
+        av = tl.arange(0, 4)[None, None, :, None]
+        jv = tl.arange(0, 4)[None, None, None, :]
+        c = _decode8(tl.load(w_ptr + wbase + kt * (2 * N) + hv * 16 + av * 4 + jv), ASM)
+        xk = x_ptr + kt * 16 + 2 * av  # [T, 1, 4, 1]: inputs 2a, 2a + 1, 2a + 8, 2a + 9 of each group
+        x0 = tl.load(xk).to(tl.float32)
+        x1 = tl.load(xk + 1).to(tl.float32)
+        x2 = tl.load(xk + 8).to(tl.float32)
+        x3 = tl.load(xk + 9).to(tl.float32)
+        return c[0] * x0 + c[4] * x1 + c[1] * x2 + c[5] * x3, c[2] * x0 + c[6] * x1 + c[3] * x2 + c[7] * x3
+
+    @triton.jit
+    def _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+        """:func:`_marlin_words`'s sums, each times its output's group scale (``asum`` 0)."""
+        p0, p1 = _marlin_words(x_ptr, w_ptr, wbase, t, N, HB, T, ASM)
+        kt = (t * T + tl.arange(0, T))[:, None, None, None]
+        hv = tl.arange(0, HB)[None, :, None, None]
+        jv = tl.arange(0, 4)[None, None, None, :]
+        sw = tl.load(s_ptr + sbase + kt * (N // 4) + hv * 2 + jv // 2)  # [T, HB, 1, 4]: 4 scale bytes per int32
+        sh = (jv % 2) * 8
+        return p0 * _marlin_scale((sw >> sh) & 0xFF), p1 * _marlin_scale((sw >> (sh + 16)) & 0xFF)
+
+    @triton.jit
+    def _marlin_tile_asum(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB: tl.constexpr, T: tl.constexpr,
+                          ASM: tl.constexpr, ASUM: tl.constexpr):
+        """The same groups with the four words ``a`` of an output and group summed first, then one scale per output
+        and group: two ``[T, HB, 4]`` tensors (``[group, h, j]``). ``ASUM`` 1: :func:`_marlin_words`'s sums reduced
+        over ``a``, which lies across threads (a shuffle per step). ``ASUM`` 2: ``a`` unrolled, one 16-byte load per
+        ``a``, so that a thread holds all four words of its outputs and sums them in registers (half a scale decode
+        per word)."""
+        k3 = (t * T + tl.arange(0, T))[:, None, None]
+        h3 = tl.arange(0, HB)[None, :, None]
+        j3 = tl.arange(0, 4)[None, None, :]
         if ASUM == 2:
-            k3 = (t * T + tl.arange(0, T))[:, None, None]
-            h3 = tl.arange(0, HB)[None, :, None]
-            j3 = tl.arange(0, 4)[None, None, :]
             q0 = tl.zeros((T, HB, 4), dtype=tl.float32)
             q1 = tl.zeros((T, HB, 4), dtype=tl.float32)
             for a in tl.static_range(4):
@@ -144,40 +170,20 @@ if triton is not None:
                 x3 = tl.load(xa + 9).to(tl.float32)
                 q0 += c[0] * x0 + c[4] * x1 + c[1] * x2 + c[5] * x3
                 q1 += c[2] * x0 + c[6] * x1 + c[3] * x2 + c[7] * x3
-            s3 = tl.load(s_ptr + sbase + k3 * (N // 4) + h3 * 2 + j3 // 2)  # [T, HB, 4]: 4 scale bytes per int32
-            sh3 = (j3 % 2) * 8
-            return q0 * _marlin_scale((s3 >> sh3) & 0xFF), q1 * _marlin_scale((s3 >> (sh3 + 16)) & 0xFF)
-        kt = (t * T + tl.arange(0, T))[:, None, None, None]
-        hv = tl.arange(0, HB)[None, :, None, None]
-        av = tl.arange(0, 4)[None, None, :, None]
-        jv = tl.arange(0, 4)[None, None, None, :]
-        wv = tl.load(w_ptr + wbase + kt * (2 * N) + hv * 16 + av * 4 + jv)
-        c = _decode8(wv, ASM)
-        xk = x_ptr + kt * 16 + 2 * av  # [T, 1, 4, 1]: inputs 2a, 2a + 1, 2a + 8, 2a + 9 of each group
-        x0 = tl.load(xk).to(tl.float32)
-        x1 = tl.load(xk + 1).to(tl.float32)
-        x2 = tl.load(xk + 8).to(tl.float32)
-        x3 = tl.load(xk + 9).to(tl.float32)
-        p0 = c[0] * x0 + c[4] * x1 + c[1] * x2 + c[5] * x3
-        p1 = c[2] * x0 + c[6] * x1 + c[3] * x2 + c[7] * x3
-        if ASUM == 1:
-            k3 = (t * T + tl.arange(0, T))[:, None, None]
-            h3 = tl.arange(0, HB)[None, :, None]
-            j3 = tl.arange(0, 4)[None, None, :]
-            s3 = tl.load(s_ptr + sbase + k3 * (N // 4) + h3 * 2 + j3 // 2)  # [T, HB, 4]: 4 scale bytes per int32
-            sh3 = (j3 % 2) * 8
-            return (tl.sum(p0, axis=2) * _marlin_scale((s3 >> sh3) & 0xFF),
-                    tl.sum(p1, axis=2) * _marlin_scale((s3 >> (sh3 + 16)) & 0xFF))
-        sw = tl.load(s_ptr + sbase + kt * (N // 4) + hv * 2 + jv // 2)  # [T, HB, 1, 4]: 4 scale bytes per int32
-        sh = (jv % 2) * 8
-        return p0 * _marlin_scale((sw >> sh) & 0xFF), p1 * _marlin_scale((sw >> (sh + 16)) & 0xFF)
+        else:
+            p0, p1 = _marlin_words(x_ptr, w_ptr, wbase, t, N, HB, T, ASM)
+            q0 = tl.sum(p0, axis=2)
+            q1 = tl.sum(p1, axis=2)
+        s3 = tl.load(s_ptr + sbase + k3 * (N // 4) + h3 * 2 + j3 // 2)  # [T, HB, 4]: 4 scale bytes per int32
+        sh3 = (j3 % 2) * 8
+        return q0 * _marlin_scale((s3 >> sh3) & 0xFF), q1 * _marlin_scale((s3 >> (sh3 + 16)) & 0xFF)
 
     @triton.jit
     def _marlin_row_dot(x_ptr, w_ptr, s_ptr, pid_n, pid_k, N, K, HB: tl.constexpr, T: tl.constexpr,
                         SPLIT_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr, ASUM: tl.constexpr):
         """``sum_k x[k] W[n, k]`` in float32, before the global scale, for the outputs :func:`_marlin_rows` names,
         over the loop steps ``pid_k, pid_k + SPLIT_K, ...`` (``T`` groups each). ``STAGES`` > 0: the loop
-        software-pipelined that many stages deep; ``ASUM``: see :func:`_marlin_tile`."""
+        software-pipelined that many stages deep; ``ASUM``: see :func:`_marlin_tile_asum`."""
         c, h0 = _marlin_origin(pid_n, HB)
         wbase = 128 * c + 16 * h0
         sbase = 16 * c + 2 * h0
@@ -190,12 +196,18 @@ if triton is not None:
         steps = K // (16 * T)
         if STAGES > 0:
             for t in tl.range(pid_k, steps, SPLIT_K, num_stages=STAGES):
-                q0, q1 = _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB, T, ASM, ASUM)
+                if ASUM > 0:  # the forms' sums differ in shape: a constexpr branch (Triton wants one return type)
+                    q0, q1 = _marlin_tile_asum(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB, T, ASM, ASUM)
+                else:
+                    q0, q1 = _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB, T, ASM)
                 acc0 += q0
                 acc1 += q1
         else:
             for t in range(pid_k, steps, SPLIT_K):
-                q0, q1 = _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB, T, ASM, ASUM)
+                if ASUM > 0:
+                    q0, q1 = _marlin_tile_asum(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB, T, ASM, ASUM)
+                else:
+                    q0, q1 = _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB, T, ASM)
                 acc0 += q0
                 acc1 += q1
         if ASUM > 0:
@@ -296,8 +308,8 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     64-output chunk per program (``8 hb`` outputs); ``t`` (a power of two, ``16 t`` dividing K): groups per loop step;
     ``split_k`` programs per output block; ``stages`` > 0: the pipelined loop; ``pdl``: a programmatic dependent
     launch (Hopper); ``asm``: the PTX decode (default: on CUDA, not under the interpreter); ``asum`` 1 or 2: each
-    output's four words per group summed before its scale, across threads (1) or in registers (2) (:func:`_marlin_tile`;
-    §4ah's estimate of what binds the kernel, not yet measured)."""
+    output's four words per group summed before its scale, across threads (1) or in registers (2)
+    (:func:`_marlin_tile_asum`; §4ah's estimate of what binds the kernel)."""
     if triton is None:
         raise RuntimeError(f"marlin_row_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
