@@ -204,7 +204,7 @@ def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, 
     marlin, n = _layout(packed)
     if sum(output_slices) != n or tuple(packed.shape) != ((k // 16, 2 * n) if marlin else (n, k // 2)):
         return f"weight {tuple(packed.shape)} does not fit input {k} and slices {tuple(output_slices)}"
-    tile = row_tile(n, k, marlin)
+    tile = row_tile(n, k, marlin, tuple(output_slices))
     if tile is None:
         return (f"Marlin's layout of this weight is padded (N={n}, K={k})" if marlin
                 else f"K={k} is not a multiple of 128")
@@ -229,17 +229,22 @@ def _block_outputs(tile: dict[str, int], marlin: bool) -> int:
     return max(CHUNK, tile["block_n"]) if marlin else tile["block_n"]
 
 
-def row_tile(n: int, k: int, marlin: bool = False) -> dict[str, int] | None:
+def row_tile(n: int, k: int, marlin: bool = False, slices: tuple[int, ...] = ()) -> dict[str, int] | None:
     """The row+lora kernel's tile (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``stages``) for an ``[n, k]``
     weight: :func:`~vllm_ext.nvfp4_gemv.decode_tile` for the checkpoint layout, or with ``marlin`` (Marlin's own
     tensors, ``decode_gemv: "shared"``) :func:`~vllm_ext.nvfp4_marlin_row.marlin_row_tile` in these terms
-    (``block_n`` = 8 HB outputs, ``block_k`` = 16 T inputs per loop step)."""
+    (``block_n`` = 8 HB outputs, ``block_k`` = 16 T inputs per loop step), its programs narrowed to fewer chunks
+    (down to one, 64 outputs) where a block of several would straddle two of the layer's ``slices`` (e.g. a K/V
+    slice of 192 outputs against §4ai's blocks of 128)."""
     if not marlin:
         return decode_tile(n, k, lora=True)
     t = marlin_row_tile(n, k, lora=True)
     if t is None:
         return None
-    return dict(block_n=8 * t["hb"], block_k=16 * t["t"], split_k=t["split_k"], num_warps=t["num_warps"],
+    block_n = 8 * t["hb"]
+    while block_n > CHUNK and _ragged(slices, block_n):
+        block_n //= 2
+    return dict(block_n=block_n, block_k=16 * t["t"], split_k=t["split_k"], num_warps=t["num_warps"],
                 stages=t["stages"], asum=t.get("asum", 0))
 
 
@@ -290,7 +295,7 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias {tuple(bias.shape)}, expected ({n},)")
     if tile is None:
-        tile = row_tile(n, k, marlin)
+        tile = row_tile(n, k, marlin, slices)
     elif marlin and (tile["block_n"] not in (8, 16, 32, 64, 128, 256, 512) or k % tile["block_k"]
                      or tile["block_k"] % 16 or n % tile["block_n"]):
         raise ValueError(f"tile {tile}: on Marlin's layout block_n is 8 ... 512 (a power of two dividing N={n}) and "

@@ -34,13 +34,14 @@ sum stays in a thread's registers). ``T`` groups per loop step (one 16-byte
 load per thread of four words), ``HB`` eighths of a 64-output chunk per program (8 or more: whole chunks), split-K
 as in :mod:`vllm_ext.nvfp4_gemv` (fixed-order sum of float32 partials: the same bits every call).
 
-Measured (docs/benchmarks.md §4ah, one H200): correct (vLLM's CUDA repack gives exactly the reference's tensors; every
-tile within Marlin's error plus one bf16 step of the exact product), but **slower than the checkpoint-layout kernel**:
-2.70 against 1.74 ms per 7B decode step at one row (Marlin 2.29), 11.41 against 7.20 per 32B step, reading 0.9-1.7
-TB/s. In the 7B engine with LoRA, batch 1 decoded 4.0 % slower than with ``decode_gemv`` off (``all``: +24.0 %); b8
-and b64 equal. So ``shared`` is opt-in and experimental. With one chunk or less per program a program reads 64-256
-bytes per group row, rows 8N bytes apart; programs of whole chunks with larger split-K (``hb`` 16, 32) made the 7B
-q/k/v call 18 % faster (10.57 -> 8.64 us, §4ah call set B, cut short) and are the direction to sweep next.
+Measured (docs/benchmarks.md §4ah, §4ai; one H200 per session): correct (vLLM's CUDA repack gives exactly the
+reference's tensors; every tile within Marlin's error plus one bf16 step of the exact product). Per 7B decode step at
+one row: 2.70 ms with §4ah's tiles, 1.98 with §4ai's (programs of whole chunks, split-K 4-16, the ``asum`` forms),
+against 1.74 for the checkpoint-layout kernel and 2.28 for Marlin. In the 7B engine with LoRA and §4ai's form-0
+tiles (2.16 ms per step), batch 1 decoded 11.7 % faster than with ``decode_gemv`` off, and b8 and b64 2.4-2.6 %
+slower, as ``all`` (those layers keep the LoRA add inside the op: ``vllm_ext.lora_dense_wrapper.split_add``). So
+``shared`` stays opt-in. Nsight Compute (§4ai) puts the 7B gate/up call at 62 % issue slots with the L1 at 79 % of its
+throughput and 44 % of stalls waiting on it, at 1.8 TB/s.
 """
 
 from __future__ import annotations
@@ -259,14 +260,14 @@ def _steps(k: int, t_max: int) -> int:
 
 def marlin_row_tile(n: int, k: int, lora: bool = False) -> dict[str, int] | None:
     """The kernel's tile for an ``[n, k]`` weight: ``hb`` eighths of a 64-output chunk per program, ``t`` groups per
-    loop step, ``split_k``, ``num_warps``, ``stages``. From :data:`TILES_ENV`'s file where it names the shape; else
-    the best tiles of §4ah's first sweep (H200, one row, weights streamed from HBM, 72 tiles per linear; each of the
-    eight 7B and 32B linears took its own best): one warp, 32 groups per loop step, unpipelined; long K (down) 4 or 2
-    eighths with split-K 8; large N (gate/up) 2 eighths, split-K 2 up to N = 40 000 and 1 above; q/k/v and o 2
-    eighths, split-K 4 (the 32B q/k/v's best had 4 eighths, 1.4 % faster in the sweep; the wider grid of §4ah's call
-    set B found 8.64 us for the 7B q/k/v with two whole chunks per program and split-K 16, against 10.5, before it was
-    cut short). ``lora``: the same. None where Marlin's layout of the weight is padded (N not a multiple of 64 or K of
-    128)."""
+    loop step, ``split_k``, ``num_warps``, ``stages``, ``asum``. From :data:`TILES_ENV`'s file where it names the
+    shape; else a rule from §4ai's sweep (H200, one row, weights streamed from HBM, 108 tiles of whole chunks in the
+    three forms): the four words of an output summed before its scale (``asum`` 1; form 2 within 0.2 % of it on every
+    7B linear), unpipelined, four warps; long K (down) one chunk per program, 16 groups per step, split-K 16; large N
+    (gate/up) two chunks, 8 groups, split-K 4; q/k/v and o two chunks, 8 groups, split-K 16 (one chunk where N is not a
+    multiple of 128). On the four 7B linears it gives the best form-1 tile, or one within 0.3 % of it (one timing per
+    tile); the 32B linears were not swept in these forms. ``lora``: the same. None where Marlin's layout of the weight
+    is padded (N not a multiple of 64 or K of 128)."""
     del lora  # same tiles for the row+lora kernel until a sweep says otherwise
     if n % CHUNK or k % 128:
         return None
@@ -276,13 +277,11 @@ def marlin_row_tile(n: int, k: int, lora: bool = False) -> dict[str, int] | None
         if swept is not None:
             return dict(swept)
     if k > 8192:
-        hb, split_k = (4 if k <= 20480 else 2), 8
-    elif n > 16384:
-        hb, split_k = 2, (2 if n <= 40000 else 1)
+        hb, t_max, split_k = 8, 16, 16
     else:
-        hb, split_k = 2, 4
-    t = _steps(k, 32)
-    return dict(hb=hb, t=t, split_k=max(1, min(split_k, k // (16 * t))), num_warps=1, stages=0, asum=0)
+        hb, t_max, split_k = (16 if n % 128 == 0 else 8), 8, (4 if n > 16384 else 16)
+    t = _steps(k, t_max)
+    return dict(hb=hb, t=t, split_k=max(1, min(split_k, k // (16 * t))), num_warps=4, stages=0, asum=1)
 
 
 def marlin_divisor(marlin_global_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -234,9 +234,18 @@ def test_tiles_of_the_7b_and_32b_linears():
     for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944),
                  (7168, 5120), (5120, 5120), (55296, 5120), (5120, 27648)):
         tile = marlin_row_tile(n, k)
-        assert tile is not None and tile["hb"] in (1, 2, 4, 8), (n, k)
+        assert tile is not None and tile["hb"] in (8, 16) and tile["asum"] == 1, (n, k)
         assert k % (16 * tile["t"]) == 0 and (k // (16 * tile["t"])) >= tile["split_k"], (n, k, tile)
     assert marlin_row_tile(100, 3584) is None and marlin_row_tile(128, 200) is None
+    # §4ai's sweep: the best form-1 tiles of the 7B gate/up and down, and of the q/k/v
+    assert marlin_row_tile(37888, 3584) == dict(hb=16, t=8, split_k=4, num_warps=4, stages=0, asum=1)
+    assert marlin_row_tile(3584, 18944) == dict(hb=8, t=16, split_k=16, num_warps=4, stages=0, asum=1)
+    assert marlin_row_tile(4608, 3584) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=1)
+    assert marlin_row_tile(576, 1536)["hb"] == 8  # N not a multiple of 128: one chunk per program
+    from vllm_ext.nvfp4_gemv_lora import row_tile  # the row+lora kernel's blocks never straddle two slices
+
+    assert row_tile(4608, 3584, True, (3584, 512, 512))["block_n"] == 128
+    assert row_tile(1024, 1536, True, (640, 192, 192))["block_n"] == 64  # K/V slices of 192: one chunk per block
 
 
 def test_refusals_name_the_bad_input():
