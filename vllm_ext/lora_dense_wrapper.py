@@ -178,19 +178,17 @@ def _overlapped(layer: torch.nn.Module) -> bool:
 
 def split_add(layer: torch.nn.Module) -> bool:
     """Whether the overlap mode returns this layer's base output and LoRA update apart, for the model to add:
-    ``QERL_LORA_SPLIT_ADD`` (a bool, default on since §4ah's same-run comparison), except on q/k/v layers
-    and on layers with decode_gemv's copy. q/k/v: in §4ag's profile the add after o, down and gate/up fused into
-    the residual-add-RMSNorm and SiLU kernels (0.108 ms of add kernels per 7B b8 step gone for 0.036 ms more in those
-    kernels), but after q/k/v it made two new kernels per layer around the rotary embedding (0.071 ms for the 0.036
-    ms of adds it removed). decode_gemv layers: their one-row calls take the row+lora path, which adds inside its
-    kernel. Decided when the model is traced; the variable is one of vLLM's compile factors
-    (``vllm_ext.register_compile_env``)."""
+    ``QERL_LORA_SPLIT_ADD`` (a bool, default on since §4ah's same-run comparison), except on q/k/v layers. q/k/v: in
+    §4ag's profile the add after o, down and gate/up fused into the residual-add-RMSNorm and SiLU kernels (0.108 ms
+    of add kernels per 7B b8 step gone for 0.036 ms more in those kernels), but after q/k/v it made two new kernels
+    per layer around the rotary embedding (0.071 ms for the 0.036 ms of adds it removed). Layers with a one-row path
+    (decode_gemv) split too since §4ai: their one-row calls add inside the row+lora kernel, which then also writes the
+    zero "update" (until then they kept every add inside the op, and their engines lost at b8 and b64 what the split
+    add gains there; the change is not yet measured on a GPU). Decided when the model is traced; the variable is one
+    of vLLM's compile factors (``vllm_ext.register_compile_env``)."""
     if not parse_bool(os.environ.get(LORA_SPLIT_ADD_ENV, "1") or "1", LORA_SPLIT_ADD_ENV):
         return False
-    if isinstance(layer.base_layer, QKVParallelLinear):
-        return False
-    backend = getattr(layer._get_quant_method(), "backend", None)
-    return backend is None or backend.row_weights(layer.base_layer, None) is None
+    return not isinstance(layer.base_layer, QKVParallelLinear)
 
 
 def _overlap_call(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -281,8 +279,9 @@ def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
             why = nvfp4_gemv_lora.supports(x2, row[0], a, b, slices)
             if why is None:
                 _log_path(ROW_PATH, tokens, None)
-                y = nvfp4_gemv_lora.launch_supported(x, *row, a, b, 1.0, slices, wrapper._token_lora_indices)
-                return (y, torch.zeros_like(y)) if split else y
+                # split: the kernel also writes the zero "update" the model adds (no zeros_like launch per call)
+                return nvfp4_gemv_lora.launch_supported(x, *row, a, b, 1.0, slices, wrapper._token_lora_indices,
+                                                        zeros=split)
             if why not in _ROW_REFUSALS:  # once per reason: the call runs as below
                 _ROW_REFUSALS.add(why)
                 logger.warning("qerl: a one-row LoRA call of %s stays off the row+lora path (%s); it runs the "

@@ -128,8 +128,13 @@ if triton is not None:
         return tl.where(slot == 0, tl.sum(parts, axis=0) * lscale, 0.0).to(out_ty)  # punica's intermediate, rounded
 
     @triton.jit
-    def _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS: tl.constexpr):
+    def _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS: tl.constexpr, z_ptr,
+                           ZEROS: tl.constexpr):
+        """The output with the update added; ``ZEROS``: also zeros into ``z_ptr``'s outputs (the split add's
+        "update" of a call that added it here, so that it costs no launch of its own)."""
         out_ty = y_ptr.dtype.element_ty
+        if ZEROS:
+            tl.store(z_ptr + rn, tl.zeros(rn.shape, dtype=out_ty), mask=n_ok)
         # the row kernel's output (global scale, bias in float32), rounded once
         base = _scaled(tot, 16384.0 / tl.load(g_ptr), bias_ptr + rn, n_ok, HAS_BIAS).to(out_ty)
         up = tl.sum(bt.to(tl.float32) * h.to(tl.float32)[None, :], axis=1).to(out_ty)
@@ -150,10 +155,10 @@ if triton is not None:
     @triton.jit
     def _row_lora_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, bias_ptr, N, K,
-        hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale,
+        hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale, z_ptr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr,
         HAS_BIAS: tl.constexpr, R: tl.constexpr, KS_PAD: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
-        MARLIN: tl.constexpr, ASUM: tl.constexpr,
+        MARLIN: tl.constexpr, ASUM: tl.constexpr, ZEROS: tl.constexpr,
     ):  # fmt: skip
         out_ty: tl.constexpr = y_ptr.dtype.element_ty
         pid_n = tl.program_id(0)
@@ -174,7 +179,7 @@ if triton is not None:
                         MARLIN, ASUM)
             if PDL:  # the shrink grid may still be running: h after the main loop
                 h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
-            _store_with_update(part, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS)
+            _store_with_update(part, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS, z_ptr, ZEROS)
         else:  # float32 partials [SPLIT_K, N]; the block's last program to arrive finishes it
             part = _dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_n, pid_k, N, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, STAGES,
                         MARLIN, ASUM)
@@ -185,7 +190,7 @@ if triton is not None:
                 h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
                 tot = _sum_partials(ws_ptr + rn, N, n_ok, part, SPLIT_K)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call (and the next CUDA-graph replay)
-                _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS)
+                _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS, z_ptr, ZEROS)
 
 
 def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, ...],
@@ -280,11 +285,13 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None, lora_a: tuple[torch.Tensor, ...], lora_b: tuple[torch.Tensor, ...],
                      lora_scale: float, output_slices: tuple[int, ...], token_lora_indices: torch.Tensor,
                      pdl: bool | None = None, tile: dict[str, int] | None = None,
-                     pdl_first: bool | None = None) -> torch.Tensor:
+                     pdl_first: bool | None = None, zeros: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`launch` for a caller that has already had ``None`` from :func:`supports` for this call (the overlap op
     asks it to choose its path); still refuses a scale or bias of the wrong shape. ``tile``: the row kernel's tile
     in place of :func:`decode_tile`'s (for timing the kernel's variants side by side: scripts/gpu/check_row_lora.py);
-    the slices must be multiples of its ``block_n``."""
+    the slices must be multiples of its ``block_n``. ``zeros``: returns ``(output, zeros)``, the second a tensor like
+    the output that the kernel fills with zeros in its epilogue (the overlap op's split add, whose model adds the
+    two: no launch of its own for the zeros)."""
     slices = tuple(output_slices)
     k = x.shape[-1]
     marlin, n = _layout(packed)
@@ -306,6 +313,7 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     block_n, split_k = tile["block_n"], min(tile["split_k"], k // tile["block_k"])
     blocks = triton.cdiv(n, block_n)
     x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks)
+    z = torch.empty_like(out) if zeros else out  # every element gets written
     s_count = len(slices)
     a, b = lora_fused.slice_operands(lora_a, lora_b, rank, k)
     n_first = list(slices[:2]) + [n] * (2 - min(2, s_count))  # slices past the last start beyond N: never taken
@@ -322,9 +330,11 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     _row_lora_kernel[(blocks, split_k)](
         x2, w, scale.view(torch.int32) if marlin else scale.contiguous(), g, out, ws, cnt,
         out if bias is None else bias.contiguous(), n, k, hp, token_lora_indices, *b, n_first[0], n_first[1], ks,
-        float(lora_scale),
+        float(lora_scale), z,
         BLOCK_N=block_n, BLOCK_K=tile["block_k"], SPLIT_K=split_k, ASM=not _interpreting(), HAS_BIAS=bias is not None,
         R=rank, KS_PAD=MAX_CHUNKS, PDL=pdl, STAGES=tile.get("stages", 0), MARLIN=marlin,
-        ASUM=int(tile.get("asum", 0)), num_warps=tile["num_warps"], launch_pdl=pdl,
+        ASUM=int(tile.get("asum", 0)), ZEROS=zeros, num_warps=tile["num_warps"], launch_pdl=pdl,
     )  # fmt: skip
+    if zeros:
+        return out.reshape(*x.shape[:-1], n), z.reshape(*x.shape[:-1], n)
     return out.reshape(*x.shape[:-1], n)

@@ -309,7 +309,8 @@ ROW_ENV = "QERL_TEST_ROW_PATH"  # set by test_row_path_under_the_interpreter for
 def test_decode_gemv_one_row_calls_take_the_row_lora_path(cpu_config, monkeypatch, caplog, kind):
     """A layer whose backend has decode_gemv's copy of the weight (a real MarlinBackend's ``row_weights``): a
     one-row call in the overlap mode runs vllm_ext.nvfp4_gemv_lora (interpreted) and gives the in-order result
-    (the dequantized weight's GEMM, then the adapter in torch) within float16 rounding; five rows run in order."""
+    (the dequantized weight's GEMM, then the adapter in torch) within float16 rounding; five rows run in order. The
+    split op's one-row call returns the same output and the kernel's zeros."""
     import logging
     from types import SimpleNamespace
 
@@ -336,6 +337,12 @@ def test_decode_gemv_one_row_calls_take_the_row_lora_path(cpu_config, monkeypatc
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)).half()
         one = _call(layer, x)
         assert "LoRA call with 1 tokens on the row+lora path" in caplog.text
+        assert ldw.split_add(layer) is (kind != "qkv")
+        # the split op on the row path: the whole output (the kernel adds the update) and the zeros it also writes
+        out, update = torch.ops.qerl.linear_lora_overlap_split(x, getattr(base, "bias", None), layer.lora_a_stacked[0],
+                                                               base.prefix, sum(layer.output_slices))
+        assert torch.equal(update, torch.zeros_like(one)), update
+        assert torch.equal(out, one), (out - one).abs().max()
         backend.decode_gemv = "off"  # no row copy offered: the same call in order
         in_order = _call(layer, x)
         caplog.clear()
@@ -375,7 +382,7 @@ def test_a_row_call_the_kernel_refuses_says_why_and_runs_in_order(cpu_config, mo
         backend = MarlinBackend.__new__(MarlinBackend)
         backend.decode_gemv = "all"
         base.quant_method = SimpleNamespace(backend=backend, apply=base.quant_method.apply)
-        assert not ldw.split_add(layer)  # a layer with decode_gemv's copy keeps the add inside the op
+        assert ldw.split_add(layer)  # a layer with decode_gemv's copy splits too (§4ai)
         x = torch.randn(1, ROW_SIZES[0]).half()
         outs = [_call(layer, x) for _ in range(2)]
     refusals = [r.getMessage() for r in caplog.records if "stays off the row+lora path" in r.getMessage()]

@@ -251,6 +251,13 @@ def test_gpu_7b_linears_match_row_kernel_then_fused_lora(group, pdl):
     floor = (two.double() - exact).abs().max().item()
     assert (got.double() - exact).abs().max().item() <= 1.5 * floor
     assert torch.equal(got, rl.launch(x, q.packed, q.scale, q.global_scale, bias, a, b, 1.0, slices, idx, pdl=pdl))
+    # the overlap op's split add (§4ai): the same output, and zeros the kernel writes (NaN-filled blocks freed just
+    # before, which the caching allocator is likely to hand back: zeros not written would likely show)
+    for _ in range(2):
+        torch.full((4 * sum(slices),), float("nan"), device=dev, dtype=x.dtype)
+    split, zeros = rl.launch_supported(x, q.packed, q.scale, q.global_scale, bias, a, b, 1.0, slices, idx, pdl=pdl,
+                                       zeros=True)
+    assert torch.equal(split, got) and torch.equal(zeros, torch.zeros_like(got))
     static = x.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

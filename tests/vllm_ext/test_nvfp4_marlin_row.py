@@ -482,7 +482,7 @@ def test_every_form_compiles_for_hopper(asum):
 
     ptrs = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*i32", g_ptr="*fp32", y_ptr="*bf16", ws_ptr="*fp32",
                 cnt_ptr="*i32", b_ptr="*bf16", bias_ptr="*bf16", hp_ptr="*fp32", idx_ptr="*i32", b0="*bf16",
-                b1="*bf16", b2="*bf16", N="i32", K="i32", n0="i32", n1="i32", KS="i32", lscale="fp32")
+                b1="*bf16", b2="*bf16", N="i32", K="i32", n0="i32", n1="i32", KS="i32", lscale="fp32", z_ptr="*bf16")
     try:
         _compile_for_hopper(mr._marlin_row_kernel, ptrs, dict(HB=16, T=8, SPLIT_K=16, ASM=True, HAS_BIAS=True,
                                                               STAGES=0, PDL=True, ASUM=asum), num_warps=2)
@@ -492,4 +492,4 @@ def test_every_form_compiles_for_hopper(asum):
         raise
     _compile_for_hopper(rl._row_lora_kernel, ptrs, dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, ASM=True, HAS_BIAS=False,
                                                          R=32, KS_PAD=rl.MAX_CHUNKS, PDL=True, STAGES=2, MARLIN=True,
-                                                         ASUM=asum), num_warps=4)
+                                                         ASUM=asum, ZEROS=asum == 1), num_warps=4)
