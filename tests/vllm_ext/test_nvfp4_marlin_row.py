@@ -493,3 +493,26 @@ def test_every_form_compiles_for_hopper(asum):
     _compile_for_hopper(rl._row_lora_kernel, ptrs, dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, ASM=True, HAS_BIAS=False,
                                                          R=32, KS_PAD=rl.MAX_CHUNKS, PDL=True, STAGES=2, MARLIN=True,
                                                          ASUM=asum, ZEROS=asum == 1), num_warps=4)
+
+
+def test_kernel_sass_counts_the_main_loops_of_both_layouts():
+    """scripts/cpu/kernel_sass.py (§4ai): every kernel compiles for sm_90 here and has a main loop; the shared kernel's
+    form 0 spends eight FFMAs per word (its two outputs' four products) and converts layouts through shared memory
+    on every trip (32 barriers), the asum forms do neither; every loop issues 30-80 instructions per word."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernel_sass", os.path.join(
+        os.path.dirname(__file__), "..", "..", "scripts", "cpu", "kernel_sass.py"))
+    sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass)
+    try:
+        rows = {r["kernel"].split(" (")[0]: r for r in sass.run()}
+    except (RuntimeError, subprocess.CalledProcessError) as exc:  # no ptxas or nvdisasm in this Triton
+        pytest.skip(f"Triton cannot compile or disassemble for sm_90 here: {exc}")
+    assert len(rows) == len(sass.SHARED_TILES) + len(sass.ROW_TILES)
+    for name, r in rows.items():
+        assert 30 <= r["per_word"] <= 80 and r["loop_instructions"] > 50, (name, r)
+    assert rows["shared gate_up form 0"]["ffma_per_word"] == 8.0 and rows["shared gate_up form 0"]["bar_per_trip"] > 8
+    for form in ("shared gate_up form 1", "shared gate_up form 2", "shared down form 2"):
+        assert rows[form]["bar_per_trip"] <= 4, rows[form]
+    assert rows["row gate_up"]["per_word"] > rows["shared gate_up form 2"]["per_word"]  # refutes §4ah's estimate

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""The one-row NVFP4 kernels' main loops in SASS, counted per 4-byte word of weights, compiled for sm_90 on a machine
+without a GPU (Triton's front end, LLVM, and the ptxas and nvdisasm its wheel bundles):
+
+    python3 scripts/cpu/kernel_sass.py [--json]
+
+For each kernel and tile (``decode_gemv: "shared"``'s three forms on §4ai's best 7B tiles, and the checkpoint-layout
+row kernel on its shipped 7B tiles) it finds the loops (a branch back to an earlier label), takes the longest one as
+the main loop, and reports its instructions per word (the loop's length over the words one thread reads per trip) and
+the opcodes it uses most. A static count: no latency, no occupancy, no memory (docs/benchmarks.md §4ai used it to test
+§4ah's estimate that the shared kernel issues more instructions per word than the row kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MARLIN_PTRS = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*i32", g_ptr="*fp32", y_ptr="*bf16", ws_ptr="*fp32",
+                   cnt_ptr="*i32", b_ptr="*bf16")
+ROW_PTRS = dict(MARLIN_PTRS, s_ptr="*fp8e4nv")
+# (name, HB, T, split-K, warps, asum): §4ai call set B's best tile of each form on the 7B gate/up and down, and the
+# q/k/v's (form 0)
+SHARED_TILES = [("qkv form 0", 16, 8, 16, 2, 0), ("gate_up form 0", 16, 8, 8, 2, 0), ("gate_up form 1", 16, 8, 4, 4, 1),
+                ("gate_up form 2", 16, 8, 8, 4, 2), ("down form 0", 16, 8, 16, 2, 0), ("down form 1", 8, 16, 16, 4, 1),
+                ("down form 2", 8, 16, 16, 4, 2)]
+# (name, BLOCK_N, split-K, warps, stages): vllm_ext.nvfp4_gemv.decode_tile's 7B tiles (block_k 512, x vectorized)
+ROW_TILES = [("qkv", 4, 1, 4, 0), ("gate_up", 8, 1, 1, 3), ("down", 8, 4, 2, 0)]
+
+
+def compile_hopper(fn, types: dict[str, str], consts: dict, num_warps: int):  # noqa: ANN001, ANN201
+    """``fn`` compiled for sm_90 with ``consts`` as its constexprs and ``types`` for its other arguments (default
+    ``i32``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+
+def disassemble(cubin: bytes) -> str:
+    """nvdisasm's text of a cubin (the nvdisasm in Triton's wheel)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def main_loop(text: str) -> list[str]:
+    """The opcodes of the longest loop in ``text`` (nvdisasm output): from a label to the last branch back to it."""
+    ops: list[tuple[str, str]] = []
+    labels: dict[str, int] = {}
+    for line in text.splitlines():
+        label = re.match(r"^\s*\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+            continue
+        ins = re.match(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if ins:
+            ops.append((ins.group(1), line))
+    best: list[str] = []
+    for i, (op, line) in enumerate(ops):
+        target = re.search(r"`\(\.(L_x_\d+)\)", line)
+        if op.startswith("BRA") and target and labels.get(target.group(1), i + 1) <= i:
+            body = [o for o, _ in ops[labels[target.group(1)]:i + 1]]
+            if len(body) > len(best):
+                best = body
+    return best
+
+
+def summary(name: str, body: list[str], words: float) -> dict:
+    counts = collections.Counter(op.split(".")[0] for op in body)
+    return {"kernel": name, "loop_instructions": len(body), "words_per_thread_per_trip": words,
+            "per_word": round(len(body) / words, 1), "ffma_per_word": round(counts["FFMA"] / words, 2),
+            "ldg_per_word": round(counts["LDG"] / words, 2), "bar_per_trip": counts["BAR"],
+            "top": counts.most_common(8)}
+
+
+def run() -> list[dict]:
+    from vllm_ext import nvfp4_gemv, nvfp4_marlin_row
+
+    rows = []
+    for name, hb, t, sk, warps, asum in SHARED_TILES:
+        kernel = compile_hopper(nvfp4_marlin_row._marlin_row_kernel, MARLIN_PTRS,
+                                dict(HB=hb, T=t, SPLIT_K=sk, ASM=True, HAS_BIAS=False, STAGES=0, PDL=False,
+                                     ASUM=asum), warps)
+        rows.append(summary(f"shared {name} (h{hb}t{t}s{sk}w{warps})", main_loop(disassemble(kernel.asm["cubin"])),
+                            t * hb * 16 / (32 * warps)))
+    for name, block_n, sk, warps, stages in ROW_TILES:
+        kernel = compile_hopper(nvfp4_gemv._nvfp4_row_kernel, ROW_PTRS,
+                                dict(BLOCK_N=block_n, BLOCK_K=512, SPLIT_K=sk, ASM=True, XVEC=True, HAS_BIAS=False,
+                                     STAGES=stages, PDL=False), warps)
+        rows.append(summary(f"row {name} (n{block_n}s{sk}w{warps}S{stages})",
+                            main_loop(disassemble(kernel.asm["cubin"])), block_n * 64 / (32 * warps)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of the table")
+    args = p.parse_args(argv)
+    rows = run()
+    for r in rows:
+        if args.json:
+            print(json.dumps(r))
+        else:
+            print(f"{r['kernel']:<36} {r['per_word']:>5.1f} instr/word  FFMA {r['ffma_per_word']:>4.2f}  "
+                  f"LDG {r['ldg_per_word']:>4.2f}  BAR/trip {r['bar_per_trip']:>3}  "
+                  + ", ".join(f"{op} {n}" for op, n in r["top"][:5]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
