@@ -42,7 +42,8 @@ tiles (2.16 ms per step), batch 1 decoded 11.7 % faster than with ``decode_gemv`
 slower, as ``all`` (those layers keep the LoRA add inside the op: ``vllm_ext.lora_dense_wrapper.split_add``). So
 ``shared`` stays opt-in. Nsight Compute (§4ai) puts the 7B gate/up call at 62 % issue slots with the L1 at 79 % of its
 throughput and 44 % of stalls waiting on it, at 1.8 TB/s; compiled, every form issues about 40 instructions per word
-against the row kernel's 48-60 (``scripts/cpu/kernel_sass.py``): the loads bind, not the arithmetic.
+against the row kernel's 41-58 (``scripts/cpu/kernel_sass.py``): the loads bind, not the arithmetic. ``asum`` 3
+(after those runs, not yet timed) halves form 2's loads of ``x``.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ __all__ = ["MARLIN_ROW_OP", "TILES_ENV", "marlin_divisor", "marlin_row_gemm", "m
 
 CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths of one (HB >= 8: whole chunks)
 # a JSON file of tiles by weight shape, {"N,K": {"hb": ..., "t": ..., "split_k": ..., "num_warps": ..., "stages": ...,
-# optionally "asum": 0, 1 or 2}} (what scripts/gpu/sweep_marlin_row.py writes), taken before marlin_row_tile's rule for
-# the shapes it names
+# optionally "asum": 0, 1, 2 or 3}} (what scripts/gpu/sweep_marlin_row.py writes), taken before marlin_row_tile's
+# rule for the shapes it names
 TILES_ENV = "QERL_MARLIN_ROW_TILES"
 TILE_KEYS = ("hb", "t", "split_k", "num_warps", "stages")
 OPTIONAL_TILE_KEYS = {"asum": 0}  # may be left out of a tiles file
@@ -150,26 +151,41 @@ if triton is not None:
         return p0 * _marlin_scale((sw >> sh) & 0xFF), p1 * _marlin_scale((sw >> (sh + 16)) & 0xFF)
 
     @triton.jit
+    def _x_pair(xw_ptr, i, BF16: tl.constexpr):
+        """Inputs ``2i`` and ``2i + 1`` of ``x`` from one 4-byte load of the int32 view ``xw_ptr``, as float32."""
+        p = tl.load(xw_ptr + i)
+        if BF16:
+            return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
+        return (p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+
+    @triton.jit
     def _marlin_tile_asum(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB: tl.constexpr, T: tl.constexpr,
                           ASM: tl.constexpr, ASUM: tl.constexpr):
         """The same groups with the four words ``a`` of an output and group summed first, then one scale per output
         and group: two ``[T, HB, 4]`` tensors (``[group, h, j]``). ``ASUM`` 1: :func:`_marlin_words`'s sums reduced
         over ``a``, which lies across threads (a shuffle per step). ``ASUM`` 2: ``a`` unrolled, one 16-byte load per
         ``a``, so that a thread holds all four words of its outputs and sums them in registers (half a scale decode
-        per word)."""
+        per word). ``ASUM`` 3: form 2 with ``x``'s inputs ``2a, 2a + 1`` and ``2a + 8, 2a + 9`` read as two 4-byte
+        pairs instead of four 2-byte loads (half the loads of ``x``; ``x`` must be 4-byte aligned)."""
         k3 = (t * T + tl.arange(0, T))[:, None, None]
         h3 = tl.arange(0, HB)[None, :, None]
         j3 = tl.arange(0, 4)[None, None, :]
-        if ASUM == 2:
+        if ASUM >= 2:
             q0 = tl.zeros((T, HB, 4), dtype=tl.float32)
             q1 = tl.zeros((T, HB, 4), dtype=tl.float32)
             for a in tl.static_range(4):
                 c = _decode8(tl.load(w_ptr + wbase + k3 * (2 * N) + h3 * 16 + a * 4 + j3), ASM)
-                xa = x_ptr + k3 * 16 + 2 * a  # [T, 1, 1]: inputs 2a, 2a + 1, 2a + 8, 2a + 9 of each group
-                x0 = tl.load(xa).to(tl.float32)
-                x1 = tl.load(xa + 1).to(tl.float32)
-                x2 = tl.load(xa + 8).to(tl.float32)
-                x3 = tl.load(xa + 9).to(tl.float32)
+                if ASUM == 3:  # [T, 1, 1] pairs a and a + 4 of each group's 8 (int32 view of x)
+                    xw = x_ptr.to(tl.pointer_type(tl.int32))
+                    x0, x1 = _x_pair(xw, k3 * 8 + a, x_ptr.dtype.element_ty == tl.bfloat16)
+                    x2, x3 = _x_pair(xw, k3 * 8 + a + 4, x_ptr.dtype.element_ty == tl.bfloat16)
+                else:
+                    xa = x_ptr + k3 * 16 + 2 * a  # [T, 1, 1]: inputs 2a, 2a + 1, 2a + 8, 2a + 9 of each group
+                    x0 = tl.load(xa).to(tl.float32)
+                    x1 = tl.load(xa + 1).to(tl.float32)
+                    x2 = tl.load(xa + 8).to(tl.float32)
+                    x3 = tl.load(xa + 9).to(tl.float32)
                 q0 += c[0] * x0 + c[4] * x1 + c[1] * x2 + c[5] * x3
                 q1 += c[2] * x0 + c[6] * x1 + c[3] * x2 + c[7] * x3
         else:
@@ -307,9 +323,10 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     ``[N]`` in natural order, added in float32 before the one rounding. ``hb`` (1, 2, 4, 8; 16, 32, 64): eighths of a
     64-output chunk per program (``8 hb`` outputs); ``t`` (a power of two, ``16 t`` dividing K): groups per loop step;
     ``split_k`` programs per output block; ``stages`` > 0: the pipelined loop; ``pdl``: a programmatic dependent
-    launch (Hopper); ``asm``: the PTX decode (default: on CUDA, not under the interpreter); ``asum`` 1 or 2: each
+    launch (Hopper); ``asm``: the PTX decode (default: on CUDA, not under the interpreter); ``asum`` 1, 2 or 3: each
     output's four words per group summed before its scale, across threads (1) or in registers (2)
-    (:func:`_marlin_tile_asum`; fewer registers and no layout conversions through shared memory, §4ai)."""
+    (:func:`_marlin_tile_asum`: 56 registers per thread against form 0's 158, §4ai), or 3, form 2 with ``x`` read in
+    4-byte pairs."""
     if triton is None:
         raise RuntimeError(f"marlin_row_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -327,8 +344,8 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         problems.append(f"hb={hb} (1, 2, 4 or 8; 16, 32 or 64 where N is a multiple of 8 hb, here N={n})")
     if t < 1 or t & (t - 1) or k % (16 * t):
         problems.append(f"t={t} (a power of two with 16 t dividing K={k})")
-    if int(asum) not in (0, 1, 2):
-        problems.append(f"asum={asum} (0, 1 or 2)")
+    if int(asum) not in (0, 1, 2, 3):
+        problems.append(f"asum={asum} (0, 1, 2 or 3)")
     if split_k < 1 or stages < 0:
         problems.append(f"split_k={split_k} (>= 1), stages={stages} (>= 0)")
     if divisor.numel() != 1:
@@ -340,6 +357,8 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     blocks = n // (8 * hb)
     split_k = min(split_k, k // (16 * t))
     x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks)
+    if int(asum) == 3 and x2.data_ptr() % 4:  # form 3 reads x in 4-byte pairs
+        x2 = x2.clone()
     b = out if bias is None else bias.contiguous()
     _marlin_row_kernel[(blocks, split_k)](
         x2, qweight, scale.view(torch.int32), divisor.reshape(1).to(torch.float32), out, ws, cnt, b, n, k,

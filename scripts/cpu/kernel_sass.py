@@ -4,11 +4,14 @@ without a GPU (Triton's front end, LLVM, and the ptxas and nvdisasm its wheel bu
 
     python3 scripts/cpu/kernel_sass.py [--json]
 
-For each kernel and tile (``decode_gemv: "shared"``'s three forms on §4ai's best 7B tiles, and the checkpoint-layout
+For each kernel and tile (``decode_gemv: "shared"``'s forms on §4ai's best 7B tiles, and the checkpoint-layout
 row kernel on its shipped 7B tiles) it finds the loops (a branch back to an earlier label), takes the longest one as
 the main loop, and reports its instructions per word (the loop's length over the words one thread reads per trip) and
-the opcodes it uses most. A static count: no latency, no occupancy, no memory (docs/benchmarks.md §4ai used it to test
-§4ah's estimate that the shared kernel issues more instructions per word than the row kernel).
+the opcodes it uses most; loads per word count global loads (LDG) and asynchronous copies (LDGSTS, the pipelined
+loop's). The pointers and N, K are declared divisible by 16, as Triton's launcher finds them in the engine (without
+that it cannot prove 16-byte loads aligned, splits them and adds layout conversions). A static count: no latency, no
+occupancy, no memory (docs/benchmarks.md §4ai used it to test §4ah's estimate that the shared kernel issues more
+instructions per word than the row kernel).
 """
 
 from __future__ import annotations
@@ -30,25 +33,30 @@ if str(ROOT) not in sys.path:
 MARLIN_PTRS = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*i32", g_ptr="*fp32", y_ptr="*bf16", ws_ptr="*fp32",
                    cnt_ptr="*i32", b_ptr="*bf16")
 ROW_PTRS = dict(MARLIN_PTRS, s_ptr="*fp8e4nv")
+# what the engine's launches have divisible by 16: every buffer (fresh allocations) and N, K (7B and 32B shapes)
+ALIGNED = (*MARLIN_PTRS, "N", "K")
 # (name, HB, T, split-K, warps, asum): §4ai call set B's best tile of each form on the 7B gate/up and down, and the
-# q/k/v's (form 0)
+# q/k/v's (form 0); form 3 (added after those runs) on form 2's tiles
 SHARED_TILES = [("qkv form 0", 16, 8, 16, 2, 0), ("gate_up form 0", 16, 8, 8, 2, 0), ("gate_up form 1", 16, 8, 4, 4, 1),
                 ("gate_up form 2", 16, 8, 8, 4, 2), ("down form 0", 16, 8, 16, 2, 0), ("down form 1", 8, 16, 16, 4, 1),
-                ("down form 2", 8, 16, 16, 4, 2)]
+                ("down form 2", 8, 16, 16, 4, 2), ("gate_up form 3", 16, 8, 8, 4, 3), ("down form 3", 8, 16, 16, 4, 3)]
 # (name, BLOCK_N, split-K, warps, stages): vllm_ext.nvfp4_gemv.decode_tile's 7B tiles (block_k 512, x vectorized)
 ROW_TILES = [("qkv", 4, 1, 4, 0), ("gate_up", 8, 1, 1, 3), ("down", 8, 4, 2, 0)]
 
 
-def compile_hopper(fn, types: dict[str, str], consts: dict, num_warps: int):  # noqa: ANN001, ANN201
+def compile_hopper(fn, types: dict[str, str], consts: dict, num_warps: int,
+                   aligned: tuple[str, ...] = ()):  # noqa: ANN001, ANN201
     """``fn`` compiled for sm_90 with ``consts`` as its constexprs and ``types`` for its other arguments (default
-    ``i32``)."""
+    ``i32``). ``aligned``: the arguments Triton's launcher would find divisible by 16 (pointers to 16-byte aligned
+    memory, sizes that are multiples of 16); without them it cannot prove a 16-byte load aligned and splits it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = fn.arg_names
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
@@ -91,7 +99,8 @@ def summary(name: str, body: list[str], words: float) -> dict:
     counts = collections.Counter(op.split(".")[0] for op in body)
     return {"kernel": name, "loop_instructions": len(body), "words_per_thread_per_trip": words,
             "per_word": round(len(body) / words, 1), "ffma_per_word": round(counts["FFMA"] / words, 2),
-            "ldg_per_word": round(counts["LDG"] / words, 2), "bar_per_trip": counts["BAR"],
+            "loads_per_word": round((counts["LDG"] + counts["LDGSTS"]) / words, 2), "bar_per_trip": counts["BAR"],
+            "shared_memory_per_trip": sum(counts[op] for op in ("LDS", "STS", "LDSM", "STSM")),
             "top": counts.most_common(8)}
 
 
@@ -102,13 +111,13 @@ def run() -> list[dict]:
     for name, hb, t, sk, warps, asum in SHARED_TILES:
         kernel = compile_hopper(nvfp4_marlin_row._marlin_row_kernel, MARLIN_PTRS,
                                 dict(HB=hb, T=t, SPLIT_K=sk, ASM=True, HAS_BIAS=False, STAGES=0, PDL=False,
-                                     ASUM=asum), warps)
+                                     ASUM=asum), warps, ALIGNED)
         rows.append(summary(f"shared {name} (h{hb}t{t}s{sk}w{warps})", main_loop(disassemble(kernel.asm["cubin"])),
                             t * hb * 16 / (32 * warps)))
     for name, block_n, sk, warps, stages in ROW_TILES:
         kernel = compile_hopper(nvfp4_gemv._nvfp4_row_kernel, ROW_PTRS,
                                 dict(BLOCK_N=block_n, BLOCK_K=512, SPLIT_K=sk, ASM=True, XVEC=True, HAS_BIAS=False,
-                                     STAGES=stages, PDL=False), warps)
+                                     STAGES=stages, PDL=False), warps, ALIGNED)
         rows.append(summary(f"row {name} (n{block_n}s{sk}w{warps}S{stages})",
                             main_loop(disassemble(kernel.asm["cubin"])), block_n * 64 / (32 * warps)))
     return rows
@@ -124,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(r))
         else:
             print(f"{r['kernel']:<36} {r['per_word']:>5.1f} instr/word  FFMA {r['ffma_per_word']:>4.2f}  "
-                  f"LDG {r['ldg_per_word']:>4.2f}  BAR/trip {r['bar_per_trip']:>3}  "
+                  f"loads {r['loads_per_word']:>4.2f}  BAR/trip {r['bar_per_trip']:>2}  "
+                  f"LDS/STS/trip {r['shared_memory_per_trip']:>2}  "
                   + ", ".join(f"{op} {n}" for op, n in r["top"][:5]))
     return 0
 

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--shared", action="store_true", help="the kernel on Marlin's own tensors (decode_gemv shared)")
-    p.add_argument("--asum", type=int, choices=(0, 1, 2), default=None,
+    p.add_argument("--asum", type=int, choices=(0, 1, 2, 3), default=None,
                    help="with --shared: this asum form instead of the tile's")
     args = p.parse_args(argv)
 
