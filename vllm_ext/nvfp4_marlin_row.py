@@ -37,13 +37,13 @@ as in :mod:`vllm_ext.nvfp4_gemv` (fixed-order sum of float32 partials: the same 
 Measured (docs/benchmarks.md §4ah, §4ai; one H200 per session): correct (vLLM's CUDA repack gives exactly the
 reference's tensors; every tile within Marlin's error plus one bf16 step of the exact product). Per 7B decode step at
 one row: 2.70 ms with §4ah's tiles, 1.98 with §4ai's (programs of whole chunks, split-K 4-16, the ``asum`` forms),
-against 1.74 for the checkpoint-layout kernel and 2.28 for Marlin. In the 7B engine with LoRA and §4ai's form-0
-tiles (2.16 ms per step), batch 1 decoded 11.7 % faster than with ``decode_gemv`` off and b64 2.4 % slower (b8
--2.6 %, within the spreads), as ``all``: those layers kept the LoRA add inside the op, which
-``vllm_ext.lora_dense_wrapper.split_add`` changed after that run (not yet measured). So ``shared`` stays opt-in. Nsight Compute (§4ai) puts the 7B gate/up call at 62 % issue slots with the L1 at 79 % of its
-throughput and 44 % of stalls waiting on it, at 1.8 TB/s; compiled, every form issues about 40 instructions per word
-against the row kernel's 41-58 (``scripts/cpu/kernel_sass.py``): the loads bind, not the arithmetic. ``asum`` 3
-(after those runs, not yet timed) halves form 2's loads of ``x``.
+against 1.74 for the checkpoint-layout kernel and 2.28 for Marlin. In the 7B engine with LoRA and §4ai's form-0 tiles
+(2.16 ms per step), batch 1 decoded 11.7 % faster than with ``decode_gemv`` off and b64 2.4 % slower (b8 -2.6 %, within
+the spreads), as ``all``: those layers kept the LoRA add inside the op, which ``vllm_ext.lora_dense_wrapper.split_add``
+changed after that run (not yet measured). So ``shared`` stays opt-in. Nsight Compute (§4ai) puts the 7B gate/up call at
+62 % issue slots with the L1 at 79 % of its throughput and 44 % of stalls waiting on it, at 1.8 TB/s; compiled, every
+form issues about 40 instructions per word against the row kernel's 41-58 (``scripts/cpu/kernel_sass.py``): the loads
+bind, not the arithmetic. ``asum`` 3 (after those runs, not yet timed) halves form 2's loads of ``x``.
 """
 
 from __future__ import annotations
