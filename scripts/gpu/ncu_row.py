@@ -11,7 +11,7 @@ linear's time, CUDA events around ``--calls`` launches of the same weights (so n
 
 ``--shared``: ``decode_gemv: "shared"``'s kernel instead (``vllm_ext.nvfp4_marlin_row``, on Marlin's tensors made by
 the engine's backend, so vLLM is needed; its tiles: ``QERL_MARLIN_ROW_TILES``'s file where set, else the shipped
-rule; ``--asum 0/1/2``: that ``asum`` form in place of the tiles'), for
+rule; ``--asum 0-3``: that ``asum`` form in place of the tiles'), for
 ``ncu --kernel-name regex:marlin_row_kernel`` (docs/benchmarks.md §4ah: what binds it, the instruction count by the
 estimate there, or its reads).
 """
