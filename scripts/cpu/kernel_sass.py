@@ -44,22 +44,6 @@ SHARED_TILES = [("qkv form 0", 16, 8, 16, 2, 0), ("gate_up form 0", 16, 8, 8, 2,
 ROW_TILES = [("qkv", 4, 1, 4, 0), ("gate_up", 8, 1, 1, 3), ("down", 8, 4, 2, 0)]
 
 
-def compile_hopper(fn, types: dict[str, str], consts: dict, num_warps: int,
-                   aligned: tuple[str, ...] = ()):  # noqa: ANN001, ANN201
-    """``fn`` compiled for sm_90 with ``consts`` as its constexprs and ``types`` for its other arguments (default
-    ``i32``). ``aligned``: the arguments Triton's launcher would find divisible by 16 (pointers to 16-byte aligned
-    memory, sizes that are multiples of 16); without them it cannot prove a 16-byte load aligned and splits it."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = fn.arg_names
-    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-
-
 def disassemble(cubin: bytes) -> str:
     """nvdisasm's text of a cubin (the nvdisasm in Triton's wheel)."""
     import triton
@@ -106,16 +90,17 @@ def summary(name: str, body: list[str], words: float) -> dict:
 
 def run() -> list[dict]:
     from vllm_ext import nvfp4_gemv, nvfp4_marlin_row
+    from vllm_ext.triton_support import compile_sm90
 
     rows = []
     for name, hb, t, sk, warps, asum in SHARED_TILES:
-        kernel = compile_hopper(nvfp4_marlin_row._marlin_row_kernel, MARLIN_PTRS,
+        kernel = compile_sm90(nvfp4_marlin_row._marlin_row_kernel, MARLIN_PTRS,
                                 dict(HB=hb, T=t, SPLIT_K=sk, ASM=True, HAS_BIAS=False, STAGES=0, PDL=False,
                                      ASUM=asum), warps, ALIGNED)
         rows.append(summary(f"shared {name} (h{hb}t{t}s{sk}w{warps})", main_loop(disassemble(kernel.asm["cubin"])),
                             t * hb * 16 / (32 * warps)))
     for name, block_n, sk, warps, stages in ROW_TILES:
-        kernel = compile_hopper(nvfp4_gemv._nvfp4_row_kernel, ROW_PTRS,
+        kernel = compile_sm90(nvfp4_gemv._nvfp4_row_kernel, ROW_PTRS,
                                 dict(BLOCK_N=block_n, BLOCK_K=512, SPLIT_K=sk, ASM=True, XVEC=True, HAS_BIAS=False,
                                      STAGES=stages, PDL=False), warps, ALIGNED)
         rows.append(summary(f"row {name} (n{block_n}s{sk}w{warps}S{stages})",

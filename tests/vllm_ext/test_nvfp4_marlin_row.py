@@ -129,7 +129,7 @@ def test_interpreted_kernel_matches_the_exact_product():
 
 LAYOUT = textwrap.dedent(
     """
-    import json
+    import itertools, json
     import torch
     from marlin_reference import marlin_tensors
 
@@ -145,18 +145,12 @@ LAYOUT = textwrap.dedent(
     by_k, by_n, by_tile = (marlin_tensors(packed_of(c % 16 if i < 2 else (c // 16) % 4), scale, gs, torch.bfloat16)[0]
                            for i, c in enumerate((kk, nn, nn)))
     bad = 0
-    for t in range(k // 16):
-        for c in range(n // 64):
-            for h in range(8):
-                for a in range(4):
-                    for j in range(4):
-                        u = 128 * c + 16 * h + 4 * a + j
-                        for q in range(8):
-                            b, r = [(0, 2*a), (0, 2*a+8), (1, 2*a), (1, 2*a+8), (0, 2*a+1), (0, 2*a+9), (1, 2*a+1),
-                                    (1, 2*a+9)][q]
-                            out = 64 * c + 16 * j + 8 * b + h
-                            got = [(int(v[t, u]) >> (4 * q)) & 15 for v in (by_k, by_n, by_tile)]
-                            bad += got != [r, out % 16, (out // 16) % 4]
+    for t, c, h, a, j, q in itertools.product(range(k // 16), range(n // 64), range(8), range(4), range(4), range(8)):
+        u = 128 * c + 16 * h + 4 * a + j
+        b, r = [(0, 2*a), (0, 2*a+8), (1, 2*a), (1, 2*a+8), (0, 2*a+1), (0, 2*a+9), (1, 2*a+1), (1, 2*a+9)][q]
+        out = 64 * c + 16 * j + 8 * b + h
+        got = [(int(v[t, u]) >> (4 * q)) & 15 for v in (by_k, by_n, by_tile)]
+        bad += got != [r, out % 16, (out // 16) % 4]
     # scales that name their output: 2^(o % 8) * (1 + (o // 8) / 8) for o = n % 64, exact in E4M3 and at most 240,
     # so that vLLM's scale factor is 1; permuted as the docstring says
     o = torch.arange(n) % 64
@@ -165,14 +159,10 @@ LAYOUT = textwrap.dedent(
     bytes_ = s.view(torch.uint8).to(torch.int32)
     dec = ((bytes_ << 7).to(torch.int16).view(torch.float16).float())
     sbad = 0
-    for t in range(k // 16):
-        for c in range(n // 64):
-            for h in range(8):
-                for j in range(4):
-                    for b in range(2):
-                        out = 64 * c + 16 * j + 8 * b + h
-                        pos = 64 * c + 8 * h + 4 * (j // 2) + (j % 2) + 2 * b
-                        sbad += float(dec[t, pos]) != float(sv[out, 0]) * 2**7
+    for t, c, h, j, b in itertools.product(range(k // 16), range(n // 64), range(8), range(4), range(2)):
+        out = 64 * c + 16 * j + 8 * b + h
+        pos = 64 * c + 8 * h + 4 * (j // 2) + (j % 2) + 2 * b
+        sbad += float(dec[t, pos]) != float(sv[out, 0]) * 2**7
     print("RESULT " + json.dumps({"bad_codes": bad, "bad_scales": sbad, "shapes": [list(by_k.shape), list(s.shape)]}))
     """
 )
@@ -491,38 +481,24 @@ def test_tiles_file_overrides_the_rule_for_the_shapes_it_names(tmp_path, monkeyp
     assert mr.marlin_row_tile(4608, 3584) == rule
 
 
-def _compile_for_hopper(fn, types: dict[str, str], consts: dict, num_warps: int) -> None:
-    """Compiles ``fn`` for sm_90 without a GPU (Triton's front end, its LLVM and the bundled ptxas): what the
-    interpreter cannot check, e.g. that a kernel's branches return one type (§4ai's first sweep lost forms 1 and 2 to
-    that)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    import triton
-
-    names = fn.arg_names
-    sig = {name: ("constexpr" if name in consts else types[name]) for name in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-
-
 @pytest.mark.parametrize("asum", [0, 1, 2, 3])
 def test_every_form_compiles_for_hopper(asum):
     """The row kernel and the row+lora kernel on Marlin's tensors, in each ``asum`` form, compile for sm_90."""
     from vllm_ext import nvfp4_gemv_lora as rl
     from vllm_ext import nvfp4_marlin_row as mr
+    from vllm_ext.triton_support import compile_sm90
 
     ptrs = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*i32", g_ptr="*fp32", y_ptr="*bf16", ws_ptr="*fp32",
                 cnt_ptr="*i32", b_ptr="*bf16", bias_ptr="*bf16", hp_ptr="*fp32", idx_ptr="*i32", b0="*bf16",
                 b1="*bf16", b2="*bf16", N="i32", K="i32", n0="i32", n1="i32", KS="i32", lscale="fp32", z_ptr="*bf16")
     try:
-        _compile_for_hopper(mr._marlin_row_kernel, ptrs, dict(HB=16, T=8, SPLIT_K=16, ASM=True, HAS_BIAS=True,
+        compile_sm90(mr._marlin_row_kernel, ptrs, dict(HB=16, T=8, SPLIT_K=16, ASM=True, HAS_BIAS=True,
                                                               STAGES=0, PDL=True, ASUM=asum), num_warps=2)
     except RuntimeError as exc:  # no ptxas in this Triton
         if "ptxas" in str(exc).lower():
             pytest.skip(f"Triton cannot compile for sm_90 here: {exc}")
         raise
-    _compile_for_hopper(rl._row_lora_kernel, ptrs, dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, ASM=True, HAS_BIAS=False,
+    compile_sm90(rl._row_lora_kernel, ptrs, dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, ASM=True, HAS_BIAS=False,
                                                          R=32, KS_PAD=rl.MAX_CHUNKS, PDL=True, STAGES=2, MARLIN=True,
                                                          ASUM=asum, ZEROS=asum == 1), num_warps=4)
 
