@@ -94,7 +94,7 @@ def gate(path: str | Path, shape: str = "7B") -> tuple[bool, str]:
     if not steps:
         return False, f"{path}: no {shape} decode step recorded (the sweep did not finish its four linears)"
     med, spread = steps[-1]["median"], steps[-1]["spread"]
-    faster = med["marlin"] - med["best"] > max(spread["best"], spread["marlin"])
+    faster = verdict(*({"median_us": med[key], "spread_us": spread[key]} for key in ("best", "marlin"))) == "faster"
     return faster, (f"{shape} decode step: best tiles {med['best']:.3f} ms (±{spread['best']:.3f}), Marlin "
                     f"{med['marlin']:.3f} ms (±{spread['marlin']:.3f}), checkpoint row kernel "
                     f"{med['checkpoint_row']:.3f} ms: {'faster than Marlin' if faster else 'not faster than Marlin'}")
