@@ -364,13 +364,17 @@ if triton is not None:
                 b_ptr + rn[:, None], HAS_BIAS)
 
 
-def one_row_buffers(x: torch.Tensor, n: int, split_k: int, blocks: int) -> tuple[torch.Tensor, ...]:
-    """What a one-row kernel launch needs besides its weights: ``x`` as one contiguous row ``[1, K]``, the output
-    ``[1, n]`` in ``x``'s dtype, and with ``split_k`` > 1 the float32 partials ``[split_k, n]`` and ``blocks`` arrival
-    counters (else the output stands in for both, unused)."""
+def one_row_buffers(x: torch.Tensor, n: int, split_k: int, blocks: int,
+                    x_align: int = 1) -> tuple[torch.Tensor, ...]:
+    """What a one-row kernel launch needs besides its weights: ``x`` as one contiguous row ``[1, K]`` (a copy where it
+    does not start at a multiple of ``x_align`` bytes), the output ``[1, n]`` in ``x``'s dtype, and with ``split_k`` >
+    1 the float32 partials ``[split_k, n]`` and ``blocks`` arrival counters (else the output stands in for both,
+    unused)."""
     x2 = x.reshape(1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if x_align > 1 and x2.data_ptr() % x_align:
+        x2 = x2.clone()
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     if split_k > 1:
         return x2, out, torch.empty(split_k, n, device=x.device, dtype=torch.float32), _counters(x.device, blocks)

@@ -312,9 +312,8 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                          "per block")
     block_n, split_k = tile["block_n"], min(tile["split_k"], k // tile["block_k"])
     blocks = triton.cdiv(n, block_n)
-    x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks)
-    if marlin and int(tile.get("asum", 0)) == 3 and x2.data_ptr() % 4:  # form 3 reads x in 4-byte pairs
-        x2 = x2.clone()
+    pairs = marlin and int(tile.get("asum", 0)) == 3  # form 3 of Marlin's layout reads x in 4-byte pairs
+    x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks, x_align=4 if pairs else 1)
     z = torch.empty_like(out) if zeros else out  # every element gets written
     s_count = len(slices)
     a, b = lora_fused.slice_operands(lora_a, lora_b, rank, k)

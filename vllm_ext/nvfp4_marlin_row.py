@@ -356,9 +356,7 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         raise ValueError("marlin_row_gemm: " + "; ".join(problems))
     blocks = n // (8 * hb)
     split_k = min(split_k, k // (16 * t))
-    x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks)
-    if int(asum) == 3 and x2.data_ptr() % 4:  # form 3 reads x in 4-byte pairs
-        x2 = x2.clone()
+    x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks, x_align=4 if int(asum) == 3 else 1)  # form 3: x in pairs
     b = out if bias is None else bias.contiguous()
     _marlin_row_kernel[(blocks, split_k)](
         x2, qweight, scale.view(torch.int32), divisor.reshape(1).to(torch.float32), out, ws, cnt, b, n, k,
