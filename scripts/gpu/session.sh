@@ -387,6 +387,9 @@ overlap-lora --batches 8 --new-tokens 256 --repeats 3 --profile-tokens 64" run_s
         # lora_r32_shared hand the engines (QERL_MARLIN_ROW_TILES)
         # SWEEP_S: its limit (default 300 s; the call's deadline still applies)
         step sweep_shared "${SWEEP_S:-300}" python3 scripts/gpu/sweep_marlin_row.py ${SWEEP_ARGS:-} ;;
+    sweep_shared32)  # §4aj: the same sweep on the 32B linears in forms 1-3, in its own folder (its tiles file
+        # apart from the 7B one that bench_shared_if hands the engines)
+        step sweep_shared32 "${SWEEP_S:-300}" python3 scripts/gpu/sweep_marlin_row.py --grid forms3 --shapes 32B ;;
     bench_shared)  # §4ah: 7B decode b1/b8/b64: LoRA off (the default), NVFP4 without LoRA, the split add, decode_gemv shared,
         # decode_gemv all (the copy), in that order. In the background into $work/bench-shared (`TAG=-shared bench_watch`)
         [ -f "$work/sweep_shared/marlin_row_tiles.json" ] && export QERL_MARLIN_ROW_TILES="$work/sweep_shared/marlin_row_tiles.json"
