@@ -420,6 +420,11 @@ nvfp4@default --batches 1,8,64 --new-tokens 256 --repeats 3 --profile-tokens 64"
         [ -f "$work/sweep_shared/marlin_row_tiles.json" ] && export QERL_MARLIN_ROW_TILES="$work/sweep_shared/marlin_row_tiles.json"
         step lora_r32_shared 540 env QERL_NVFP4_DECODE_GEMV=shared python3 scripts/gpu/check_lora_correctness.py --skip-stock \
             --ranks 32 --prompts 1 ;;
+    lora_r32_1p)  # §4aj: §2's check on the default engine (decode_gemv off) with lora_r32_shared's one prompt, to compare
+        step lora_r32_1p 300 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 --prompts 1 ;;
+    lora_r32_shared4)  # §4aj: lora_r32_shared with §2's four prompts (the default check's prompts and tolerances)
+        step lora_r32_shared4 300 env QERL_NVFP4_DECODE_GEMV=shared python3 scripts/gpu/check_lora_correctness.py \
+            --skip-stock --ranks 32 ;;
     humming_next)  # after lora_r32_humming (§4ae): where §2's check passed on humming (its status line rc=0), the pair of
         # RESP/STEPS/TAG/V7_ARGS in the background (v7_pair_bg: V7_ARGS should hold --nvfp4-backend humming); otherwise
         # the LoRA-overhead bench (bench_hover). Follow it with `v7_watch` (same TAG) and `TAG=-hover bench_watch`: the
