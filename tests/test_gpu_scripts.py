@@ -1414,7 +1414,8 @@ def test_bench_shared_if_starts_the_engines_only_after_a_sweep_faster_than_marli
     (tmp_path / "work" / "bench-shared3" / "DONE").write_text("0\n")  # the bench has ended
     _, status, _ = _session(tmp_path, "lora_r32_shared_if", **env)
     assert "shared_wait rc=0" in status and "lora_r32_shared rc=0" in status
-    assert calls.read_text().splitlines()[-1].endswith("check_lora_correctness.py --skip-stock --ranks 32 --prompts 1")
+    assert calls.read_text().splitlines()[-1].endswith("check_lora_correctness.py --skip-stock --ranks 32 "
+                                                       "--greedy-one-by-one")
 
 
 def test_humming_verdicts_from_the_twentyseventh_sessions_raw_results():
@@ -1600,3 +1601,56 @@ def test_sweep_marlin_row_gate_runs_the_engines_only_for_a_step_faster_than_marl
     cut.write_text(json.dumps({"what": "setup"}) + "\n")
     ok, line = sweep.gate(cut)
     assert not ok and "no 7B decode step recorded" in line
+
+
+def test_shared_kernel_verdicts_from_the_thirty_third_sessions_raw_results():
+    """§4aj, recomputed from the committed raw files: form 3 the fastest form per 7B and 32B step; SWEPT_TILES holds
+    exactly the best tiles that beat marlin_row_tile's rule by more than both spreads; in the engine shared beat off
+    at b1 and was equal at b8 and b64, with the same greedy tokens; §2's one-prompt check failed on shared and on the
+    default engine with the same numbers, and passed with four prompts on shared."""
+    from vllm_ext.nvfp4_marlin_row import SWEPT_TILES, TILE_KEYS
+
+    runs = ROOT / "docs" / "gpu-runs" / "2026-11-28" / "thirty-third"
+    sweep, gemv = _import_script("sweep_marlin_row"), _import_script("check_gemv")
+    names = {sweep.tile_name(t): t for t in sweep.sweep_tiles(grid="forms3")}
+    for folder, per_step, shape in (("sweep_shared", 28, "7B"), ("sweep_shared32", 64, "32B")):
+        rows = [json.loads(line) for line in (runs / "calls01-15" / folder / "sweep_marlin_row.jsonl").open()]
+        tiles = [r for r in rows if r["what"] == "tile"]
+        assert tiles and all(r["ok"] for r in tiles)
+        steps = {}
+        for form in (1, 2, 3):
+            best = {}
+            for r in tiles:
+                if names[r["tile"]]["asum"] == form:
+                    best[r["linear"]] = min(best.get(r["linear"], 1e9), r["us"])
+            steps[form] = round(sum(best.values()) * per_step / 1000, 3)
+        assert min(steps, key=steps.get) == 3, (shape, steps)
+        for r in (r for r in rows if r["what"] == "final"):
+            faster = gemv.verdict(r["best"], r["rule"]) == "faster"
+            tile = names[r["tile"]]
+            assert ((r["n"], r["k"]) in SWEPT_TILES) is faster, (shape, r["linear"])
+            if faster:
+                assert SWEPT_TILES[(r["n"], r["k"])] == tuple(tile[k] for k in (*TILE_KEYS, "asum"))
+    assert steps == {1: 7.816, 2: 7.93, 3: 7.758}  # the 32B step, ms (7B: 2.026, 2.017, 1.951)
+
+    bench = json.loads((runs / "calls01-15" / "bench-shared3" / "a" / "bench_rollout.json").read_text())
+    by = {r["variant"]: r["batches"] for r in bench["results"]}
+    off, shared = by["default"], by["decode-gemv-shared"]
+    for b, want in (("1", "faster"), ("8", "equal"), ("64", "equal")):
+        o, s = off[b]["decode_runs_tok_s"], shared[b]["decode_runs_tok_s"]
+        diff = shared[b]["decode_tok_s"] - off[b]["decode_tok_s"]
+        got = "equal" if abs(diff) <= max(max(o) - min(o), max(s) - min(s)) else "faster" if diff > 0 else "slower"
+        assert got == want, (b, diff)
+    assert round(100 * (shared["1"]["decode_tok_s"] / off["1"]["decode_tok_s"] - 1), 1) == 16.6
+    assert all(g["all_identical"] for g in bench["summary"]["greedy"].values())
+
+    def teacher_forced(path):  # noqa: ANN001, ANN202
+        rows = [json.loads(line) for line in path.open()]
+        return {r["step"]: (r["ok"], round(r["max"], 4), round(r["tol_max"], 4)) for r in rows
+                if r["step"].endswith("teacher-forced")}
+
+    one = teacher_forced(runs / "calls01-15" / "lora_r32_shared" / "check_lora_correctness.jsonl")
+    default_one = teacher_forced(runs / "calls16-24" / "lora_r32_1p" / "check_lora_correctness.jsonl")
+    assert one["bf16 r32 teacher-forced"] == default_one["bf16 r32 teacher-forced"] == (False, 0.3418, 0.3319)
+    four = json.loads((runs / "calls16-24" / "lora_r32_shared4" / "check_lora_correctness.json").read_text())
+    assert len(four["rows"]) == 11 and all(r["ok"] for r in four["rows"])

@@ -216,8 +216,8 @@ class MarlinBackend(Backend):
         elif self.decode_gemv == "shared":
             warn_once("decode_gemv", "nvfp4: decode_gemv shared - one-row GEMMs run on qerl's experimental NVFP4 "
                       "kernel that reads Marlin's own tensors (no second copy of the weights; "
-                      "vllm_ext.nvfp4_marlin_row); in one H200 run it was 11.7% faster than decode_gemv off at "
-                      "batch 1 and 2.4% slower at batch 64 (docs/benchmarks.md §4ai)")
+                      "vllm_ext.nvfp4_marlin_row); in one H200 run it was 16.6% faster than decode_gemv off at "
+                      "batch 1 and equal at batch 8 and 64 (docs/benchmarks.md §4aj)")
         elif self.decode_gemv == "small":
             warn_once("decode_gemv", "nvfp4: decode_gemv small - one-row GEMMs of the layers with K <= %d and N <= %d "
                       "(q/k/v and o) run on qerl's NVFP4 kernel; those layers keep a second copy of their 4-bit "

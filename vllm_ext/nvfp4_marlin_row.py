@@ -34,16 +34,18 @@ sum stays in a thread's registers). ``T`` groups per loop step (one 16-byte
 load per thread of four words), ``HB`` eighths of a 64-output chunk per program (8 or more: whole chunks), split-K
 as in :mod:`vllm_ext.nvfp4_gemv` (fixed-order sum of float32 partials: the same bits every call).
 
-Measured (docs/benchmarks.md §4ah, §4ai; one H200 per session): correct (vLLM's CUDA repack gives exactly the
+Measured (docs/benchmarks.md §4ah-§4aj; one H200 per session): correct (vLLM's CUDA repack gives exactly the
 reference's tensors; every tile within Marlin's error plus one bf16 step of the exact product). Per 7B decode step at
 one row: 2.70 ms with §4ah's tiles, 1.98 with §4ai's (programs of whole chunks, split-K 4-16, the ``asum`` forms),
-against 1.74 for the checkpoint-layout kernel and 2.28 for Marlin. In the 7B engine with LoRA and §4ai's form-0 tiles
-(2.16 ms per step), batch 1 decoded 11.7 % faster than with ``decode_gemv`` off and b64 2.4 % slower (b8 -2.6 %, within
-the spreads), as ``all``: those layers kept the LoRA add inside the op, which ``vllm_ext.lora_dense_wrapper.split_add``
-changed after that run (not yet measured). So ``shared`` stays opt-in. Nsight Compute (§4ai) puts the 7B gate/up call at
-62 % issue slots with the L1 at 79 % of its throughput and 44 % of stalls waiting on it, at 1.8 TB/s; compiled, every
-form issues about 40 instructions per word against the row kernel's 41-58 (``scripts/cpu/kernel_sass.py``): the loads
-bind, not the arithmetic. ``asum`` 3 (after those runs, not yet timed) halves form 2's loads of ``x``.
+1.94 with §4aj's (``asum`` 3 the fastest form on every linear), against 1.74 for the checkpoint-layout kernel and 2.29
+for Marlin; per 32B step 7.70 ms against 7.20 and 8.40. Nsight Compute (§4ai) put the 7B gate/up call at 62 % issue
+slots with the L1 at 79 % of its throughput and 44 % of stalls waiting on it; compiled, every form issues about 40
+instructions per word against the row kernel's 41-58 (``scripts/cpu/kernel_sass.py``): the loads bind, not the
+arithmetic. ``asum`` 3 halves form 2's loads of ``x``: on the 7B down call the L1 went from 88 to 79 % and its share of
+stalls from 61 to 47 % (§4aj). In the 7B engine with LoRA and the split add on every layer (§4aj, the sweep's form-3
+tiles), batch 1 decoded 16.6 % faster than with ``decode_gemv`` off, b8 and b64 equal. It stays opt-in by §4aj's
+criteria: §2's engine check with one prompt failed (teacher-forced max 0.3418 against 0.3319), as the default engine
+did on that prompt with the same number (the check's teacher-forcing is a prefill, where both run Marlin).
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
-__all__ = ["MARLIN_ROW_OP", "TILES_ENV", "marlin_divisor", "marlin_row_gemm", "marlin_row_tile", "nvfp4_marlin_row",
-           "shared_layout"]
+__all__ = ["MARLIN_ROW_OP", "SWEPT_TILES", "TILES_ENV", "marlin_divisor", "marlin_row_gemm", "marlin_row_tile",
+           "nvfp4_marlin_row", "shared_layout"]
 
 CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths of one (HB >= 8: whole chunks)
 # a JSON file of tiles by weight shape, {"N,K": {"hb": ..., "t": ..., "split_k": ..., "num_warps": ..., "stages": ...,
@@ -69,6 +71,17 @@ CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths o
 TILES_ENV = "QERL_MARLIN_ROW_TILES"
 TILE_KEYS = ("hb", "t", "split_k", "num_warps", "stages")
 OPTIONAL_TILE_KEYS = {"asum": 0}  # may be left out of a tiles file
+# Tiles (hb, t, split_k, num_warps, stages, asum) that §4aj's sweeps (H200, forms 1-3, 108 tiles per linear, the best
+# against marlin_row_tile's rule in 5 interleaved timings) found faster than the rule by more than both spreads; the
+# Qwen2.5-7B o and gate/up linears were equal to it, so the rule keeps them
+SWEPT_TILES = {
+    (4608, 3584): (16, 8, 16, 4, 0, 3),  # 7B q/k/v: 8.38 against the rule's 8.61 us
+    (3584, 18944): (8, 16, 16, 4, 0, 3),  # 7B down: 19.85 against 20.98 us
+    (7168, 5120): (8, 8, 16, 2, 0, 3),  # 32B q/k/v: 12.81 against 13.09 us
+    (5120, 5120): (8, 8, 16, 2, 0, 3),  # 32B o: 10.60 against 11.06 us
+    (55296, 5120): (16, 8, 16, 2, 0, 3),  # 32B gate/up: 61.44 against 64.57 us
+    (5120, 27648): (16, 16, 16, 4, 0, 1),  # 32B down: 35.47 against 43.35 us
+}
 
 
 @functools.lru_cache(maxsize=4)
@@ -278,13 +291,12 @@ def _steps(k: int, t_max: int) -> int:
 def marlin_row_tile(n: int, k: int, lora: bool = False) -> dict[str, int] | None:
     """The kernel's tile for an ``[n, k]`` weight: ``hb`` eighths of a 64-output chunk per program, ``t`` groups per
     loop step, ``split_k``, ``num_warps``, ``stages``, ``asum``. From :data:`TILES_ENV`'s file where it names the
-    shape; else a rule from §4ai's sweep (H200, one row, weights streamed from HBM, 108 tiles of whole chunks in the
-    three forms): the four words of an output summed before its scale (``asum`` 1; form 2 within 0.2 % of it on every
-    7B linear), unpipelined, four warps; long K (down) one chunk per program, 16 groups per step, split-K 16; large N
+    shape; else :data:`SWEPT_TILES` where it names it; else a rule from §4ai's sweep (H200, one row, weights streamed
+    from HBM, 108 tiles of whole chunks in the three forms): the four words of an output summed before its scale
+    (``asum`` 1), unpipelined, four warps; long K (down) one chunk per program, 16 groups per step, split-K 16; large N
     (gate/up) two chunks, 8 groups, split-K 4; q/k/v and o two chunks, 8 groups, split-K 16 (one chunk where N is not a
-    multiple of 128). On the four 7B linears it gives the best form-1 tile, or one within 0.3 % of it (one timing per
-    tile); the 32B linears were not swept in these forms. ``lora``: the same. None where Marlin's layout of the weight
-    is padded (N not a multiple of 64 or K of 128)."""
+    multiple of 128). ``lora``: the same. None where Marlin's layout of the weight is padded (N not a multiple of 64 or
+    K of 128)."""
     del lora  # same tiles for the row+lora kernel until a sweep says otherwise
     if n % CHUNK or k % 128:
         return None
@@ -293,6 +305,8 @@ def marlin_row_tile(n: int, k: int, lora: bool = False) -> dict[str, int] | None
         swept = _swept_tiles(path).get((n, k))
         if swept is not None:
             return dict(swept)
+    if (n, k) in SWEPT_TILES:
+        return dict(zip((*TILE_KEYS, "asum"), SWEPT_TILES[(n, k)]))
     if k > 8192:
         hb, t_max, split_k = 8, 16, 16
     else:

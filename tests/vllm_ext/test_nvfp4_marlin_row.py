@@ -256,13 +256,17 @@ def test_tiles_of_the_7b_and_32b_linears():
     for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944),
                  (7168, 5120), (5120, 5120), (55296, 5120), (5120, 27648)):
         tile = marlin_row_tile(n, k)
-        assert tile is not None and tile["hb"] in (8, 16) and tile["asum"] == 1, (n, k)
+        assert tile is not None and tile["hb"] in (8, 16) and tile["asum"] in (1, 3), (n, k)
         assert k % (16 * tile["t"]) == 0 and (k // (16 * tile["t"])) >= tile["split_k"], (n, k, tile)
     assert marlin_row_tile(100, 3584) is None and marlin_row_tile(128, 200) is None
-    # §4ai's sweep: the best form-1 tiles of the 7B gate/up and down, and of the q/k/v
+    # §4ai's rule (form 1) where §4aj's sweep found nothing faster: the 7B gate/up and o
     assert marlin_row_tile(37888, 3584) == dict(hb=16, t=8, split_k=4, num_warps=4, stages=0, asum=1)
-    assert marlin_row_tile(3584, 18944) == dict(hb=8, t=16, split_k=16, num_warps=4, stages=0, asum=1)
-    assert marlin_row_tile(4608, 3584) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=1)
+    assert marlin_row_tile(3584, 3584) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=1)
+    assert marlin_row_tile(4608, 18944) == dict(hb=8, t=16, split_k=16, num_warps=4, stages=0, asum=1)  # not swept
+    # §4aj's sweep: form 3 on the 7B q/k/v and down, and form 1 with two chunks per program on the 32B down
+    assert marlin_row_tile(4608, 3584) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=3)
+    assert marlin_row_tile(3584, 18944) == dict(hb=8, t=16, split_k=16, num_warps=4, stages=0, asum=3)
+    assert marlin_row_tile(5120, 27648) == dict(hb=16, t=16, split_k=16, num_warps=4, stages=0, asum=1)
     assert marlin_row_tile(576, 1536)["hb"] == 8  # N not a multiple of 128: one chunk per program
     from vllm_ext.nvfp4_gemv_lora import row_tile  # the row+lora kernel's blocks never straddle two slices
 
@@ -501,6 +505,36 @@ def test_every_form_compiles_for_hopper(asum):
     compile_sm90(rl._row_lora_kernel, ptrs, dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, ASM=True, HAS_BIAS=False,
                                                          R=32, KS_PAD=rl.MAX_CHUNKS, PDL=True, STAGES=2, MARLIN=True,
                                                          ASUM=asum, ZEROS=asum == 1), num_warps=4)
+
+
+@pytest.mark.parametrize("shape", [(4608, 3584, (3584, 512, 512)), (3584, 18944, (3584,)),
+                                   (7168, 5120, (5120, 1024, 1024)), (5120, 5120, (5120,)),
+                                   (55296, 5120, (27648, 27648)), (5120, 27648, (5120,))])
+def test_swept_tiles_compile_for_hopper_in_both_kernels(shape):
+    """Each of SWEPT_TILES' tiles (the 7B and 32B linears, §4aj) compiles for sm_90 in the row kernel and, through
+    row_tile's blocks for the layer's slices, in the row+lora kernel (the sweep ran only the first on the GPU)."""
+    from vllm_ext import nvfp4_gemv_lora as rl
+    from vllm_ext import nvfp4_marlin_row as mr
+    from vllm_ext.triton_support import compile_sm90
+
+    n, k, slices = shape
+    tile, blocks = mr.marlin_row_tile(n, k), rl.row_tile(n, k, True, slices)
+    assert (n, k) in mr.SWEPT_TILES and blocks["asum"] == tile["asum"], (tile, blocks)
+    ptrs = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*i32", g_ptr="*fp32", y_ptr="*bf16", ws_ptr="*fp32",
+                cnt_ptr="*i32", b_ptr="*bf16", bias_ptr="*bf16", hp_ptr="*fp32", idx_ptr="*i32", b0="*bf16",
+                b1="*bf16", b2="*bf16", N="i32", K="i32", n0="i32", n1="i32", KS="i32", lscale="fp32", z_ptr="*bf16")
+    try:
+        compile_sm90(mr._marlin_row_kernel, ptrs, dict(HB=tile["hb"], T=tile["t"], SPLIT_K=tile["split_k"], ASM=True,
+                                                       HAS_BIAS=False, STAGES=tile["stages"], PDL=True,
+                                                       ASUM=tile["asum"]), num_warps=tile["num_warps"])
+    except RuntimeError as exc:  # no ptxas in this Triton
+        if "ptxas" in str(exc).lower():
+            pytest.skip(f"Triton cannot compile for sm_90 here: {exc}")
+        raise
+    compile_sm90(rl._row_lora_kernel, ptrs, dict(BLOCK_N=blocks["block_n"], BLOCK_K=blocks["block_k"],
+                                                 SPLIT_K=blocks["split_k"], ASM=True, HAS_BIAS=False, R=32,
+                                                 KS_PAD=rl.MAX_CHUNKS, PDL=True, STAGES=blocks["stages"], MARLIN=True,
+                                                 ASUM=blocks["asum"], ZEROS=True), num_warps=blocks["num_warps"])
 
 
 def test_kernel_sass_counts_the_main_loops_of_both_layouts():
