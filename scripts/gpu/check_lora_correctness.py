@@ -204,8 +204,10 @@ def engine_main(spec_path: str, out_path: str) -> int:
 
     for i, (r, adapter) in enumerate(sorted(spec["adapters"].items(), key=lambda kv: int(kv[0])), start=1):
         lora = LoRARequest(f"adapter-r{r}", i, adapter)
-        outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], greedy, lora_request=lora,
-                            use_tqdm=False)
+        batches = [[p] for p in spec["prompts"]] if spec.get("greedy_one_by_one") else [spec["prompts"]]
+        outs = [o for batch in batches  # one prompt at a time: every decode step at batch 1 (one-row paths)
+                for o in llm.generate([{"prompt_token_ids": p} for p in batch], greedy, lora_request=lora,
+                                      use_tqdm=False)]
         # keys as the reference has them (int ranks; the JSON spec turned them into strings)
         res["greedy"][int(r)] = [list(o.outputs[0].token_ids) for o in outs]
         seqs = spec["tf_seqs"][str(r)]
@@ -242,7 +244,8 @@ def run_engine(name: str, paths: dict, prompts, tf_seqs, args, logdir: Path) -> 
     if name != "stock":
         engine["quantization"] = "nvfp4"
     spec = {"engine": engine, "adapters": {str(r): p for r, p in paths["adapters"].items()}, "prompts": prompts,
-            "new_tokens": args.new_tokens, "tf_seqs": {str(r): s for r, s in tf_seqs.items()}}
+            "new_tokens": args.new_tokens, "tf_seqs": {str(r): s for r, s in tf_seqs.items()},
+            "greedy_one_by_one": args.greedy_one_by_one}
     spec_path, out_path, log_path = logdir / f"{name}.spec.json", logdir / f"{name}.pt", logdir / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
     out_path.unlink(missing_ok=True)
@@ -338,6 +341,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--greedy-one-by-one", action="store_true",
+                    help="decode the greedy prompts one at a time, so every step runs at batch 1 (decode_gemv's "
+                         "one-row paths); the teacher-forced check is a prefill of all prompts either way")
     ap.add_argument("--eager", action="store_true", help="enforce_eager engines (faster start; correctness only)")
     ap.add_argument("--skip-stock", action="store_true", help="skip vLLM's stock compressed-tensors engine")
     ap.add_argument("--tol-max", type=float, default=0.25, help="max |d logprob| teacher-forced (default 0.25)")

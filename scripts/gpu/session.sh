@@ -89,7 +89,10 @@ run_step() {
     lora_r32) step lora_r32 420 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 ;;  # r32: the fused default's sizes
     lora_r32_humming)  # the same with every nvfp4 engine on the opt-in humming backend (§4ad's next step); needs `humming`
         step lora_r32_humming 420 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 --backend humming ;;
-    lora_r32_row) step lora_r32_row 540 env QERL_NVFP4_DECODE_GEMV=1 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 --prompts 1 ;;  # decode_gemv on, batch-1 decode: the overlap default's row+lora path (§4m)
+    lora_r32_row)  # decode_gemv on, batch-1 decode: the overlap default's row+lora path (§4m); §2's four prompts, decoded
+        # one at a time since §4aj (one prompt's tolerance failed the default engine itself there)
+        step lora_r32_row 540 env QERL_NVFP4_DECODE_GEMV=1 python3 scripts/gpu/check_lora_correctness.py --skip-stock \
+            --ranks 32 --greedy-one-by-one ;;
     actor) step actor 240 python3 scripts/gpu/check_actor_kernels.py --quick ;;
     actor_full) step actor_full 420 python3 scripts/gpu/check_actor_kernels.py ;;
     actor_dq) step actor_dq 300 python3 scripts/gpu/check_actor_kernels.py --steps exact,dequant,tune ;;  # dequant: bits, GB/s, tiles and decode variants
@@ -416,10 +419,11 @@ nvfp4@default --batches 1,8,64 --new-tokens 256 --repeats 3 --profile-tokens 64"
         else
             echo "lora_r32_shared_if skipped: no passed shared_gate on this machine" | tee -a "$work/status.txt"
         fi ;;
-    lora_r32_shared)  # §2's engine check at batch-1 decode with decode_gemv shared (the row+lora path on Marlin's tensors)
+    lora_r32_shared)  # §2's engine check at batch-1 decode with decode_gemv shared (the row+lora path on Marlin's tensors):
+        # §2's four prompts, decoded one at a time (until §4aj: one prompt, whose tolerance the default engine fails too)
         [ -f "$work/sweep_shared/marlin_row_tiles.json" ] && export QERL_MARLIN_ROW_TILES="$work/sweep_shared/marlin_row_tiles.json"
         step lora_r32_shared 540 env QERL_NVFP4_DECODE_GEMV=shared python3 scripts/gpu/check_lora_correctness.py --skip-stock \
-            --ranks 32 --prompts 1 ;;
+            --ranks 32 --greedy-one-by-one ;;
     lora_r32_1p)  # §4aj: §2's check on the default engine (decode_gemv off) with lora_r32_shared's one prompt, to compare
         step lora_r32_1p 300 python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 --prompts 1 ;;
     lora_r32_shared4)  # §4aj: lora_r32_shared with §2's four prompts (the default check's prompts and tolerances)
