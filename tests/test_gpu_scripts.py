@@ -1579,6 +1579,8 @@ def test_sweep_marlin_row_grids_and_the_tiles_each_linear_takes():
     assert forms[72:] == sweep.sweep_tiles(grid="asum2") and sweep.tile_name(forms[72]) == "h8t8s4w2A2"
     assert [t["asum"] for t in sweep.sweep_tiles(grid="forms3")] == [1] * 36 + [2] * 36 + [3] * 36
     assert sweep.tile_name(sweep.sweep_tiles(grid="asum3")[0]) == "h8t8s4w2A3"
+    assert [t["asum"] for t in sweep.sweep_tiles(grid="forms4")] == [3] * 36 + [4] * 36
+    assert sweep.tile_name(sweep.sweep_tiles(grid="asum4")[0]) == "h8t8s4w2A4"
 
 
 def test_sweep_marlin_row_gate_runs_the_engines_only_for_a_step_faster_than_marlin(tmp_path):

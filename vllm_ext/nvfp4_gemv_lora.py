@@ -42,7 +42,7 @@ import torch
 
 from vllm_ext import lora_fused
 from vllm_ext.nvfp4_gemv import NO_PDL_ENV, decode_tile, one_row_buffers, pdl_first_allowed, pdl_supported
-from vllm_ext.nvfp4_marlin_row import CHUNK, marlin_row_tile
+from vllm_ext.nvfp4_marlin_row import CHUNK, marlin_row_tile, x_alignment
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
@@ -312,8 +312,8 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                          "per block")
     block_n, split_k = tile["block_n"], min(tile["split_k"], k // tile["block_k"])
     blocks = triton.cdiv(n, block_n)
-    pairs = marlin and int(tile.get("asum", 0)) == 3  # form 3 of Marlin's layout reads x in 4-byte pairs
-    x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks, x_align=4 if pairs else 1)
+    align = x_alignment(tile.get("asum", 0)) if marlin else 1  # forms 3 and 4 of Marlin's layout: x in 4 / 16 bytes
+    x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks, x_align=align)
     z = torch.empty_like(out) if zeros else out  # every element gets written
     s_count = len(slices)
     a, b = lora_fused.slice_operands(lora_a, lora_b, rank, k)

@@ -46,6 +46,8 @@ stalls from 61 to 47 % (§4aj). In the 7B engine with LoRA and the split add on 
 tiles), batch 1 decoded 16.6 % faster than with ``decode_gemv`` off, b8 and b64 equal. It stays opt-in by §4aj's
 criteria: §2's engine check with one prompt failed (teacher-forced max 0.3418 against 0.3319), as the default engine
 did on that prompt with the same number (the check's teacher-forcing is a prefill, where both run Marlin).
+``asum`` 4 (after §4aj's runs, not yet timed) reads each group's ``x`` as two 16-byte runs, split into form 3's pairs
+in registers: compiled, 0.44-0.5 loads per word against form 3's 0.88.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ __all__ = ["MARLIN_ROW_OP", "SWEPT_TILES", "TILES_ENV", "marlin_divisor", "marli
 
 CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths of one (HB >= 8: whole chunks)
 # a JSON file of tiles by weight shape, {"N,K": {"hb": ..., "t": ..., "split_k": ..., "num_warps": ..., "stages": ...,
-# optionally "asum": 0, 1, 2 or 3}} (what scripts/gpu/sweep_marlin_row.py writes), taken before marlin_row_tile's
+# optionally "asum": 0-4}} (what scripts/gpu/sweep_marlin_row.py writes), taken before marlin_row_tile's
 # rule for the shapes it names
 TILES_ENV = "QERL_MARLIN_ROW_TILES"
 TILE_KEYS = ("hb", "t", "split_k", "num_warps", "stages")
@@ -164,13 +166,49 @@ if triton is not None:
         return p0 * _marlin_scale((sw >> sh) & 0xFF), p1 * _marlin_scale((sw >> (sh + 16)) & 0xFF)
 
     @triton.jit
-    def _x_pair(xw_ptr, i, BF16: tl.constexpr):
-        """Inputs ``2i`` and ``2i + 1`` of ``x`` from one 4-byte load of the int32 view ``xw_ptr``, as float32."""
-        p = tl.load(xw_ptr + i)
+    def _x_unpack(p, BF16: tl.constexpr):
+        """The two inputs of ``x`` in the int32 ``p`` (one 4-byte pair), as float32."""
         if BF16:
             return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
         return (p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
                 (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+
+    @triton.jit
+    def _x_pair(xw_ptr, i, BF16: tl.constexpr):
+        """Inputs ``2i`` and ``2i + 1`` of ``x`` from one 4-byte load of the int32 view ``xw_ptr``, as float32."""
+        return _x_unpack(tl.load(xw_ptr + i), BF16)
+
+    @triton.jit
+    def _x16_step(w_ptr, wbase, k3, h3, j3, N, a: tl.constexpr, xa, q0, q1, ASM: tl.constexpr, BF16: tl.constexpr):
+        """Form 4's step for word ``a``: ``xa`` ``[T, 2]`` int32 holds the pairs ``2a, 2a + 1`` and ``2a + 8, 2a + 9``
+        of each group's inputs."""
+        c = _decode8(tl.load(w_ptr + wbase + k3 * (2 * N) + h3 * 16 + a * 4 + j3), ASM)
+        lo, hi = tl.split(xa)
+        x0, x1 = _x_unpack(lo[:, None, None], BF16)
+        x2, x3 = _x_unpack(hi[:, None, None], BF16)
+        q0 += c[0] * x0 + c[4] * x1 + c[1] * x2 + c[5] * x3
+        q1 += c[2] * x0 + c[6] * x1 + c[3] * x2 + c[7] * x3
+        return q0, q1
+
+    @triton.jit
+    def _marlin_tile_x16(x_ptr, w_ptr, wbase, k3, h3, j3, N, HB: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+        """Form 4: form 3 with each group's 16 inputs of ``x`` read as two 16-byte runs (``[T, 2, 4]`` int32: half,
+        pair ``a``) and split into the pairs in registers, instead of eight 4-byte loads per group."""
+        BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+        xw = x_ptr.to(tl.pointer_type(tl.int32))
+        half = tl.arange(0, 2)[None, :, None]
+        pair = tl.arange(0, 4)[None, None, :]
+        xg = tl.load(xw + k3 * 8 + half * 4 + pair)  # [T, 2, 4]
+        e, o = tl.split(tl.reshape(xg, (T, 2, 2, 2)))  # a even / odd: [T, 2, 2] (half, a // 2)
+        e0, e1 = tl.split(e)  # [T, 2] (half): a = 0, 2
+        o0, o1 = tl.split(o)  # a = 1, 3
+        q0 = tl.zeros((T, HB, 4), dtype=tl.float32)
+        q1 = tl.zeros((T, HB, 4), dtype=tl.float32)
+        q0, q1 = _x16_step(w_ptr, wbase, k3, h3, j3, N, 0, e0, q0, q1, ASM, BF16)
+        q0, q1 = _x16_step(w_ptr, wbase, k3, h3, j3, N, 1, o0, q0, q1, ASM, BF16)
+        q0, q1 = _x16_step(w_ptr, wbase, k3, h3, j3, N, 2, e1, q0, q1, ASM, BF16)
+        q0, q1 = _x16_step(w_ptr, wbase, k3, h3, j3, N, 3, o1, q0, q1, ASM, BF16)
+        return q0, q1
 
     @triton.jit
     def _marlin_tile_asum(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB: tl.constexpr, T: tl.constexpr,
@@ -180,11 +218,14 @@ if triton is not None:
         over ``a``, which lies across threads (a shuffle per step). ``ASUM`` 2: ``a`` unrolled, one 16-byte load per
         ``a``, so that a thread holds all four words of its outputs and sums them in registers (half a scale decode
         per word). ``ASUM`` 3: form 2 with ``x``'s inputs ``2a, 2a + 1`` and ``2a + 8, 2a + 9`` read as two 4-byte
-        pairs instead of four 2-byte loads (half the loads of ``x``; ``x`` must be 4-byte aligned)."""
+        pairs instead of four 2-byte loads (half the loads of ``x``; ``x`` must be 4-byte aligned). ``ASUM`` 4:
+        :func:`_marlin_tile_x16`."""
         k3 = (t * T + tl.arange(0, T))[:, None, None]
         h3 = tl.arange(0, HB)[None, :, None]
         j3 = tl.arange(0, 4)[None, None, :]
-        if ASUM >= 2:
+        if ASUM == 4:
+            q0, q1 = _marlin_tile_x16(x_ptr, w_ptr, wbase, k3, h3, j3, N, HB, T, ASM)
+        elif ASUM >= 2:
             q0 = tl.zeros((T, HB, 4), dtype=tl.float32)
             q1 = tl.zeros((T, HB, 4), dtype=tl.float32)
             for a in tl.static_range(4):
@@ -268,6 +309,12 @@ if triton is not None:
                 b_ptr + rn, HAS_BIAS)
 
 
+def x_alignment(asum: bool | int) -> int:
+    """The byte alignment of ``x`` that form ``asum`` reads it with: 4 (form 3's pairs), 16 (form 4's runs), else 1;
+    a launch copies an ``x`` that is not so aligned (:func:`vllm_ext.nvfp4_gemv.one_row_buffers`)."""
+    return {3: 4, 4: 16}.get(int(asum), 1)
+
+
 def shared_layout(qweight: torch.Tensor, scale: torch.Tensor, k: int) -> int | None:
     """``N`` when ``qweight``/``scale`` are Marlin's tensors of an unpadded ``[N, k]`` NVFP4 weight (int32
     ``[k/16, 2N]``, FP8 ``[k/16, N]``, N a multiple of 64, k of 128), else None."""
@@ -337,10 +384,10 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     ``[N]`` in natural order, added in float32 before the one rounding. ``hb`` (1, 2, 4, 8; 16, 32, 64): eighths of a
     64-output chunk per program (``8 hb`` outputs); ``t`` (a power of two, ``16 t`` dividing K): groups per loop step;
     ``split_k`` programs per output block; ``stages`` > 0: the pipelined loop; ``pdl``: a programmatic dependent
-    launch (Hopper); ``asm``: the PTX decode (default: on CUDA, not under the interpreter); ``asum`` 1, 2 or 3: each
+    launch (Hopper); ``asm``: the PTX decode (default: on CUDA, not under the interpreter); ``asum`` 1-4: each
     output's four words per group summed before its scale, across threads (1) or in registers (2)
-    (:func:`_marlin_tile_asum`: 56 registers per thread against form 0's 158, §4ai), or 3, form 2 with ``x`` read in
-    4-byte pairs."""
+    (:func:`_marlin_tile_asum`: 56 registers per thread against form 0's 158, §4ai); 3, form 2 with ``x`` read in
+    4-byte pairs; 4, form 3 with a group's ``x`` read as two 16-byte runs (:func:`x_alignment`)."""
     if triton is None:
         raise RuntimeError(f"marlin_row_gemm needs Triton ({_TRITON_IMPORT_ERROR})")
     k = x.shape[-1]
@@ -358,8 +405,8 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         problems.append(f"hb={hb} (1, 2, 4 or 8; 16, 32 or 64 where N is a multiple of 8 hb, here N={n})")
     if t < 1 or t & (t - 1) or k % (16 * t):
         problems.append(f"t={t} (a power of two with 16 t dividing K={k})")
-    if int(asum) not in (0, 1, 2, 3):
-        problems.append(f"asum={asum} (0, 1, 2 or 3)")
+    if int(asum) not in (0, 1, 2, 3, 4):
+        problems.append(f"asum={asum} (0, 1, 2, 3 or 4)")
     if split_k < 1 or stages < 0:
         problems.append(f"split_k={split_k} (>= 1), stages={stages} (>= 0)")
     if divisor.numel() != 1:
@@ -370,7 +417,7 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         raise ValueError("marlin_row_gemm: " + "; ".join(problems))
     blocks = n // (8 * hb)
     split_k = min(split_k, k // (16 * t))
-    x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks, x_align=4 if int(asum) == 3 else 1)  # form 3: x in pairs
+    x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks, x_align=x_alignment(asum))
     b = out if bias is None else bias.contiguous()
     _marlin_row_kernel[(blocks, split_k)](
         x2, qweight, scale.view(torch.int32), divisor.reshape(1).to(torch.float32), out, ws, cnt, b, n, k,

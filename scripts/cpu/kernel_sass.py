@@ -36,10 +36,11 @@ ROW_PTRS = dict(MARLIN_PTRS, s_ptr="*fp8e4nv")
 # what the engine's launches have divisible by 16: every buffer (fresh allocations) and N, K (7B and 32B shapes)
 ALIGNED = (*MARLIN_PTRS, "N", "K")
 # (name, HB, T, split-K, warps, asum): §4ai call set B's best tile of each form on the 7B gate/up and down, and the
-# q/k/v's (form 0); form 3 (added after those runs) on form 2's tiles
+# q/k/v's (form 0); forms 3 (added after those runs; §4aj's best tiles are these) and 4 (after §4aj's) on form 2's
 SHARED_TILES = [("qkv form 0", 16, 8, 16, 2, 0), ("gate_up form 0", 16, 8, 8, 2, 0), ("gate_up form 1", 16, 8, 4, 4, 1),
                 ("gate_up form 2", 16, 8, 8, 4, 2), ("down form 0", 16, 8, 16, 2, 0), ("down form 1", 8, 16, 16, 4, 1),
-                ("down form 2", 8, 16, 16, 4, 2), ("gate_up form 3", 16, 8, 8, 4, 3), ("down form 3", 8, 16, 16, 4, 3)]
+                ("down form 2", 8, 16, 16, 4, 2), ("gate_up form 3", 16, 8, 8, 4, 3), ("down form 3", 8, 16, 16, 4, 3),
+                ("gate_up form 4", 16, 8, 8, 4, 4), ("down form 4", 8, 16, 16, 4, 4)]
 # (name, BLOCK_N, split-K, warps, stages): vllm_ext.nvfp4_gemv.decode_tile's 7B tiles (block_k 512, x vectorized)
 ROW_TILES = [("qkv", 4, 1, 4, 0), ("gate_up", 8, 1, 1, 3), ("down", 8, 4, 2, 0)]
 

@@ -51,8 +51,10 @@ def sweep_tiles(quick: bool = False, grid: str = "first") -> list[dict[str, int]
     whole chunks, 8 or 16 groups per step, split-K 4-16, 2 or 4 warps), 36 tiles; ``"asum"``: the same 36 with each
     output's four words summed before its scale (``asum`` 1, §4ah's estimate); ``"asum2"``: the same 36 with that sum
     in registers (``asum`` 2); ``"forms"``: all three, 108 tiles; ``"asum3"``: the 36 with form 2's ``x`` read in
-    4-byte pairs (``asum`` 3, §4ai after the runs); ``"forms3"``: forms 1, 2 and 3, 108 tiles."""
-    forms = {"chunks": (0,), "asum": (1,), "asum2": (2,), "forms": (0, 1, 2), "asum3": (3,), "forms3": (1, 2, 3)}
+    4-byte pairs (``asum`` 3, §4ai after the runs); ``"forms3"``: forms 1, 2 and 3, 108 tiles; ``"asum4"``: the 36 with
+    a group's ``x`` read as two 16-byte runs (``asum`` 4, §4aj after the runs); ``"forms4"``: forms 3 and 4, 72 tiles."""
+    forms = {"chunks": (0,), "asum": (1,), "asum2": (2,), "forms": (0, 1, 2), "asum3": (3,), "forms3": (1, 2, 3),
+             "asum4": (4,), "forms4": (3, 4)}
     if grid in forms:
         return [dict(hb=hb, t=t, split_k=sk, num_warps=w, stages=0, asum=a)
                 for a, hb, t, sk, w in itertools.product(forms[grid], (8, 16, 32), (8, 16), (4, 8, 16), (2, 4))]
@@ -74,7 +76,7 @@ def fits(tile: dict[str, int], n: int, k: int) -> bool:
 
 def tile_name(t: dict[str, int]) -> str:
     name = f"h{t['hb']}t{t['t']}s{t['split_k']}w{t['num_warps']}" + (f"S{t['stages']}" if t["stages"] else "")
-    return name + {0: "", 1: "A", 2: "A2", 3: "A3"}[t.get("asum", 0)]
+    return name + {0: "", 1: "A", 2: "A2", 3: "A3", 4: "A4"}[t.get("asum", 0)]
 
 
 def marlin_tensors(packed, scale, gscale, dtype):  # noqa: ANN001, ANN201
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="7B,32B", help="Qwen2.5 shapes (default 7B,32B)")
     p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
     p.add_argument("--quick", action="store_true", help="a smaller tile set (hb 1-2, 1-2 warps)")
-    p.add_argument("--grid", choices=("first", "wide", "chunks", "asum", "asum2", "forms", "asum3", "forms3"),
+    p.add_argument("--grid", choices=("first", "wide", "chunks", "asum", "asum2", "forms", "asum3", "forms3", "asum4",
+                                      "forms4"),
                    default="first",
                    help="the tile set (see sweep_tiles)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
