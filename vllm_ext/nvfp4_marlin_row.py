@@ -37,8 +37,8 @@ as in :mod:`vllm_ext.nvfp4_gemv` (fixed-order sum of float32 partials: the same 
 Measured (docs/benchmarks.md §4ah-§4aj; one H200 per session): correct (vLLM's CUDA repack gives exactly the
 reference's tensors; every tile within Marlin's error plus one bf16 step of the exact product). Per 7B decode step at
 one row: 2.70 ms with §4ah's tiles, 1.98 with §4ai's (programs of whole chunks, split-K 4-16, the ``asum`` forms),
-1.94 with §4aj's (``asum`` 3 the fastest form on every linear), against 1.74 for the checkpoint-layout kernel and 2.29
-for Marlin; per 32B step 7.70 ms against 7.20 and 8.40. Nsight Compute (§4ai) put the 7B gate/up call at 62 % issue
+1.94 with §4aj's (``asum`` 3 the fastest form on seven of the eight 7B and 32B linears), against 1.74 for the
+checkpoint-layout kernel and 2.29 for Marlin; per 32B step 7.70 ms against 7.20 and 8.40. Nsight Compute (§4ai) put the 7B gate/up call at 62 % issue
 slots with the L1 at 79 % of its throughput and 44 % of stalls waiting on it; compiled, every form issues about 40
 instructions per word against the row kernel's 41-58 (``scripts/cpu/kernel_sass.py``): the loads bind, not the
 arithmetic. ``asum`` 3 halves form 2's loads of ``x``: on the 7B down call the L1 went from 88 to 79 % and its share of
@@ -64,7 +64,7 @@ from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
 __all__ = ["MARLIN_ROW_OP", "SWEPT_TILES", "TILES_ENV", "marlin_divisor", "marlin_row_gemm", "marlin_row_tile",
-           "nvfp4_marlin_row", "shared_layout"]
+           "nvfp4_marlin_row", "shared_layout", "x_alignment"]
 
 CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths of one (HB >= 8: whole chunks)
 # a JSON file of tiles by weight shape, {"N,K": {"hb": ..., "t": ..., "split_k": ..., "num_warps": ..., "stages": ...,
