@@ -34,20 +34,20 @@ sum stays in a thread's registers). ``T`` groups per loop step (one 16-byte
 load per thread of four words), ``HB`` eighths of a 64-output chunk per program (8 or more: whole chunks), split-K
 as in :mod:`vllm_ext.nvfp4_gemv` (fixed-order sum of float32 partials: the same bits every call).
 
-Measured (docs/benchmarks.md §4ah-§4aj; one H200 per session): correct (vLLM's CUDA repack gives exactly the
-reference's tensors; every tile within Marlin's error plus one bf16 step of the exact product). Per 7B decode step at
-one row: 2.70 ms with §4ah's tiles, 1.98 with §4ai's (programs of whole chunks, split-K 4-16, the ``asum`` forms),
-1.94 with §4aj's (``asum`` 3 the fastest form on seven of the eight 7B and 32B linears), against 1.74 for the
-checkpoint-layout kernel and 2.29 for Marlin; per 32B step 7.70 ms against 7.20 and 8.40. Nsight Compute (§4ai) put the 7B gate/up call at 62 % issue
-slots with the L1 at 79 % of its throughput and 44 % of stalls waiting on it; compiled, every form issues about 40
+Measured (docs/benchmarks.md §4ah-§4aj; one H200 per session): correct (vLLM's CUDA repack gives exactly the reference's
+tensors; every tile within Marlin's error plus one bf16 step of the exact product). Per 7B decode step at one row: 2.70
+ms with §4ah's tiles, 1.98 with §4ai's (programs of whole chunks, split-K 4-16, the ``asum`` forms), 1.94 with §4aj's
+(``asum`` 3 the fastest form on seven of the eight 7B and 32B linears), against 1.74 for the checkpoint-layout kernel
+and 2.29 for Marlin; per 32B step 7.70 ms against 7.20 and 8.40. Nsight Compute (§4ai) put the 7B gate/up call at 62 %
+issue slots with the L1 at 79 % of its throughput and 44 % of stalls waiting on it; compiled, every form issues about 40
 instructions per word against the row kernel's 41-58 (``scripts/cpu/kernel_sass.py``): the loads bind, not the
 arithmetic. ``asum`` 3 halves form 2's loads of ``x``: on the 7B down call the L1 went from 88 to 79 % and its share of
 stalls from 61 to 47 % (§4aj). In the 7B engine with LoRA and the split add on every layer (§4aj, the sweep's form-3
 tiles), batch 1 decoded 16.6 % faster than with ``decode_gemv`` off, b8 and b64 equal. It stays opt-in by §4aj's
-criteria: §2's engine check with one prompt failed (teacher-forced max 0.3418 against 0.3319), as the default engine
-did on that prompt with the same number (the check's teacher-forcing is a prefill, where both run Marlin).
-``asum`` 4 (after §4aj's runs, not yet timed) reads each group's ``x`` as two 16-byte runs, split into form 3's pairs
-in registers: compiled, 0.44-0.5 loads per word against form 3's 0.88.
+criteria: §2's engine check with one prompt failed (teacher-forced max 0.3418 against 0.3319), as the default engine did
+on that prompt with the same number (the check's teacher-forcing is a prefill, where both run Marlin). ``asum`` 4 (after
+§4aj's runs, not yet timed) reads each group's ``x`` as two 16-byte runs, split into form 3's pairs in registers:
+compiled, 0.44-0.5 loads per word against form 3's 0.88.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
-__all__ = ["MARLIN_ROW_OP", "SWEPT_TILES", "TILES_ENV", "marlin_divisor", "marlin_row_gemm", "marlin_row_tile",
-           "nvfp4_marlin_row", "shared_layout", "x_alignment"]
+__all__ = ["ASUM_FORMS", "MARLIN_ROW_OP", "SWEPT_TILES", "TILES_ENV", "marlin_divisor", "marlin_row_gemm",
+           "marlin_row_tile", "nvfp4_marlin_row", "shared_layout", "x_alignment"]
 
 CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths of one (HB >= 8: whole chunks)
 # a JSON file of tiles by weight shape, {"N,K": {"hb": ..., "t": ..., "split_k": ..., "num_warps": ..., "stages": ...,
@@ -73,6 +73,7 @@ CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths o
 TILES_ENV = "QERL_MARLIN_ROW_TILES"
 TILE_KEYS = ("hb", "t", "split_k", "num_warps", "stages")
 OPTIONAL_TILE_KEYS = {"asum": 0}  # may be left out of a tiles file
+ASUM_FORMS = (0, 1, 2, 3, 4)  # the kernel's forms (marlin_row_gemm's asum)
 # Tiles (hb, t, split_k, num_warps, stages, asum) that §4aj's sweeps (H200, forms 1-3, 108 tiles per linear, the best
 # against marlin_row_tile's rule in 5 interleaved timings) found faster than the rule by more than both spreads; the
 # Qwen2.5-7B o and gate/up linears were equal to it, so the rule keeps them
@@ -139,6 +140,13 @@ if triton is not None:
         return tl.reshape(64 * (c + hv // 8) + h0 + hv % 8 + 16 * jv + 8 * bv, (8 * HB,))
 
     @triton.jit
+    def _word_sums(c, x0, x1, x2, x3):
+        """A word's two outputs (``b`` = 0, 1), each its four products summed: :func:`_decode8`'s codes ``c`` met at the
+        word's inputs ``2a, 2a + 1, 2a + 8, 2a + 9`` (``x0 .. x3``) as Marlin's repack placed them (nibble ``q`` to
+        ``(b, r)`` in the module's docstring)."""
+        return c[0] * x0 + c[4] * x1 + c[1] * x2 + c[5] * x3, c[2] * x0 + c[6] * x1 + c[3] * x2 + c[7] * x3
+
+    @triton.jit
     def _marlin_words(x_ptr, w_ptr, wbase, t, N, HB: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
         """Groups ``t T .. t T + T - 1`` of the program's outputs, before their scales: two ``[T, HB, 4, 4]`` float32
         tensors (``[group, h, a, j]``; outputs ``b`` = 0 and 1 of each word), each word's four products summed."""
@@ -152,7 +160,7 @@ if triton is not None:
         x1 = tl.load(xk + 1).to(tl.float32)
         x2 = tl.load(xk + 8).to(tl.float32)
         x3 = tl.load(xk + 9).to(tl.float32)
-        return c[0] * x0 + c[4] * x1 + c[1] * x2 + c[5] * x3, c[2] * x0 + c[6] * x1 + c[3] * x2 + c[7] * x3
+        return _word_sums(c, x0, x1, x2, x3)
 
     @triton.jit
     def _marlin_tile(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
@@ -179,38 +187,6 @@ if triton is not None:
         return _x_unpack(tl.load(xw_ptr + i), BF16)
 
     @triton.jit
-    def _x16_step(w_ptr, wbase, k3, h3, j3, N, a: tl.constexpr, xa, q0, q1, ASM: tl.constexpr, BF16: tl.constexpr):
-        """Form 4's step for word ``a``: ``xa`` ``[T, 2]`` int32 holds the pairs ``2a, 2a + 1`` and ``2a + 8, 2a + 9``
-        of each group's inputs."""
-        c = _decode8(tl.load(w_ptr + wbase + k3 * (2 * N) + h3 * 16 + a * 4 + j3), ASM)
-        lo, hi = tl.split(xa)
-        x0, x1 = _x_unpack(lo[:, None, None], BF16)
-        x2, x3 = _x_unpack(hi[:, None, None], BF16)
-        q0 += c[0] * x0 + c[4] * x1 + c[1] * x2 + c[5] * x3
-        q1 += c[2] * x0 + c[6] * x1 + c[3] * x2 + c[7] * x3
-        return q0, q1
-
-    @triton.jit
-    def _marlin_tile_x16(x_ptr, w_ptr, wbase, k3, h3, j3, N, HB: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
-        """Form 4: form 3 with each group's 16 inputs of ``x`` read as two 16-byte runs (``[T, 2, 4]`` int32: half,
-        pair ``a``) and split into the pairs in registers, instead of eight 4-byte loads per group."""
-        BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-        xw = x_ptr.to(tl.pointer_type(tl.int32))
-        half = tl.arange(0, 2)[None, :, None]
-        pair = tl.arange(0, 4)[None, None, :]
-        xg = tl.load(xw + k3 * 8 + half * 4 + pair)  # [T, 2, 4]
-        e, o = tl.split(tl.reshape(xg, (T, 2, 2, 2)))  # a even / odd: [T, 2, 2] (half, a // 2)
-        e0, e1 = tl.split(e)  # [T, 2] (half): a = 0, 2
-        o0, o1 = tl.split(o)  # a = 1, 3
-        q0 = tl.zeros((T, HB, 4), dtype=tl.float32)
-        q1 = tl.zeros((T, HB, 4), dtype=tl.float32)
-        q0, q1 = _x16_step(w_ptr, wbase, k3, h3, j3, N, 0, e0, q0, q1, ASM, BF16)
-        q0, q1 = _x16_step(w_ptr, wbase, k3, h3, j3, N, 1, o0, q0, q1, ASM, BF16)
-        q0, q1 = _x16_step(w_ptr, wbase, k3, h3, j3, N, 2, e1, q0, q1, ASM, BF16)
-        q0, q1 = _x16_step(w_ptr, wbase, k3, h3, j3, N, 3, o1, q0, q1, ASM, BF16)
-        return q0, q1
-
-    @triton.jit
     def _marlin_tile_asum(x_ptr, w_ptr, s_ptr, wbase, sbase, t, N, HB: tl.constexpr, T: tl.constexpr,
                           ASM: tl.constexpr, ASUM: tl.constexpr):
         """The same groups with the four words ``a`` of an output and group summed first, then one scale per output
@@ -218,30 +194,40 @@ if triton is not None:
         over ``a``, which lies across threads (a shuffle per step). ``ASUM`` 2: ``a`` unrolled, one 16-byte load per
         ``a``, so that a thread holds all four words of its outputs and sums them in registers (half a scale decode
         per word). ``ASUM`` 3: form 2 with ``x``'s inputs ``2a, 2a + 1`` and ``2a + 8, 2a + 9`` read as two 4-byte
-        pairs instead of four 2-byte loads (half the loads of ``x``; ``x`` must be 4-byte aligned). ``ASUM`` 4:
-        :func:`_marlin_tile_x16`."""
+        pairs instead of four 2-byte loads (half the loads of ``x``; ``x`` must be 4-byte aligned). ``ASUM`` 4: form 3
+        with each group's 16 inputs read as two 16-byte runs (``[T, 2, 4]`` int32: half, pair ``a``) and split into
+        the pairs in registers (``x`` 16-byte aligned)."""
         k3 = (t * T + tl.arange(0, T))[:, None, None]
         h3 = tl.arange(0, HB)[None, :, None]
         j3 = tl.arange(0, 4)[None, None, :]
-        if ASUM == 4:
-            q0, q1 = _marlin_tile_x16(x_ptr, w_ptr, wbase, k3, h3, j3, N, HB, T, ASM)
-        elif ASUM >= 2:
+        if ASUM >= 2:
+            BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+            xw = x_ptr.to(tl.pointer_type(tl.int32))  # forms 3 and 4: x as 4-byte pairs
+            if ASUM == 4:
+                xg = tl.load(xw + k3 * 8 + tl.arange(0, 2)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
+                even, odd = tl.split(tl.reshape(xg, (T, 2, 2, 2)))  # [T, 2, 2]: half, a // 2
+                x_a0, x_a2 = tl.split(even)  # [T, 2]: half
+                x_a1, x_a3 = tl.split(odd)
             q0 = tl.zeros((T, HB, 4), dtype=tl.float32)
             q1 = tl.zeros((T, HB, 4), dtype=tl.float32)
             for a in tl.static_range(4):
                 c = _decode8(tl.load(w_ptr + wbase + k3 * (2 * N) + h3 * 16 + a * 4 + j3), ASM)
-                if ASUM == 3:  # [T, 1, 1] pairs a and a + 4 of each group's 8 (int32 view of x)
-                    xw = x_ptr.to(tl.pointer_type(tl.int32))
-                    x0, x1 = _x_pair(xw, k3 * 8 + a, x_ptr.dtype.element_ty == tl.bfloat16)
-                    x2, x3 = _x_pair(xw, k3 * 8 + a + 4, x_ptr.dtype.element_ty == tl.bfloat16)
+                if ASUM == 4:
+                    lo, hi = tl.split(x_a0 if a == 0 else (x_a1 if a == 1 else (x_a2 if a == 2 else x_a3)))
+                    x0, x1 = _x_unpack(lo[:, None, None], BF16)
+                    x2, x3 = _x_unpack(hi[:, None, None], BF16)
+                elif ASUM == 3:  # [T, 1, 1] pairs a and a + 4 of each group's 8
+                    x0, x1 = _x_pair(xw, k3 * 8 + a, BF16)
+                    x2, x3 = _x_pair(xw, k3 * 8 + a + 4, BF16)
                 else:
                     xa = x_ptr + k3 * 16 + 2 * a  # [T, 1, 1]: inputs 2a, 2a + 1, 2a + 8, 2a + 9 of each group
                     x0 = tl.load(xa).to(tl.float32)
                     x1 = tl.load(xa + 1).to(tl.float32)
                     x2 = tl.load(xa + 8).to(tl.float32)
                     x3 = tl.load(xa + 9).to(tl.float32)
-                q0 += c[0] * x0 + c[4] * x1 + c[1] * x2 + c[5] * x3
-                q1 += c[2] * x0 + c[6] * x1 + c[3] * x2 + c[7] * x3
+                s0, s1 = _word_sums(c, x0, x1, x2, x3)
+                q0 += s0
+                q1 += s1
         else:
             p0, p1 = _marlin_words(x_ptr, w_ptr, wbase, t, N, HB, T, ASM)
             q0 = tl.sum(p0, axis=2)
@@ -405,8 +391,8 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         problems.append(f"hb={hb} (1, 2, 4 or 8; 16, 32 or 64 where N is a multiple of 8 hb, here N={n})")
     if t < 1 or t & (t - 1) or k % (16 * t):
         problems.append(f"t={t} (a power of two with 16 t dividing K={k})")
-    if int(asum) not in (0, 1, 2, 3, 4):
-        problems.append(f"asum={asum} (0, 1, 2, 3 or 4)")
+    if int(asum) not in ASUM_FORMS:
+        problems.append(f"asum={asum} ({', '.join(map(str, ASUM_FORMS[:-1]))} or {ASUM_FORMS[-1]})")
     if split_k < 1 or stages < 0:
         problems.append(f"split_k={split_k} (>= 1), stages={stages} (>= 0)")
     if divisor.numel() != 1:

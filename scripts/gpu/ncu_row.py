@@ -11,7 +11,7 @@ linear's time, CUDA events around ``--calls`` launches of the same weights (so n
 
 ``--shared``: ``decode_gemv: "shared"``'s kernel instead (``vllm_ext.nvfp4_marlin_row``, on Marlin's tensors made by
 the engine's backend, so vLLM is needed; its tiles: ``QERL_MARLIN_ROW_TILES``'s file where set, else the shipped
-rule; ``--asum 0-3``: that ``asum`` form in place of the tiles'), for
+rule; ``--asum 0-4``: that ``asum`` form in place of the tiles'), for
 ``ncu --kernel-name regex:marlin_row_kernel`` (docs/benchmarks.md §4ah: what binds it, the instruction count by the
 estimate there, or its reads).
 """
@@ -30,10 +30,12 @@ SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "dow
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vllm_ext.nvfp4_marlin_row import ASUM_FORMS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--shared", action="store_true", help="the kernel on Marlin's own tensors (decode_gemv shared)")
-    p.add_argument("--asum", type=int, choices=(0, 1, 2, 3), default=None,
+    p.add_argument("--asum", type=int, choices=ASUM_FORMS, default=None,
                    help="with --shared: this asum form instead of the tile's")
     args = p.parse_args(argv)
 

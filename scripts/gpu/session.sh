@@ -227,7 +227,7 @@ run_step() {
         step gemv 420 python3 scripts/gpu/check_gemv.py ${GEMV_ARGS:-} ;;
     ncu_kernels)  # the dequant kernel, Marlin and the one-row W4A16 kernel under Nsight Compute (scripts/gpu/profile_kernels.py)
         step ncu_kernels 300 bash -c 'python3 scripts/gpu/profile_kernels.py --calls 3 && ncu --kernel-name regex:"dequant|marlin|row_kernel" --launch-count 16 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats python3 scripts/gpu/profile_kernels.py --calls 3' ;;
-    ncu_shared)  # §4ah: decode_gemv shared's kernel (NCU_ARGS: --asum 0-3 for that form) under Nsight Compute, the sections
+    ncu_shared)  # §4ah: decode_gemv shared's kernel (NCU_ARGS: --asum 0-4 for that form) under Nsight Compute, the sections
         # of §4t's look at the row kernel (scripts/gpu/ncu_row.py --shared); with sweep_shared's tiles where it ran
         [ -f "$work/sweep_shared/marlin_row_tiles.json" ] && export QERL_MARLIN_ROW_TILES="$work/sweep_shared/marlin_row_tiles.json"
         step ncu_shared 300 ncu --kernel-name regex:marlin_row_kernel --launch-skip 4 --launch-count 4 \
