@@ -1382,6 +1382,28 @@ def test_humming_next_starts_the_pair_only_after_a_passing_check(tmp_path, check
 
 
 @pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
+def test_bench_shipped_runs_the_shipped_tiles_even_after_a_sweep(tmp_path):
+    """bench_shipped (§4ak) times the tiles the package ships: no tiles file reaches the engines, neither one
+    sweep_shared left on the machine nor one set in the environment. A python3 shim records the run."""
+    shim, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    shim.mkdir()
+    (shim / "python3").write_text(f'#!/bin/sh\necho "tiles=$QERL_MARLIN_ROW_TILES $*" >> {calls}\n')
+    (shim / "python3").chmod(0o755)
+    folder = tmp_path / "work" / "sweep_shared"
+    folder.mkdir(parents=True)
+    (folder / "marlin_row_tiles.json").write_text("{}")
+    _, status, _ = _session(tmp_path, "bench_shipped", PATH=f"{shim}:{os.environ['PATH']}",
+                            QERL_MARLIN_ROW_TILES=str(folder / "marlin_row_tiles.json"))
+    assert "bench_bg rc=0" in status
+    deadline = time.monotonic() + 20
+    while not calls.exists() and time.monotonic() < deadline:  # the bench starts detached (setsid)
+        time.sleep(0.2)
+    called = calls.read_text()
+    assert called.startswith("tiles= scripts/gpu/bench_rollout.py --shape 7B --configs nvfp4-lora"), called
+    assert "--runs nvfp4-lora@default,nvfp4-lora@decode-gemv-shared,nvfp4-lora@decode-gemv --batches 1,8,64" in called
+
+
+@pytest.mark.skipif(os.name != "posix", reason="session.sh is a bash script for the GPU machine (Linux)")
 @pytest.mark.parametrize("best, bench", [(2.0, True), (2.27, False)])
 def test_bench_shared_if_starts_the_engines_only_after_a_sweep_faster_than_marlin(tmp_path, best, bench):
     """bench_shared_if (§4ai): the sweep's record is judged by sweep_marlin_row.py --gate; only a 7B step faster than

@@ -411,6 +411,22 @@ nvfp4@default --batches 1,8,64 --new-tokens 256 --repeats 3 --profile-tokens 64"
 --runs nvfp4-lora@default,nvfp4-lora@decode-gemv-shared,nvfp4-lora@decode-gemv --batches 1,8,64 --new-tokens 256 \
 --repeats 3 --profile-tokens 64" run_step bench_bg
         fi ;;
+    bench_shipped)  # §4ak: 7B decode b1/b8/b64 with LoRA: off (the default), decode_gemv shared on the shipped tiles
+        # (SWEPT_TILES and the rule: no tiles file, even where sweep_shared ran), decode_gemv all, in that order; no gate.
+        # In the background into $work/bench-shipped (`TAG=-shipped bench_watch`)
+        unset QERL_MARLIN_ROW_TILES
+        TAG=-shipped BENCH_ARGS="--shape 7B --configs nvfp4-lora --variants default,decode-gemv-shared,decode-gemv \
+--runs nvfp4-lora@default,nvfp4-lora@decode-gemv-shared,nvfp4-lora@decode-gemv --batches 1,8,64 --new-tokens 256 \
+--repeats 3 --profile-tokens 64" run_step bench_bg ;;
+    bench_table_shared)  # §4ak, the issue's decode table with decode_gemv shared as a row (for an H100): ckpt7b's checkpoint;
+        # ours as shipped, ours with shared (shipped tiles), ours without LoRA (the overhead), vLLM's stock NVFP4A16 +
+        # punica LoRA, BF16 + punica LoRA; b1/b8/b64. In the background into $work/bench-tshared (`TAG=-tshared bench_watch`)
+        run_step ckpt7b
+        unset QERL_MARLIN_ROW_TILES
+        TAG=-tshared BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4,stock-nvfp4-lora,\
+bf16-lora --variants default,decode-gemv-shared,punica-lora --runs nvfp4-lora@default,nvfp4-lora@decode-gemv-shared,\
+nvfp4@default,stock-nvfp4-lora@punica-lora,bf16-lora@punica-lora --batches 1,8,64 --new-tokens 256 --repeats 3" \
+            run_step bench_bg ;;
     lora_r32_shared_if)  # after bench_shared_if on the same machine: where its gate passed, wait for its bench to end (the
         # check must not share the GPU with it), then lora_r32_shared; otherwise nothing
         if grep -q "^shared_gate rc=0 " "$work/status.txt" 2>/dev/null; then

@@ -249,6 +249,39 @@ def test_session_bench_split2_runs_the_two_lora_engines_split_first(tmp_path, ro
     assert runs[0].env.get("QERL_LORA_SPLIT_ADD") == "1" and runs[1].env.get("QERL_LORA_SPLIT_ADD") == "0"
 
 
+def test_session_bench_shipped_plans_off_shared_all_of_4ak(tmp_path, rollout_args):
+    """session.sh's bench_shipped (§4ak): with LoRA, off (the default), decode_gemv shared, decode_gemv all; b1/b8/b64."""
+    runs, _ = runner.plan(rollout_args(*_session_bench_args("bench_shipped"), "--out", str(tmp_path), "--work",
+                                       str(tmp_path)), tmp_path)
+    assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4-lora@decode-gemv-shared", "nvfp4-lora@decode-gemv"]
+    nvfp4 = [r.spec["engine"].get("additional_config", {}).get("qerl_nvfp4") for r in runs]
+    assert nvfp4 == [None, {"decode_gemv": "shared"}, {"decode_gemv": True}]
+    assert all(r.spec["batches"] == [1, 8, 64] and r.spec["repeats"] == 3 for r in runs)
+
+
+def test_session_bench_table_shared_plans_the_issues_table_with_shared_as_a_row(tmp_path, rollout_args):
+    """session.sh's bench_table_shared (§4ak): the issue's rows (ours, stock NVFP4A16 + punica, BF16 + punica) plus
+    ours with decode_gemv shared and ours without LoRA; the NVFP4 rows load the checkpoint, BF16 stays on dummy weights."""
+    from qerl_plugin.format import quantization_config_dict
+    from vllm_ext.bench.shapes import shape_config
+
+    argv = _session_bench_args("bench_table_shared")
+    ckpt = tmp_path / "ckpt_7b_nvfp4"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({**shape_config("7B"),
+                                                  "quantization_config": quantization_config_dict(ignore=["lm_head"])}))
+    argv = [str(ckpt) if a == "$work/ckpt_7b_nvfp4" else a for a in argv]
+    runs, skipped = runner.plan(rollout_args(*argv, "--out", str(tmp_path), "--work", str(tmp_path)), tmp_path)
+    assert not skipped
+    assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4@default", "nvfp4-lora@decode-gemv-shared",
+                                     "stock-nvfp4-lora@punica-lora", "bf16-lora@punica-lora"]  # by variant
+    engine = {r.key: r.spec["engine"] for r in runs}
+    assert engine["nvfp4-lora@decode-gemv-shared"]["additional_config"]["qerl_nvfp4"] == {"decode_gemv": "shared"}
+    assert {engine[k]["model"] for k in list(engine)[:4]} == {str(ckpt.resolve())}  # the four NVFP4 rows
+    assert engine["bf16-lora@punica-lora"]["load_format"] == "dummy"
+    assert all(r.spec["batches"] == [1, 8, 64] and r.spec["repeats"] == 3 for r in runs)
+
+
 def test_session_bench_shared_plans_the_five_engines_of_4ah(tmp_path, rollout_args):
     """session.sh's bench_shared (§4ah), engines in the order of the variants: with LoRA off (the default), NVFP4
     without LoRA, the split add, decode_gemv shared (Marlin's own tensors), decode_gemv all (the copy); b1/b8/b64."""
