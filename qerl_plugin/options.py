@@ -59,6 +59,7 @@ __all__ = [
     "lora_mode",
     "nvfp4_options",
     "parse_bool",
+    "decode_gemv_default",
     "parse_decode_gemv",
 ]
 
@@ -80,6 +81,9 @@ NVFP4_BACKENDS = ("auto", "marlin", "humming", "emulation")
 # row kernel takes (these three keep a second, checkpoint-layout copy of the weights they take); or "shared": every
 # layer, on the kernel that reads Marlin's own tensors (vllm_ext.nvfp4_marlin_row, no copy); a bool means off / all
 DECODE_GEMV_MODES = ("off", "small", "all", "shared")
+# where neither additional_config["qerl_nvfp4"] nor the environment names a mode: "shared" on Hopper (compute capability
+# 9.x, where §4aj and §4al measured it), "off" on every other GPU (decode_gemv_default)
+DECODE_GEMV_DEFAULT_CAPABILITIES = range(90, 100)
 LORA_KEY = "qerl_lora"
 # vllm_ext.lora_fused | vLLM's multi-adapter kernels | vllm_ext.lora_dense | lora_fused's kernel on a side stream
 LORA_MODES = ("fused", "punica", "dense", "overlap")
@@ -152,6 +156,17 @@ def nvfp4_options(additional_config: Mapping[str, Any] | None) -> dict[str, Any]
     if "decode_gemv" in opts:
         out["decode_gemv"] = parse_decode_gemv(opts["decode_gemv"], f"{what} decode_gemv")
     return out
+
+
+def decode_gemv_default(capability: int | None) -> str:
+    """The ``decode_gemv`` mode of an engine whose options and environment name none, on a GPU of compute capability
+    ``capability`` (major * 10 + minor; None where unknown): ``shared`` on Hopper, ``off`` elsewhere.
+
+    ``shared`` became the default on Hopper by criteria fixed before the runs (docs/benchmarks.md §4ak, §4al): §2's
+    engine check passed 11/11 with it, and in one H200 run with LoRA it decoded 12.3 % faster than ``off`` at batch 1
+    and equal at batch 8 and 64, with the same greedy tokens. Other GPUs have not run its kernel, so they keep
+    ``off``."""
+    return "shared" if capability in DECODE_GEMV_DEFAULT_CAPABILITIES else "off"
 
 
 def parse_decode_gemv(value: Any, what: str) -> str:

@@ -37,6 +37,26 @@ def test_gpu_below_marlin_requirement_is_refused(monkeypatch):
         MarlinBackend()
 
 
+@pytest.mark.parametrize("cap, env, want", [((9, 0), None, "shared"), ((8, 9), None, "off"), ((8, 0), None, "off"),
+                                           ((10, 0), None, "off"), ((9, 0), "off", "off"), ((8, 9), "shared", "shared"),
+                                           ((9, 0), "all", "all")])
+def test_decode_gemv_default_is_shared_on_hopper_only(monkeypatch, cap, env, want):
+    """Where neither the options nor the environment name a decode_gemv mode, a Marlin engine takes "shared" on a
+    Hopper GPU (§4al's default) and "off" on any other; a mode that is named wins on every GPU."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    from vllm_ext.nvfp4_backends import MarlinBackend
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda *a: True)
+    monkeypatch.setattr(type(current_platform), "get_device_capability",
+                        classmethod(lambda cls, device_id=0: DeviceCapability(*cap)))
+    monkeypatch.delenv("QERL_NVFP4_DECODE_GEMV", raising=False)
+    if env is not None:
+        monkeypatch.setenv("QERL_NVFP4_DECODE_GEMV", env)
+    assert MarlinBackend().decode_gemv == want
+
+
 def test_humming_backend_refusals_name_the_fix(cpu_config, monkeypatch):
     """backend humming without a GPU, and without the humming-kernels package: clear errors that name the fix."""
     import builtins

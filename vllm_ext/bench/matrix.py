@@ -84,8 +84,10 @@ VARIANTS: dict[str, Variant] = {
                                  "others' one-row GEMMs on Marlin; the second copy is theirs alone",
                                  nvfp4={"decode_gemv": "small"}, only="nvfp4"),
     "decode-gemv-shared": Variant("decode-gemv on every layer with the kernel that reads Marlin's own tensors "
-                                  "(vllm_ext.nvfp4_marlin_row; no second copy)", nvfp4={"decode_gemv": "shared"},
-                                  only="nvfp4"),
+                                  "(vllm_ext.nvfp4_marlin_row; no second copy; the default on Hopper since §4al)",
+                                  nvfp4={"decode_gemv": "shared"}, only="nvfp4"),
+    "decode-gemv-off": Variant("every GEMM on Marlin, one-row calls too (the default before §4al, and on GPUs other "
+                               "than Hopper)", nvfp4={"decode_gemv": "off"}, only="nvfp4"),
     "pdl-first-off": Variant("decode_gemv's first launch per linear (the row kernel alone, or row+lora's shrink) as a "
                              "plain launch, as before §4p (QERL_PDL_FIRST=0)", env={"QERL_PDL_FIRST": "0"},
                              only="nvfp4"),
