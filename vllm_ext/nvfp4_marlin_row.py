@@ -43,11 +43,15 @@ issue slots with the L1 at 79 % of its throughput and 44 % of stalls waiting on 
 instructions per word against the row kernel's 41-58 (``scripts/cpu/kernel_sass.py``): the loads bind, not the
 arithmetic. ``asum`` 3 halves form 2's loads of ``x``: on the 7B down call the L1 went from 88 to 79 % and its share of
 stalls from 61 to 47 % (§4aj). In the 7B engine with LoRA and the split add on every layer (§4aj, the sweep's form-3
-tiles), batch 1 decoded 16.6 % faster than with ``decode_gemv`` off, b8 and b64 equal. It stays opt-in by §4aj's
-criteria: §2's engine check with one prompt failed (teacher-forced max 0.3418 against 0.3319), as the default engine did
-on that prompt with the same number (the check's teacher-forcing is a prefill, where both run Marlin). ``asum`` 4 (after
-§4aj's runs, not yet timed) reads each group's ``x`` as two 16-byte runs, split into form 3's pairs in registers:
-compiled, 0.44-0.5 loads per word against form 3's 0.88.
+tiles), batch 1 decoded 16.6 % faster than with ``decode_gemv`` off, b8 and b64 equal. §2's engine check with one
+prompt failed there (teacher-forced max 0.3418 against 0.3319), as the default engine did on that prompt with the same
+number (the check's teacher-forcing is a prefill, where both run Marlin). ``asum`` 4 reads each group's ``x`` as two
+16-byte runs, split into form 3's pairs in registers: compiled, 0.44-0.5 loads per word against form 3's 0.88. §4al
+(one H200): form 4 was the fastest tile on seven of the eight linears (1.882 ms per 7B step, 7.418 per 32B, against
+1.945 and 7.700 for the tiles shipped before; Nsight Compute on the 7B down call: L1 at 74 % of its throughput, 44.5 %
+of stalls waiting on it, against form 3's 79 and 47 %); §2's check (four prompts, each decoded alone) passed 11/11, and
+on the shipped tiles batch 1 decoded 12.3 % faster than off, b8 and b64 equal, so ``shared`` is the default on Hopper
+(:func:`qerl_plugin.options.decode_gemv_default`).
 """
 
 from __future__ import annotations
@@ -74,16 +78,19 @@ TILES_ENV = "QERL_MARLIN_ROW_TILES"
 TILE_KEYS = ("hb", "t", "split_k", "num_warps", "stages")
 OPTIONAL_TILE_KEYS = {"asum": 0}  # may be left out of a tiles file
 ASUM_FORMS = (0, 1, 2, 3, 4)  # the kernel's forms (marlin_row_gemm's asum)
-# Tiles (hb, t, split_k, num_warps, stages, asum) that §4aj's sweeps (H200, forms 1-3, 108 tiles per linear, the best
-# against marlin_row_tile's rule in 5 interleaved timings) found faster than the rule by more than both spreads; the
-# Qwen2.5-7B o and gate/up linears were equal to it, so the rule keeps them
+# Tiles (hb, t, split_k, num_warps, stages, asum) that a sweep (H200, the best against what marlin_row_tile gave
+# before it, in 5 interleaved timings) found faster by more than both spreads. §4al's sweep of forms 3 and 4 (72 tiles
+# per linear) against §4aj's entries (forms 1-3) and the rule: form 4 won on seven of the eight linears; the 7B down
+# linear was equal to §4aj's tile, which it keeps
 SWEPT_TILES = {
-    (4608, 3584): (16, 8, 16, 4, 0, 3),  # 7B q/k/v: 8.38 against the rule's 8.61 us
-    (3584, 18944): (8, 16, 16, 4, 0, 3),  # 7B down: 19.85 against 20.98 us
-    (7168, 5120): (8, 8, 16, 2, 0, 3),  # 32B q/k/v: 12.81 against 13.09 us
-    (5120, 5120): (8, 8, 16, 2, 0, 3),  # 32B o: 10.60 against 11.06 us
-    (55296, 5120): (16, 8, 16, 2, 0, 3),  # 32B gate/up: 61.44 against 64.57 us
-    (5120, 27648): (16, 16, 16, 4, 0, 1),  # 32B down: 35.47 against 43.35 us
+    (4608, 3584): (16, 8, 16, 4, 0, 4),  # 7B q/k/v: 7.90 against §4aj's 8.33 us (§4al)
+    (3584, 3584): (16, 8, 16, 4, 0, 4),  # 7B o: 7.28 against the rule's 8.00 us (§4al)
+    (37888, 3584): (16, 8, 8, 4, 0, 4),  # 7B gate/up: 32.21 against the rule's 33.22 us (§4al)
+    (3584, 18944): (8, 16, 16, 4, 0, 3),  # 7B down: 19.85 against the rule's 20.98 us (§4aj); form 4 equal (§4al)
+    (7168, 5120): (16, 8, 16, 4, 0, 4),  # 32B q/k/v: 12.22 against §4aj's 12.73 us (§4al)
+    (5120, 5120): (16, 8, 16, 4, 0, 4),  # 32B o: 9.93 against §4aj's 10.45 us (§4al)
+    (55296, 5120): (16, 8, 8, 4, 0, 4),  # 32B gate/up: 59.14 against §4aj's 61.54 us (§4al)
+    (5120, 27648): (16, 8, 16, 4, 0, 4),  # 32B down: 34.61 against §4aj's 35.60 us (§4al)
 }
 
 

@@ -30,6 +30,9 @@ pack() {  # what has finished so far goes to $OUT now: a call cut off by the dev
 # The whole call must end before the device tool's limit (QERL_DEADLINE_S after start, default 585 s):
 # each step's limit is cut to what is left, and a step with under 20 s left is skipped.
 deadline=$((SECONDS + ${QERL_DEADLINE_S:-585}))
+# decode_gemv: since §4al its default on Hopper is "shared" (qerl_plugin.options.decode_gemv_default). Steps written
+# before that which name the `default` variant for "decode_gemv off" now run shared there; the variant
+# decode-gemv-off is the old default (bench_shipped and bench_table_shared name it)
 # One micro-batch per phase (64k tokens instead of 8k/16k): a step-time option of issue 11 that ran out of GPU memory
 # (2026-11-24, fourth session); verl's bypass mode, the other one, is now in the demo's config
 BIG="--override actor_rollout_ref.actor.ppo_max_token_len_per_gpu=65536 --override actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=65536 --override actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=65536"
@@ -411,22 +414,22 @@ nvfp4@default --batches 1,8,64 --new-tokens 256 --repeats 3 --profile-tokens 64"
 --runs nvfp4-lora@default,nvfp4-lora@decode-gemv-shared,nvfp4-lora@decode-gemv --batches 1,8,64 --new-tokens 256 \
 --repeats 3 --profile-tokens 64" run_step bench_bg
         fi ;;
-    bench_shipped)  # §4ak: 7B decode b1/b8/b64 with LoRA: off (the default), decode_gemv shared on the shipped tiles
-        # (SWEPT_TILES and the rule: no tiles file, even where sweep_shared ran), decode_gemv all, in that order; no gate.
-        # In the background into $work/bench-shipped (`TAG=-shipped bench_watch`)
-        unset QERL_MARLIN_ROW_TILES
-        TAG=-shipped BENCH_ARGS="--shape 7B --configs nvfp4-lora --variants default,decode-gemv-shared,decode-gemv \
---runs nvfp4-lora@default,nvfp4-lora@decode-gemv-shared,nvfp4-lora@decode-gemv --batches 1,8,64 --new-tokens 256 \
---repeats 3 --profile-tokens 64" run_step bench_bg ;;
-    bench_table_shared)  # §4ak, the issue's decode table with decode_gemv shared as a row (for an H100): ckpt7b's checkpoint;
-        # ours as shipped, ours with shared (shipped tiles), ours without LoRA (the overhead), vLLM's stock NVFP4A16 +
-        # punica LoRA, BF16 + punica LoRA; b1/b8/b64. In the background into $work/bench-tshared (`TAG=-tshared bench_watch`)
+    bench_shipped)  # §4ak: 7B decode b1/b8/b64 with LoRA: decode_gemv off (named since §4al made shared the default on
+        # Hopper), decode_gemv shared on the shipped tiles (SWEPT_TILES and the rule: no tiles file, even where sweep_shared
+        # ran), decode_gemv all, in that order; no gate. In the background into $work/bench-shipped (`TAG=-shipped
+        # bench_watch`). The empty QERL_MARLIN_ROW_TILES (no file) holds for this step only
+        TAG=-shipped BENCH_ARGS="--shape 7B --configs nvfp4-lora --variants decode-gemv-off,decode-gemv-shared,decode-gemv \
+--runs nvfp4-lora@decode-gemv-off,nvfp4-lora@decode-gemv-shared,nvfp4-lora@decode-gemv --batches 1,8,64 --new-tokens 256 \
+--repeats 3 --profile-tokens 64" QERL_MARLIN_ROW_TILES= run_step bench_bg ;;
+    bench_table_shared)  # §4ak, the issue's decode table with decode_gemv off and shared as rows (for an H100): ckpt7b's
+        # checkpoint; ours with off (the default before §4al), ours with shared (the default on Hopper since, shipped
+        # tiles), both without LoRA (the overhead), vLLM's stock NVFP4A16 + punica LoRA, BF16 + punica LoRA; b1/b8/b64.
+        # In the background into $work/bench-tshared (`TAG=-tshared bench_watch`)
         run_step ckpt7b
-        unset QERL_MARLIN_ROW_TILES
         TAG=-tshared BENCH_ARGS="--shape 7B --nvfp4-model $work/ckpt_7b_nvfp4 --configs nvfp4-lora,nvfp4,stock-nvfp4-lora,\
-bf16-lora --variants default,decode-gemv-shared,punica-lora --runs nvfp4-lora@default,nvfp4-lora@decode-gemv-shared,\
-nvfp4@default,stock-nvfp4-lora@punica-lora,bf16-lora@punica-lora --batches 1,8,64 --new-tokens 256 --repeats 3" \
-            run_step bench_bg ;;
+bf16-lora --variants decode-gemv-off,decode-gemv-shared,punica-lora --runs nvfp4-lora@decode-gemv-off,\
+nvfp4-lora@decode-gemv-shared,nvfp4@decode-gemv-off,nvfp4@decode-gemv-shared,stock-nvfp4-lora@punica-lora,\
+bf16-lora@punica-lora --batches 1,8,64 --new-tokens 256 --repeats 3" QERL_MARLIN_ROW_TILES= run_step bench_bg ;;
     lora_r32_shared_if)  # after bench_shared_if on the same machine: where its gate passed, wait for its bench to end (the
         # check must not share the GPU with it), then lora_r32_shared; otherwise nothing
         if grep -q "^shared_gate rc=0 " "$work/status.txt" 2>/dev/null; then

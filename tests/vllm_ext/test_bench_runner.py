@@ -250,18 +250,21 @@ def test_session_bench_split2_runs_the_two_lora_engines_split_first(tmp_path, ro
 
 
 def test_session_bench_shipped_plans_off_shared_all_of_4ak(tmp_path, rollout_args):
-    """session.sh's bench_shipped (§4ak): with LoRA, off (the default), decode_gemv shared, decode_gemv all; b1/b8/b64."""
+    """session.sh's bench_shipped (§4ak): with LoRA, decode_gemv off (named: the default on Hopper is shared since
+    §4al), decode_gemv shared, decode_gemv all; b1/b8/b64."""
     runs, _ = runner.plan(rollout_args(*_session_bench_args("bench_shipped"), "--out", str(tmp_path), "--work",
                                        str(tmp_path)), tmp_path)
-    assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4-lora@decode-gemv-shared", "nvfp4-lora@decode-gemv"]
+    assert [r.key for r in runs] == ["nvfp4-lora@decode-gemv-off", "nvfp4-lora@decode-gemv-shared",
+                                     "nvfp4-lora@decode-gemv"]
     nvfp4 = [r.spec["engine"].get("additional_config", {}).get("qerl_nvfp4") for r in runs]
-    assert nvfp4 == [None, {"decode_gemv": "shared"}, {"decode_gemv": True}]
+    assert nvfp4 == [{"decode_gemv": "off"}, {"decode_gemv": "shared"}, {"decode_gemv": True}]
     assert all(r.spec["batches"] == [1, 8, 64] and r.spec["repeats"] == 3 for r in runs)
 
 
 def test_session_bench_table_shared_plans_the_issues_table_with_shared_as_a_row(tmp_path, rollout_args):
-    """session.sh's bench_table_shared (§4ak): the issue's rows (ours, stock NVFP4A16 + punica, BF16 + punica) plus
-    ours with decode_gemv shared and ours without LoRA; the NVFP4 rows load the checkpoint, BF16 stays on dummy weights."""
+    """session.sh's bench_table_shared (§4ak): the issue's rows (ours, stock NVFP4A16 + punica, BF16 + punica) with
+    ours in both decode_gemv modes, off and shared (each also without LoRA, for the overhead), named on every GPU; the
+    NVFP4 rows load the checkpoint, BF16 stays on dummy weights."""
     from qerl_plugin.format import quantization_config_dict
     from vllm_ext.bench.shapes import shape_config
 
@@ -273,10 +276,12 @@ def test_session_bench_table_shared_plans_the_issues_table_with_shared_as_a_row(
     argv = [str(ckpt) if a == "$work/ckpt_7b_nvfp4" else a for a in argv]
     runs, skipped = runner.plan(rollout_args(*argv, "--out", str(tmp_path), "--work", str(tmp_path)), tmp_path)
     assert not skipped
-    assert [r.key for r in runs] == ["nvfp4-lora@default", "nvfp4@default", "nvfp4-lora@decode-gemv-shared",
+    assert [r.key for r in runs] == ["nvfp4-lora@decode-gemv-off", "nvfp4@decode-gemv-off",
+                                     "nvfp4-lora@decode-gemv-shared", "nvfp4@decode-gemv-shared",
                                      "stock-nvfp4-lora@punica-lora", "bf16-lora@punica-lora"]  # by variant
     engine = {r.key: r.spec["engine"] for r in runs}
-    assert engine["nvfp4-lora@decode-gemv-shared"]["additional_config"]["qerl_nvfp4"] == {"decode_gemv": "shared"}
+    for key in list(engine)[:4]:
+        assert engine[key]["additional_config"]["qerl_nvfp4"] == {"decode_gemv": key.split("-")[-1]}
     assert {engine[k]["model"] for k in list(engine)[:4]} == {str(ckpt.resolve())}  # the four NVFP4 rows
     assert engine["bf16-lora@punica-lora"]["load_format"] == "dummy"
     assert all(r.spec["batches"] == [1, 8, 64] and r.spec["repeats"] == 3 for r in runs)

@@ -260,17 +260,18 @@ def test_tiles_of_the_7b_and_32b_linears():
     for n, k in ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944),
                  (7168, 5120), (5120, 5120), (55296, 5120), (5120, 27648)):
         tile = marlin_row_tile(n, k)
-        assert tile is not None and tile["hb"] in (8, 16) and tile["asum"] in (1, 3), (n, k)
+        assert tile is not None and tile["hb"] in (8, 16) and tile["asum"] in (1, 3, 4), (n, k)
         assert k % (16 * tile["t"]) == 0 and (k // (16 * tile["t"])) >= tile["split_k"], (n, k, tile)
     assert marlin_row_tile(100, 3584) is None and marlin_row_tile(128, 200) is None
-    # §4ai's rule (form 1) where §4aj's sweep found nothing faster: the 7B gate/up and o
-    assert marlin_row_tile(37888, 3584) == dict(hb=16, t=8, split_k=4, num_warps=4, stages=0, asum=1)
-    assert marlin_row_tile(3584, 3584) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=1)
+    # §4ai's rule (form 1) on a shape no sweep named
     assert marlin_row_tile(4608, 18944) == dict(hb=8, t=16, split_k=16, num_warps=4, stages=0, asum=1)  # not swept
-    # §4aj's sweep: form 3 on the 7B q/k/v and down, and form 1 with two chunks per program on the 32B down
-    assert marlin_row_tile(4608, 3584) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=3)
+    assert marlin_row_tile(2048, 2048) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=1)
+    # §4al's sweep: form 4 on seven linears (the 7B and 32B gate/up with split-K 8); §4aj's form 3 kept on the 7B down
+    assert marlin_row_tile(37888, 3584) == dict(hb=16, t=8, split_k=8, num_warps=4, stages=0, asum=4)
+    assert marlin_row_tile(3584, 3584) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=4)
+    assert marlin_row_tile(4608, 3584) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=4)
     assert marlin_row_tile(3584, 18944) == dict(hb=8, t=16, split_k=16, num_warps=4, stages=0, asum=3)
-    assert marlin_row_tile(5120, 27648) == dict(hb=16, t=16, split_k=16, num_warps=4, stages=0, asum=1)
+    assert marlin_row_tile(5120, 27648) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=4)
     assert marlin_row_tile(576, 1536)["hb"] == 8  # N not a multiple of 128: one chunk per program
     from vllm_ext.nvfp4_gemv_lora import row_tile  # the row+lora kernel's blocks never straddle two slices
 
@@ -511,12 +512,23 @@ def test_every_form_compiles_for_hopper(asum):
                                                          ASUM=asum, ZEROS=asum == 1), num_warps=4)
 
 
-@pytest.mark.parametrize("shape", [(4608, 3584, (3584, 512, 512)), (3584, 18944, (3584,)),
-                                   (7168, 5120, (5120, 1024, 1024)), (5120, 5120, (5120,)),
-                                   (55296, 5120, (27648, 27648)), (5120, 27648, (5120,))])
+SWEPT_SHAPES = [(4608, 3584, (3584, 512, 512)), (3584, 3584, (3584,)), (37888, 3584, (18944, 18944)),
+                (3584, 18944, (3584,)), (7168, 5120, (5120, 1024, 1024)), (5120, 5120, (5120,)),
+                (55296, 5120, (27648, 27648)), (5120, 27648, (5120,))]  # [N, K] and the packed layer's slices
+
+
+def test_swept_shapes_are_every_swept_tile():
+    """The compile test below covers every shape SWEPT_TILES names, and only those."""
+    from vllm_ext import nvfp4_marlin_row as mr
+
+    assert {(n, k) for n, k, _ in SWEPT_SHAPES} == set(mr.SWEPT_TILES)
+
+
+@pytest.mark.parametrize("shape", SWEPT_SHAPES)
 def test_swept_tiles_compile_for_hopper_in_both_kernels(shape):
-    """Each of SWEPT_TILES' tiles (the 7B and 32B linears, §4aj) compiles for sm_90 in the row kernel and, through
-    row_tile's blocks for the layer's slices, in the row+lora kernel (the sweep ran only the first on the GPU)."""
+    """Each of SWEPT_TILES' tiles (the 7B and 32B linears, §4aj and §4al) compiles for sm_90 in the row kernel and,
+    through row_tile's blocks for the layer's slices, in the row+lora kernel (the sweeps ran only the first on the
+    GPU; §4al's engines ran both in form 4). Every SWEPT_TILES shape is one of these."""
     from vllm_ext import nvfp4_gemv_lora as rl
     from vllm_ext import nvfp4_marlin_row as mr
     from vllm_ext.triton_support import compile_sm90
