@@ -430,6 +430,12 @@ nvfp4@default --batches 1,8,64 --new-tokens 256 --repeats 3 --profile-tokens 64"
 bf16-lora --variants decode-gemv-off,decode-gemv-shared,punica-lora --runs nvfp4-lora@decode-gemv-off,\
 nvfp4-lora@decode-gemv-shared,nvfp4@decode-gemv-off,nvfp4@decode-gemv-shared,stock-nvfp4-lora@punica-lora,\
 bf16-lora@punica-lora --batches 1,8,64 --new-tokens 256 --repeats 3" QERL_MARLIN_ROW_TILES= run_step bench_bg ;;
+    bench_32b_shared)  # §4am, the 32B batch-1 target (for an H100): ours with decode_gemv off and shared (the shipped
+        # tiles), BF16 + punica LoRA; random weights (as §4o), b1 only, 256 new tokens, 3 repeats. In the background into
+        # $work/bench-32b (`TAG=-32b bench_watch`)
+        TAG=-32b BENCH_ARGS="--shape 32B --configs nvfp4-lora,bf16-lora --variants decode-gemv-off,decode-gemv-shared,\
+punica-lora --runs nvfp4-lora@decode-gemv-off,nvfp4-lora@decode-gemv-shared,bf16-lora@punica-lora --batches 1 \
+--new-tokens 256 --repeats 3" QERL_MARLIN_ROW_TILES= run_step bench_bg ;;
     lora_r32_shared_if)  # after bench_shared_if on the same machine: where its gate passed, wait for its bench to end (the
         # check must not share the GPU with it), then lora_r32_shared; otherwise nothing
         if grep -q "^shared_gate rc=0 " "$work/status.txt" 2>/dev/null; then

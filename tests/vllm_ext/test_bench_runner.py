@@ -261,6 +261,19 @@ def test_session_bench_shipped_plans_off_shared_all_of_4ak(tmp_path, rollout_arg
     assert all(r.spec["batches"] == [1, 8, 64] and r.spec["repeats"] == 3 for r in runs)
 
 
+def test_session_bench_32b_shared_plans_the_32b_batch_1_target_of_4am(tmp_path, rollout_args):
+    """session.sh's bench_32b_shared (§4am): 32B at batch 1, ours with decode_gemv off and shared, BF16 + punica LoRA,
+    all on random weights; the ratio the 32B target names comes from one run."""
+    runs, _ = runner.plan(rollout_args(*_session_bench_args("bench_32b_shared"), "--out", str(tmp_path), "--work",
+                                       str(tmp_path)), tmp_path)
+    assert [r.key for r in runs] == ["nvfp4-lora@decode-gemv-off", "nvfp4-lora@decode-gemv-shared",
+                                     "bf16-lora@punica-lora"]
+    nvfp4 = [r.spec["engine"].get("additional_config", {}).get("qerl_nvfp4") for r in runs]
+    assert nvfp4 == [{"decode_gemv": "off"}, {"decode_gemv": "shared"}, None]
+    assert all(r.spec["engine"]["load_format"] == "dummy" for r in runs)
+    assert all(r.spec["batches"] == [1] and r.spec["repeats"] == 3 for r in runs)
+
+
 def test_session_bench_table_shared_plans_the_issues_table_with_shared_as_a_row(tmp_path, rollout_args):
     """session.sh's bench_table_shared (§4ak): the issue's rows (ours, stock NVFP4A16 + punica, BF16 + punica) with
     ours in both decode_gemv modes, off and shared (each also without LoRA, for the overhead), named on every GPU; the
