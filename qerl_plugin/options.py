@@ -13,7 +13,9 @@ engine built with AQN never reuses a graph compiled without it)::
                                                                 (experimental; keeps a second copy of the weights;
                                                                 "small": only layers with K <= 8192, N <= 16384;
                                                                 "shared": every layer, reading Marlin's own
-                                                                tensors: no copy, vllm_ext.nvfp4_marlin_row);
+                                                                tensors: no copy, vllm_ext.nvfp4_marlin_row, the
+                                                                default on Hopper with one GPU per engine, §4al;
+                                                                "off": Marlin, the default elsewhere);
                                                                 in the overlap mode with the LoRA inside it
                                                                 (vllm_ext.nvfp4_gemv_lora; QERL_NO_PDL=1: no PDL,
                                                                 QERL_PDL_FIRST=0: no PDL for a linear's first launch)
@@ -82,7 +84,7 @@ NVFP4_BACKENDS = ("auto", "marlin", "humming", "emulation")
 # layer, on the kernel that reads Marlin's own tensors (vllm_ext.nvfp4_marlin_row, no copy); a bool means off / all
 DECODE_GEMV_MODES = ("off", "small", "all", "shared")
 # where neither additional_config["qerl_nvfp4"] nor the environment names a mode: "shared" on Hopper (compute capability
-# 9.x, where §4aj and §4al measured it), "off" on every other GPU (decode_gemv_default)
+# 9.x, where §4aj and §4al measured it) with one GPU per engine, "off" otherwise (decode_gemv_default)
 DECODE_GEMV_DEFAULT_CAPABILITIES = range(90, 100)
 LORA_KEY = "qerl_lora"
 # vllm_ext.lora_fused | vLLM's multi-adapter kernels | vllm_ext.lora_dense | lora_fused's kernel on a side stream
@@ -158,14 +160,17 @@ def nvfp4_options(additional_config: Mapping[str, Any] | None) -> dict[str, Any]
     return out
 
 
-def decode_gemv_default(capability: int | None) -> str:
+def decode_gemv_default(capability: int | None, tensor_parallel: int = 1) -> str:
     """The ``decode_gemv`` mode of an engine whose options and environment name none, on a GPU of compute capability
-    ``capability`` (major * 10 + minor; None where unknown): ``shared`` on Hopper, ``off`` elsewhere.
+    ``capability`` (major * 10 + minor; None where unknown) with ``tensor_parallel`` GPUs per engine: ``shared`` on
+    Hopper without tensor parallelism, ``off`` otherwise.
 
     ``shared`` became the default on Hopper by criteria fixed before the runs (docs/benchmarks.md §4ak, §4al): §2's
-    engine check passed 11/11 with it, and in one H200 run with LoRA it decoded 12.3 % faster than ``off`` at batch 1
-    and equal at batch 8 and 64, with the same greedy tokens. Other GPUs have not run its kernel, so they keep
-    ``off``."""
+    engine check passed 11/11 with it, and in one H200 run with LoRA (on the tiles shipped before §4al's sweep) it
+    decoded 12.3 % faster than ``off`` at batch 1 and equal at batch 8 and 64, with the same greedy tokens. Other GPUs,
+    and engines split over several GPUs, have not run its kernel, so they keep ``off``."""
+    if tensor_parallel != 1:
+        return "off"
     return "shared" if capability in DECODE_GEMV_DEFAULT_CAPABILITIES else "off"
 
 

@@ -57,11 +57,11 @@ KERNEL_FLAG = "_qerl_kernel"
 _warned: set[str] = set()
 
 
-def warn_once(key: str, msg: str, *args: Any, level: int = logging.WARNING) -> None:
-    """Log a warning (or ``level``) the first time ``key`` is seen in this process."""
+def warn_once(key: str, msg: str, *args: Any) -> None:
+    """Log a warning the first time ``key`` is seen in this process."""
     if key not in _warned:
         _warned.add(key)
-        logger.log(level, msg, *args)
+        logger.warning(msg, *args)
 
 
 def _configured() -> dict[str, Any]:
@@ -87,6 +87,16 @@ def _option(name: str, env: str, default: str, parse: Callable[[Any, str], Any])
         return parse(os.environ.get(env, default), env)
     except ValueError as exc:
         raise NVFP4Error(f"nvfp4: {exc}") from None
+
+
+def _tensor_parallel_size() -> int:
+    """The current vLLM config's tensor-parallel size (1 without a config: layers built directly, e.g. in tests)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return int(get_current_vllm_config().parallel_config.tensor_parallel_size)
+    except Exception:
+        return 1
 
 
 def select_backend() -> Backend:
@@ -206,25 +216,26 @@ class MarlinBackend(Backend):
         # checkpoint layout, so the layer keeps that copy of its weights next to Marlin's: in every layer the kernel
         # takes ("all"), or only in the small ones (q/k/v and o; nvfp4_gemv.small_linear); or ("shared", §4ah) on
         # vllm_ext.nvfp4_marlin_row's kernel, which reads Marlin's own tensors: no copy
-        # Where neither names a mode: shared on Hopper, off elsewhere (options.decode_gemv_default, §4al)
-        default = options.decode_gemv_default(None if cap is None else cap.to_int())
+        # Where neither names a mode: shared on Hopper with one GPU per engine, off otherwise
+        # (options.decode_gemv_default, §4al)
+        default = options.decode_gemv_default(None if cap is None else cap.to_int(), _tensor_parallel_size())
         if decode_gemv is None:  # the option or the environment, parsed there
             self.decode_gemv = _option("decode_gemv", DECODE_GEMV_ENV, default, options.parse_decode_gemv)
         else:
             self.decode_gemv = options.parse_decode_gemv(decode_gemv, "decode_gemv")
         named = decode_gemv is not None or "decode_gemv" in _configured() or bool(os.environ.get(DECODE_GEMV_ENV))
         if self.decode_gemv == "shared" and not named:
-            warn_once("decode_gemv", "nvfp4: decode_gemv shared (the default on Hopper): one-row GEMMs run on qerl's "
-                      "kernel that reads Marlin's own tensors (vllm_ext.nvfp4_marlin_row; docs/benchmarks.md §4al); "
-                      "decode_gemv: off or %s=off keeps them on Marlin", DECODE_GEMV_ENV, level=logging.INFO)
+            warn_once("decode_gemv", "nvfp4: decode_gemv shared, the default on Hopper since qerl's §4al: one-row "
+                      "GEMMs run on qerl's kernel that reads Marlin's own tensors (vllm_ext.nvfp4_marlin_row; "
+                      "docs/benchmarks.md §4al); decode_gemv: off or %s=off keeps them on Marlin", DECODE_GEMV_ENV)
         elif self.decode_gemv == "all":
             warn_once("decode_gemv", "nvfp4: decode_gemv on - one-row GEMMs run on qerl's experimental NVFP4 kernel; "
                       "each layer keeps a second copy of its 4-bit weights")
         elif self.decode_gemv == "shared":
             warn_once("decode_gemv", "nvfp4: decode_gemv shared - one-row GEMMs run on qerl's NVFP4 kernel that reads "
                       "Marlin's own tensors (no second copy of the weights; vllm_ext.nvfp4_marlin_row), the default "
-                      "on Hopper only; in one H200 run it was 12.3% faster than decode_gemv off at batch 1 and equal "
-                      "at batch 8 and 64 (docs/benchmarks.md §4al)")
+                      "on Hopper with one GPU per engine only; in one H200 run it was 12.3% faster than decode_gemv "
+                      "off at batch 1 and equal at batch 8 and 64 (docs/benchmarks.md §4al)")
         elif self.decode_gemv == "small":
             warn_once("decode_gemv", "nvfp4: decode_gemv small - one-row GEMMs of the layers with K <= %d and N <= %d "
                       "(q/k/v and o) run on qerl's NVFP4 kernel; those layers keep a second copy of their 4-bit "

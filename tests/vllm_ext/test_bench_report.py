@@ -137,6 +137,22 @@ def test_greedy_agreement_against_the_default_variant():
     assert d["max_abs_logprob_diff"] == 0.5  # only within the common prefixes
 
 
+def test_greedy_agreement_without_a_default_run_is_against_decode_gemv_off():
+    """A run that names decode_gemv off instead of the default (the session steps since §4al): the other variants of
+    that config are compared against it; a config with neither is not compared."""
+    ref = {"tokens": [[1, 2, 3]], "chosen_logprobs": [[-0.1, -0.2, -0.3]]}
+    near = {"tokens": [[1, 2, 4]], "chosen_logprobs": [[-0.1, -0.25, -0.9]]}
+    results = [
+        {"config": "nvfp4-lora", "variant": "decode-gemv-off", "ok": True, "greedy": ref},
+        {"config": "nvfp4-lora", "variant": "decode-gemv-shared", "ok": True, "greedy": near},
+        {"config": "bf16-lora", "variant": "punica-lora", "ok": True, "greedy": ref},  # nothing to compare against
+    ]
+    g = report.greedy_agreement(results)
+    assert list(g) == ["nvfp4-lora@decode-gemv-shared"]
+    assert g["nvfp4-lora@decode-gemv-shared"]["vs"] == "nvfp4-lora@decode-gemv-off"
+    assert g["nvfp4-lora@decode-gemv-shared"]["common_prefix"] == [2]
+
+
 def test_greedy_agreement_of_stock_against_ours_on_the_same_variant():
     ref = {"tokens": [[1, 2, 3]], "chosen_logprobs": [[-0.1, -0.2, -0.3]]}
     near = {"tokens": [[1, 2, 4]], "chosen_logprobs": [[-0.1, -0.25, -0.9]]}

@@ -38,11 +38,12 @@ def test_gpu_below_marlin_requirement_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("cap, env, want", [((9, 0), None, "shared"), ((8, 9), None, "off"), ((8, 0), None, "off"),
-                                           ((10, 0), None, "off"), ((9, 0), "off", "off"), ((8, 9), "shared", "shared"),
-                                           ((9, 0), "all", "all")])
+                                           ((10, 0), None, "off"), (None, None, "off"), ((9, 0), "off", "off"),
+                                           ((8, 9), "shared", "shared"), ((9, 0), "all", "all")])
 def test_decode_gemv_default_is_shared_on_hopper_only(monkeypatch, cap, env, want):
     """Where neither the options nor the environment name a decode_gemv mode, a Marlin engine takes "shared" on a
-    Hopper GPU (§4al's default) and "off" on any other; a mode that is named wins on every GPU."""
+    Hopper GPU (§4al's default) and "off" on any other, or where the capability is unknown; a mode that is named wins
+    on every GPU."""
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
 
@@ -50,11 +51,30 @@ def test_decode_gemv_default_is_shared_on_hopper_only(monkeypatch, cap, env, wan
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda *a: True)
     monkeypatch.setattr(type(current_platform), "get_device_capability",
-                        classmethod(lambda cls, device_id=0: DeviceCapability(*cap)))
+                        classmethod(lambda cls, device_id=0: None if cap is None else DeviceCapability(*cap)))
     monkeypatch.delenv("QERL_NVFP4_DECODE_GEMV", raising=False)
     if env is not None:
         monkeypatch.setenv("QERL_NVFP4_DECODE_GEMV", env)
     assert MarlinBackend().decode_gemv == want
+
+
+def test_decode_gemv_default_is_off_with_tensor_parallelism(monkeypatch):
+    """An engine split over several GPUs keeps decode_gemv off by default on Hopper too: shared has not run with
+    tensor parallelism (§4al); named, it is taken."""
+    from qerl_plugin import options
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    from vllm_ext import nvfp4_backends
+
+    assert options.decode_gemv_default(90, 2) == "off" and options.decode_gemv_default(90, 1) == "shared"
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda *a: True)
+    monkeypatch.setattr(type(current_platform), "get_device_capability",
+                        classmethod(lambda cls, device_id=0: DeviceCapability(9, 0)))
+    monkeypatch.delenv("QERL_NVFP4_DECODE_GEMV", raising=False)
+    monkeypatch.setattr(nvfp4_backends, "_tensor_parallel_size", lambda: 2)
+    assert nvfp4_backends.MarlinBackend().decode_gemv == "off"
+    assert nvfp4_backends.MarlinBackend(decode_gemv="shared").decode_gemv == "shared"
 
 
 def test_humming_backend_refusals_name_the_fix(cpu_config, monkeypatch):

@@ -105,8 +105,11 @@ def test_marlin_layout_equals_vllm_stock_compressed_tensors(cfg):
     assert torch.equal(ours(x)[0], stock(x)[0])
 
 
-@pytest.mark.parametrize("m", [1, 8, 64])
-def test_marlin_gemm_matches_dequantized_reference(cfg, m):
+@pytest.mark.parametrize("m, mode", [(1, "off"), (1, "shared"), (8, "off"), (64, "off")])
+def test_marlin_gemm_matches_dequantized_reference(cfg, m, mode, monkeypatch):
+    """Marlin's GEMM, and at one row also decode_gemv shared's row kernel (the default on Hopper since §4al, so the
+    mode is named: off keeps one-row calls on Marlin), against the dequantized weights in float32."""
+    monkeypatch.setenv("QERL_NVFP4_DECODE_GEMV", mode)
     parts, bias = _parts(), _w(((NH + 2 * NKV) * HEAD,), 4)
     layer = _qkv(cfg, _nvfp4_config(ct=False))
     _load_bf16(layer, parts, bias)

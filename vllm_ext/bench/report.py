@@ -89,16 +89,22 @@ def _verdict(margin: float, spread: float | None) -> str:
     return "pass" if margin >= 0 else "fail"
 
 
+# the variant a config's greedy tokens are compared against: the first of these that the run has
+GREEDY_REFERENCES = ("default", "decode-gemv-off")
+
+
 def greedy_agreement(results: list[dict]) -> dict[str, Any]:
-    """Each non-default variant's greedy fingerprint against the default variant of the same config, and each
-    stock-* config's against ours (the name without ``stock-``) on the same variant.
+    """Each non-default variant's greedy fingerprint against the default variant of the same config (or, in a run
+    without one, against ``decode-gemv-off``, the default before §4al, which steps name since), and each stock-*
+    config's against ours (the name without ``stock-``) on the same variant.
 
     Per prompt: the length of the common token prefix; over those prefixes, the largest absolute difference of
     the chosen-token logprobs (nats). Identical arithmetic gives full prefixes and differences near 0; a different
     kernel order gives small differences and, on near-ties (random weights), an earlier divergence.
     """
     ok = {(r["config"], r["variant"]): r.get("greedy") for r in results if r.get("ok") and r.get("greedy")}
-    pairs = [((c, v), (c, "default")) for c, v in ok if v != "default"]
+    reference = {c: next((v for v in GREEDY_REFERENCES if (c, v) in ok), None) for c, _ in ok}
+    pairs = [((c, v), (c, reference[c])) for c, v in ok if reference[c] is not None and v != reference[c]]
     # vLLM's stock NVFP4A16 path against ours on the same variant: one checkpoint (--nvfp4-model), so the same weights
     pairs += [((c, v), (c.replace("stock-", "", 1), v)) for c, v in ok if c.startswith("stock-")]
     out: dict[str, Any] = {}
