@@ -47,10 +47,12 @@ tiles), batch 1 decoded 16.6 % faster than with ``decode_gemv`` off, b8 and b64 
 prompt failed there (teacher-forced max 0.3418 against 0.3319), as the default engine did on that prompt with the same
 number (the check's teacher-forcing is a prefill, where both run Marlin). ``asum`` 4 reads each group's ``x`` as two
 16-byte runs, split into form 3's pairs in registers: compiled, 0.44-0.5 loads per word against form 3's 0.88. §4al
-(one H200): form 4 was the fastest tile on seven of the eight linears (1.882 ms per 7B step, 7.418 per 32B, against
+(one H200): form 4 was the best tile on all eight linears and beat the tile shipped before on seven (7B down level;
+1.882 ms per 7B step, 7.418 per 32B, against
 1.945 and 7.700 for the tiles shipped before; Nsight Compute on the 7B down call: L1 at 74 % of its throughput, 44.5 %
 of stalls waiting on it, against form 3's 79 and 47 %); §2's check (four prompts, each decoded alone) passed 11/11, and
-on the shipped tiles batch 1 decoded 12.3 % faster than off, b8 and b64 equal, so ``shared`` is the default on Hopper
+on the tiles shipped before that sweep batch 1 decoded 12.3 % faster than off, b8 and b64 equal, so ``shared`` is
+the default on Hopper with one GPU per engine
 (:func:`qerl_plugin.options.decode_gemv_default`).
 """
 
@@ -79,9 +81,9 @@ TILE_KEYS = ("hb", "t", "split_k", "num_warps", "stages")
 OPTIONAL_TILE_KEYS = {"asum": 0}  # may be left out of a tiles file
 ASUM_FORMS = (0, 1, 2, 3, 4)  # the kernel's forms (marlin_row_gemm's asum)
 # Tiles (hb, t, split_k, num_warps, stages, asum) that a sweep (H200, the best against what marlin_row_tile gave
-# before it, in 5 interleaved timings) found faster by more than both spreads. §4al's sweep of forms 3 and 4 (72 tiles
-# per linear) against §4aj's entries (forms 1-3) and the rule: form 4 won on seven of the eight linears; the 7B down
-# linear was equal to §4aj's tile, which it keeps
+# before it, in 5 interleaved timings) found faster by more than both spreads. §4al's sweep of forms 3 and 4 (60-72
+# tiles per linear) against §4aj's entries (forms 1-3) and the rule: form 4 beat them on seven of the eight linears;
+# on the 7B down linear it was level with §4aj's tile, which stays
 SWEPT_TILES = {
     (4608, 3584): (16, 8, 16, 4, 0, 4),  # 7B q/k/v: 7.90 against §4aj's 8.33 us (§4al)
     (3584, 3584): (16, 8, 16, 4, 0, 4),  # 7B o: 7.28 against the rule's 8.00 us (§4al)

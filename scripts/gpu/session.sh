@@ -396,7 +396,7 @@ overlap-lora --batches 8 --new-tokens 256 --repeats 3 --profile-tokens 64" run_s
     sweep_shared32)  # §4aj: the same sweep on the 32B linears in forms 1-3, in its own folder (its tiles file
         # apart from the 7B one that bench_shared_if hands the engines)
         step sweep_shared32 "${SWEEP_S:-300}" python3 scripts/gpu/sweep_marlin_row.py --grid forms3 --shapes 32B ;;
-    bench_shared)  # §4ah: 7B decode b1/b8/b64: LoRA off (the default), NVFP4 without LoRA, the split add, decode_gemv shared,
+    bench_shared)  # §4ah (pre-§4al: its `default` rows now run shared on Hopper): 7B decode b1/b8/b64: the default, NVFP4 without LoRA, the split add, decode_gemv shared,
         # decode_gemv all (the copy), in that order. In the background into $work/bench-shared (`TAG=-shared bench_watch`)
         [ -f "$work/sweep_shared/marlin_row_tiles.json" ] && export QERL_MARLIN_ROW_TILES="$work/sweep_shared/marlin_row_tiles.json"
         echo "bench_shared: QERL_MARLIN_ROW_TILES=${QERL_MARLIN_ROW_TILES:-unset: the rule of marlin_row_tile}" | tee -a "$work/status.txt"
@@ -404,7 +404,7 @@ overlap-lora --batches 8 --new-tokens 256 --repeats 3 --profile-tokens 64" run_s
 decode-gemv --runs nvfp4-lora@default,nvfp4-lora@lora-split-add,nvfp4-lora@decode-gemv-shared,nvfp4-lora@decode-gemv,\
 nvfp4@default --batches 1,8,64 --new-tokens 256 --repeats 3 --profile-tokens 64" run_step bench_bg ;;
     bench_shared_if)  # §4ai: where sweep_shared's best 7B decode step is faster than Marlin's (the difference of the medians
-        # above both spreads), 7B decode b1/b8/b64 with LoRA: off (the default), decode_gemv shared (the sweep's tiles),
+        # above both spreads), 7B decode b1/b8/b64 with LoRA: the default (off before §4al; shared on Hopper since), decode_gemv shared (the sweep's tiles),
         # decode_gemv all, in that order, in the background into $work/bench-shared3 (`TAG=-shared3 bench_watch`);
         # otherwise rc 3 and no bench
         step shared_gate 30 python3 scripts/gpu/sweep_marlin_row.py --gate "$work/sweep_shared/sweep_marlin_row.jsonl"
