@@ -312,3 +312,11 @@ def test_session_bench_shared_plans_the_five_engines_of_4ah(tmp_path, rollout_ar
     assert nvfp4["nvfp4-lora@decode-gemv"] == {"decode_gemv": True} and nvfp4["nvfp4-lora@default"] is None
     assert runs[2].env.get("QERL_LORA_SPLIT_ADD") == "1"
     assert all(r.spec["batches"] == [1, 8, 64] and r.spec["repeats"] == 3 for r in runs)
+
+
+def test_inherited_qerl_variables_are_recorded_apart_from_the_variants():
+    """A qerl variable the bench inherits (a session step's tiles file) is recorded with the result; one the variant
+    sets is already in its env, and other variables are not qerl's."""
+    environ = {"QERL_MARLIN_ROW_TILES": "/tmp/t.json", "QERL_LORA_SPLIT_ADD": "1", "PATH": "/bin", "XQERL_Y": "1"}
+    assert runner.inherited_env(environ, {"QERL_LORA_SPLIT_ADD": "0"}) == {"QERL_MARLIN_ROW_TILES": "/tmp/t.json"}
+    assert runner.inherited_env({"PATH": "/bin"}, {}) == {}

@@ -175,6 +175,13 @@ def plan(args: argparse.Namespace, out: Path) -> tuple[list[Run], list[dict]]:
     return runs, skipped
 
 
+def inherited_env(environ: dict[str, str], run_env: dict[str, str]) -> dict[str, str]:
+    """The qerl variables (``QERL_*``) an engine inherits from the bench's own environment rather than from its
+    variant, e.g. ``QERL_MARLIN_ROW_TILES`` set by a session step: recorded with each result, since they change what
+    ran (before §4al's runs they went unrecorded)."""
+    return {k: environ[k] for k in sorted(environ) if k.startswith("QERL_") and k not in run_env}
+
+
 def _run_child(run_: Run, out: Path, timeout: float, clock_interval: float = 1.0) -> dict[str, Any]:
     """Run one engine in its own process (killed after ``timeout`` s); its result, a failed one included. Every
     ``clock_interval`` s (0: never) nvidia-smi samples the engine's GPU: the summary goes into ``gpu_clocks``, and a
@@ -214,6 +221,9 @@ def _run_child(run_: Run, out: Path, timeout: float, clock_interval: float = 1.0
     result.setdefault("variant", run_.variant)
     result["wall_s"] = round(time.time() - started, 1)
     result["env"] = run_.env
+    inherited = inherited_env(dict(os.environ), run_.env)
+    if inherited:
+        result["inherited_env"] = inherited
     result["log"] = str(log_path)
     if sampler.available:
         result["gpu_clocks"] = sampler.summary()
