@@ -1628,6 +1628,16 @@ def test_sweep_marlin_row_gate_runs_the_engines_only_for_a_step_faster_than_marl
     assert not ok and "no 7B decode step recorded" in line
 
 
+def _verdict_tok_s(a: dict, b: dict, batch: str) -> str:
+    """'faster' / 'slower' for engine ``a`` against ``b`` at ``batch`` where the medians differ by more than both
+    spreads of the repeats (tok/s), else 'equal' (the criteria of §4ak)."""
+    ra, rb = a[batch]["decode_runs_tok_s"], b[batch]["decode_runs_tok_s"]
+    diff = a[batch]["decode_tok_s"] - b[batch]["decode_tok_s"]
+    if abs(diff) <= max(max(ra) - min(ra), max(rb) - min(rb)):
+        return "equal"
+    return "faster" if diff > 0 else "slower"
+
+
 def test_shared_kernel_verdicts_from_the_thirty_third_sessions_raw_results():
     """§4aj, recomputed from the committed raw files: form 3 the fastest form per 7B and 32B step; §4aj's tiles (the
     SWEPT_TILES that §4al replaced, below) were exactly the best tiles that beat marlin_row_tile's rule by more than
@@ -1667,10 +1677,7 @@ def test_shared_kernel_verdicts_from_the_thirty_third_sessions_raw_results():
     by = {r["variant"]: r["batches"] for r in bench["results"]}
     off, shared = by["default"], by["decode-gemv-shared"]
     for b, want in (("1", "faster"), ("8", "equal"), ("64", "equal")):
-        o, s = off[b]["decode_runs_tok_s"], shared[b]["decode_runs_tok_s"]
-        diff = shared[b]["decode_tok_s"] - off[b]["decode_tok_s"]
-        got = "equal" if abs(diff) <= max(max(o) - min(o), max(s) - min(s)) else "faster" if diff > 0 else "slower"
-        assert got == want, (b, diff)
+        assert _verdict_tok_s(shared, off, b) == want, b
     assert round(100 * (shared["1"]["decode_tok_s"] / off["1"]["decode_tok_s"] - 1), 1) == 16.6
     assert all(g["all_identical"] for g in bench["summary"]["greedy"].values())
 
@@ -1684,16 +1691,6 @@ def test_shared_kernel_verdicts_from_the_thirty_third_sessions_raw_results():
     assert one["bf16 r32 teacher-forced"] == default_one["bf16 r32 teacher-forced"] == (False, 0.3418, 0.3319)
     four = json.loads((runs / "calls16-24" / "lora_r32_shared4" / "check_lora_correctness.json").read_text())
     assert len(four["rows"]) == 11 and all(r["ok"] for r in four["rows"])
-
-
-def _verdict_tok_s(a: dict, b: dict, batch: str) -> str:
-    """'faster' / 'slower' for engine ``a`` against ``b`` at ``batch`` where the medians differ by more than both
-    spreads of the repeats (tok/s), else 'equal' (the criteria of §4ak)."""
-    ra, rb = a[batch]["decode_runs_tok_s"], b[batch]["decode_runs_tok_s"]
-    diff = a[batch]["decode_tok_s"] - b[batch]["decode_tok_s"]
-    if abs(diff) <= max(max(ra) - min(ra), max(rb) - min(rb)):
-        return "equal"
-    return "faster" if diff > 0 else "slower"
 
 
 def test_shared_default_and_form_4_tiles_from_the_thirty_fifth_sessions_raw_results():

@@ -64,14 +64,19 @@ def warn_once(key: str, msg: str, *args: Any) -> None:
         logger.warning(msg, *args)
 
 
-def _configured() -> dict[str, Any]:
-    """The checked ``additional_config["qerl_nvfp4"]`` of the current vLLM config (empty without one)."""
+def _current_vllm_config() -> Any:
+    """vLLM's current config, or None without one (layers built directly, e.g. in tests)."""
     try:
         from vllm.config import get_current_vllm_config
 
-        extra = get_current_vllm_config().additional_config
-    except Exception:  # no current config (layers built directly, e.g. in tests)
-        extra = None
+        return get_current_vllm_config()
+    except Exception:
+        return None
+
+
+def _configured() -> dict[str, Any]:
+    """The checked ``additional_config["qerl_nvfp4"]`` of the current vLLM config (empty without one)."""
+    extra = getattr(_current_vllm_config(), "additional_config", None)
     try:
         return options.nvfp4_options(extra if isinstance(extra, dict) else None)
     except ValueError as exc:
@@ -91,12 +96,8 @@ def _option(name: str, env: str, default: str, parse: Callable[[Any, str], Any])
 
 def _tensor_parallel_size() -> int:
     """The current vLLM config's tensor-parallel size (1 without a config: layers built directly, e.g. in tests)."""
-    try:
-        from vllm.config import get_current_vllm_config
-
-        return int(get_current_vllm_config().parallel_config.tensor_parallel_size)
-    except Exception:
-        return 1
+    parallel = getattr(_current_vllm_config(), "parallel_config", None)
+    return int(getattr(parallel, "tensor_parallel_size", 1))
 
 
 def select_backend() -> Backend:

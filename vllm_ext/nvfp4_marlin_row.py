@@ -48,11 +48,10 @@ prompt failed there (teacher-forced max 0.3418 against 0.3319), as the default e
 number (the check's teacher-forcing is a prefill, where both run Marlin). ``asum`` 4 reads each group's ``x`` as two
 16-byte runs, split into form 3's pairs in registers: compiled, 0.44-0.5 loads per word against form 3's 0.88. §4al
 (one H200): form 4 was the best tile on all eight linears and beat the tile shipped before on seven (7B down level;
-1.882 ms per 7B step, 7.418 per 32B, against
-1.945 and 7.700 for the tiles shipped before; Nsight Compute on the 7B down call: L1 at 74 % of its throughput, 44.5 %
-of stalls waiting on it, against form 3's 79 and 47 %); §2's check (four prompts, each decoded alone) passed 11/11, and
-on the tiles shipped before that sweep batch 1 decoded 12.3 % faster than off, b8 and b64 equal, so ``shared`` is
-the default on Hopper with one GPU per engine
+1.882 ms per 7B step, 7.418 per 32B, against 1.945 and 7.700 for the tiles shipped before; Nsight Compute on the 7B
+down call: L1 at 74 % of its throughput, 44.5 % of stalls waiting on it, against form 3's 79 and 47 %); §2's check
+(four prompts, each decoded alone) passed 11/11, and on the tiles shipped before that sweep batch 1 decoded 12.3 %
+faster than off, b8 and b64 equal, so ``shared`` is the default on Hopper with one GPU per engine
 (:func:`qerl_plugin.options.decode_gemv_default`).
 """
 
