@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
@@ -166,6 +167,87 @@ def test_greedy_agreement_of_stock_against_ours_on_the_same_variant():
     s = g["stock-nvfp4-lora@punica-lora vs nvfp4-lora"]
     assert s["vs"] == "nvfp4-lora@punica-lora" and s["common_prefix"] == [2] and not s["all_identical"]
     assert s["max_abs_logprob_diff"] == 0.05
+
+
+def _fp(tokens, logprobs, repeat=None, alone=None):
+    g = {"tokens": tokens, "chosen_logprobs": logprobs}
+    if repeat is not None:
+        g["repeat"] = {"tokens": repeat[0], "chosen_logprobs": repeat[1]}
+    if alone is not None:
+        g["alone"] = alone
+    return g
+
+
+def test_greedy_agreement_weighs_a_divergence_against_each_engines_own_repeat():
+    """§4an: a divergence counts only where both engines repeat their own pass exactly; where one does not, the
+    comparison gets no verdict; the first token's logprob difference (the prefill's) is reported apart; the prompts
+    decoded alone are compared the same way."""
+    t, lp = [[1, 2, 3]], [[-0.5, -0.6, -0.7]]
+    off_alone = _fp(t, lp, repeat=(t, lp))
+    noisy = _fp([[1, 5, 6]], [[-0.53, -0.9, -0.9]], repeat=([[1, 2, 3]], [[-0.5, -0.6, -0.7]]))
+    steady = _fp([[1, 5, 6]], [[-0.53, -0.9, -0.9]], repeat=([[1, 5, 6]], [[-0.53, -0.9, -0.9]]),
+                 alone=_fp(t, lp, repeat=(t, lp)))
+    results = [
+        {"config": "nvfp4-lora", "variant": "decode-gemv-off", "ok": True,
+         "greedy": _fp(t, lp, repeat=(t, lp), alone=off_alone)},
+        {"config": "nvfp4-lora", "variant": "decode-gemv-shared", "ok": True, "greedy": steady},
+        {"config": "nvfp4", "variant": "decode-gemv-off", "ok": True, "greedy": _fp(t, lp, repeat=(t, lp))},
+        {"config": "nvfp4", "variant": "decode-gemv-shared", "ok": True, "greedy": noisy},
+    ]
+    g = report.greedy_agreement(results)
+    s = g["nvfp4-lora@decode-gemv-shared"]
+    assert s["common_prefix"] == [1] and s["first_token_logprob_diff"] == 0.03
+    assert s["repeats_itself"] == {"reference": True, "variant": True}
+    assert s["verdict"] == "differs while each engine repeats itself exactly"
+    assert s["alone"]["all_identical"] and s["alone"]["verdict"] == "same tokens"
+    n = g["nvfp4@decode-gemv-shared"]
+    assert n["repeats_itself"] == {"reference": True, "variant": False} and "alone" not in n
+    assert n["verdict"] == "differs, as an engine differs from itself: no verdict"
+    line = report._greedy_line("nvfp4-lora@decode-gemv-shared", s)
+    assert "decoded together: common prefix [1] of 3 tokens" in line and "(first token 0.03)" in line
+    assert "each prompt alone (one row per step): common prefix [3] of 3 tokens" in line
+    assert line.endswith("repeats itself: reference yes, variant yes: same tokens")
+    # a fingerprint from before §4an (one pass, no repeat): the divergence is reported, its cause unknown
+    old = report.greedy_agreement([{**r, "greedy": {k: r["greedy"][k] for k in ("tokens", "chosen_logprobs")}}
+                                   for r in results])
+    verdict = old["nvfp4-lora@decode-gemv-shared"]["verdict"]
+    assert verdict == "differs (no repeats: the engines' own variation is unknown)"
+    assert "repeats itself" not in report._greedy_line("k", old["nvfp4-lora@decode-gemv-shared"])
+
+
+def test_greedy_fingerprint_decodes_the_prompts_together_and_alone_twice_each():
+    """The child's four passes (§4an), on a stand-in for vLLM's LLM (no model runs on this machine): the same 64-token
+    prompts as before §4an, one generate call with all of them twice, then one call per prompt twice; outputs kept
+    in prompt order per pass."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from vllm_ext.bench.child import greedy_fingerprint
+
+    class Engine:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+            self.calls.append((len(prompts), params.max_tokens, params.temperature, lora_request))
+            outs = []
+            for p in prompts:
+                ids = [p["prompt_token_ids"][0] + i for i in range(params.max_tokens)]
+                lps = [{t: SimpleNamespace(logprob=-0.1 * len(self.calls))} for t in ids]
+                outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=lps)]))
+            return outs
+
+    llm = Engine()
+    spec = {"greedy_prompts": 3, "greedy_tokens": 5, "dims": {"vocab": 1000}}
+    g = greedy_fingerprint(llm, spec, "adapter", SamplingParams)
+    assert llm.calls == [(3, 5, 0.0, "adapter")] * 2 + [(1, 5, 0.0, "adapter")] * 6
+    firsts = [t[0] for t in g["tokens"]]
+    assert g["alone"]["tokens"] == g["repeat"]["tokens"] == g["tokens"] and len(set(firsts)) == 3
+    rng = random.Random(1234)  # the prompts of every bench run so far
+    assert firsts == [[rng.randrange(100, 900) for _ in range(64)][0] for _ in range(3)]
+    assert g["chosen_logprobs"][0][0] == -0.1 and g["repeat"]["chosen_logprobs"][0][0] == -0.2
+    assert [lp[0][0] for lp in (g["alone"]["chosen_logprobs"], g["alone"]["repeat"]["chosen_logprobs"])] == [-0.3, -0.6]
 
 
 def test_profiled_steps_are_printed():

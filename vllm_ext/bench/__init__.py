@@ -15,9 +15,10 @@ Per batch size: prompts of --prompt-len random tokens, --new-tokens generated wi
 tokens/s = batch * (new_tokens - 1) / (t(new_tokens) - t(1 token)), i.e. prefill removed (the fastest
 1-token run); the median of --repeats runs, each run's rate and the spread kept. Engines of one config under
 different variants (e.g. dense-lora) are checked against its default variant on greedy tokens and their
-chosen-token logprobs (--greedy-check). Written to --out (default $OUT or ./.out): bench_rollout.json (all runs, ratios vs
-bf16-lora of the same variant, LoRA overhead, target checks), bench_rollout.jsonl (one line per engine as
-it finishes) and logs/<config>--<variant>.log. The table is printed last.
+chosen-token logprobs (--greedy-check: the prompts decoded together and each alone, each twice, so that the report
+can tell an engine's own run-to-run variation from a difference between engines). Written to --out (default $OUT or
+./.out): bench_rollout.json (all runs, ratios vs bf16-lora of the same variant, LoRA overhead, target checks),
+bench_rollout.jsonl (one line per engine as it finishes) and logs/<config>--<variant>.log. The table is printed last.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="timed runs per batch size (default 3); the median is reported with every run and the spread")
     p.add_argument("--greedy-check", type=int, default=4, metavar="N",
                    help="greedy tokens and chosen-token logprobs of N fixed prompts per engine, compared across the "
-                   "variants of one config in the report (0: off)")
+                   "variants of one config in the report, decoded together and each alone, twice each (0: off)")
     p.add_argument("--lora-rank", type=int, default=32, help="adapter rank (max_lora_rank follows it)")
     p.add_argument("--profile-tokens", type=int, default=0, metavar="N",
                    help="after the timings, decode N tokens per batch size under torch.profiler: per-step GPU time "

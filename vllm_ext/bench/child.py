@@ -180,7 +180,15 @@ class StackSampler:
 
 def greedy_fingerprint(llm, spec: dict, lora, sampling_params_cls) -> dict[str, Any]:
     """Greedy tokens and their chosen-token logprobs for a few fixed prompts: two engines (e.g. the same config
-    with another LoRA kernel) that compute the same function agree on them (compared in the report)."""
+    with another LoRA kernel) that compute the same function agree on them (compared in the report).
+
+    Four passes over the same prompts: decoded together (one batch, as before §4an: a batch of 4 runs the size-8 CUDA
+    graph, so a ``decode_gemv`` engine's one-row kernel never runs), that again (``repeat``), each prompt alone
+    (``alone``: every decode step is a one-row call) and that again (``alone.repeat``). The repeats measure the
+    engine's own run-to-run variation: with LoRA, vLLM's punica shrink (more than 64 tokens) and qerl's LoRA kernel
+    sum float32 partials with atomics, in an order that varies from launch to launch (§4an), so an engine need not
+    repeat its own bits, and a divergence between engines is evidence of a different function only where each
+    engine repeats itself."""
     import random
 
     n, length = spec["greedy_prompts"], spec.get("greedy_tokens", 32)
@@ -188,13 +196,22 @@ def greedy_fingerprint(llm, spec: dict, lora, sampling_params_cls) -> dict[str, 
     vocab = spec["dims"]["vocab"]
     batch = [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(64)]} for _ in range(n)]
     params = sampling_params_cls(max_tokens=length, temperature=0.0, logprobs=0)
-    outs = llm.generate(batch, params, lora_request=lora, use_tqdm=False)
-    tokens, logprobs = [], []
-    for o in outs:
-        c = o.outputs[0]
-        tokens.append(list(c.token_ids))
-        logprobs.append([round(float(step[t].logprob), 5) for t, step in zip(c.token_ids, c.logprobs or [])])
-    return {"tokens": tokens, "chosen_logprobs": logprobs}
+
+    def decode(groups: list[list[dict]]) -> dict[str, list]:
+        tokens, logprobs = [], []
+        for group in groups:
+            for o in llm.generate(group, params, lora_request=lora, use_tqdm=False):
+                c = o.outputs[0]
+                tokens.append(list(c.token_ids))
+                logprobs.append([round(float(step[t].logprob), 5) for t, step in zip(c.token_ids, c.logprobs or [])])
+        return {"tokens": tokens, "chosen_logprobs": logprobs}
+
+    together, alone = [batch], [[p] for p in batch]
+    out = decode(together)
+    out["repeat"] = decode(together)
+    out["alone"] = decode(alone)
+    out["alone"]["repeat"] = decode(alone)
+    return out
 
 
 def main(spec_path: str, result_path: str) -> int:

@@ -93,6 +93,42 @@ def _verdict(margin: float, spread: float | None) -> str:
 GREEDY_REFERENCES = ("default", "decode-gemv-off")
 
 
+def _greedy_pair(ref: dict, got: dict) -> dict[str, Any]:
+    """One pass of ``got`` against one of ``ref``: per prompt the common token prefix; over those prefixes the
+    largest |difference| of the chosen-token logprobs; and that of the first token alone (the prefill's, before any
+    decode step) where both engines chose the same first token."""
+    prefixes, diffs, first = [], [], []
+    for ta, tb, la, lb in zip(ref["tokens"], got["tokens"], ref["chosen_logprobs"], got["chosen_logprobs"]):
+        n = 0
+        while n < min(len(ta), len(tb)) and ta[n] == tb[n]:
+            n += 1
+        prefixes.append(n)
+        diffs += [abs(a - b) for a, b in zip(la[:n], lb[:n])]
+        first += [abs(la[0] - lb[0])] if n and la and lb else []
+    length = max((len(t) for t in ref["tokens"]), default=0)
+    return {"common_prefix": prefixes, "all_identical": all(p == length for p in prefixes),
+            "max_abs_logprob_diff": round(max(diffs), 5) if diffs else None,
+            "first_token_logprob_diff": round(max(first), 5) if first else None}
+
+
+def _repeats_itself(g: dict) -> bool | None:
+    """Whether an engine's second pass gave exactly its first's tokens and logprobs; None without a second pass
+    (files from before §4an)."""
+    if not g.get("repeat"):
+        return None
+    return g["tokens"] == g["repeat"]["tokens"] and g["chosen_logprobs"] == g["repeat"]["chosen_logprobs"]
+
+
+def _greedy_verdict(pair: dict, ref_self: bool | None, got_self: bool | None) -> str:
+    if pair["all_identical"]:
+        return "same tokens"
+    if ref_self is None or got_self is None:
+        return "differs (no repeats: the engines' own variation is unknown)"
+    if not (ref_self and got_self):
+        return "differs, as an engine differs from itself: no verdict"
+    return "differs while each engine repeats itself exactly"
+
+
 def greedy_agreement(results: list[dict]) -> dict[str, Any]:
     """Each non-default variant's greedy fingerprint against the default variant of the same config (or, in a run
     without one, against ``decode-gemv-off``, the default before §4al, which steps name since), and each stock-*
@@ -100,7 +136,11 @@ def greedy_agreement(results: list[dict]) -> dict[str, Any]:
 
     Per prompt: the length of the common token prefix; over those prefixes, the largest absolute difference of
     the chosen-token logprobs (nats). Identical arithmetic gives full prefixes and differences near 0; a different
-    kernel order gives small differences and, on near-ties (random weights), an earlier divergence.
+    kernel order gives small differences and, on near-ties (random weights), an earlier divergence. Also, from
+    fingerprints that have them (§4an on): the first token's logprob difference (nonzero: the prefills differ), whether
+    each engine repeated its own pass exactly (``repeats_itself``), the same comparison of the prompts decoded one
+    at a time (``alone``: one-row decode steps, where ``decode_gemv`` engines run their own kernel), and a verdict
+    per mode: a divergence counts only where each engine repeats itself.
     """
     ok = {(r["config"], r["variant"]): r.get("greedy") for r in results if r.get("ok") and r.get("greedy")}
     reference = {c: next((v for v in GREEDY_REFERENCES if (c, v) in ok), None) for c, _ in ok}
@@ -112,23 +152,38 @@ def greedy_agreement(results: list[dict]) -> dict[str, Any]:
         got, ref = ok[(cname, vname)], ok.get((rname, rvar))
         if ref is None:
             continue
-        prefixes, diffs = [], []
-        for ta, tb, la, lb in zip(ref["tokens"], got["tokens"], ref["chosen_logprobs"], got["chosen_logprobs"]):
-            n = 0
-            while n < min(len(ta), len(tb)) and ta[n] == tb[n]:
-                n += 1
-            prefixes.append(n)
-            diffs += [abs(a - b) for a, b in zip(la[:n], lb[:n])]
-        length = max((len(t) for t in ref["tokens"]), default=0)
         key = f"{cname}@{vname}" if rname == cname else f"{cname}@{vname} vs {rname}"
-        out[key] = {
-            "vs": f"{rname}@{rvar}",
-            "tokens_per_prompt": length,
-            "common_prefix": prefixes,
-            "all_identical": all(p == length for p in prefixes),
-            "max_abs_logprob_diff": round(max(diffs), 5) if diffs else None,
-        }
+        entry = {"vs": f"{rname}@{rvar}", "tokens_per_prompt": max((len(t) for t in ref["tokens"]), default=0)}
+        for mode, r, g in (("together", ref, got), ("alone", ref.get("alone"), got.get("alone"))):
+            if not (r and g):
+                continue
+            pair = _greedy_pair(r, g)
+            selves = {"reference": _repeats_itself(r), "variant": _repeats_itself(g)}
+            pair.update(repeats_itself=selves, verdict=_greedy_verdict(pair, selves["reference"], selves["variant"]))
+            if mode == "together":
+                entry.update(pair)  # at the top, as before §4an
+            else:
+                entry["alone"] = pair
+        out[key] = entry
     return out
+
+
+def _greedy_line(key: str, g: dict) -> str:
+    def mode(p: dict) -> str:
+        text = (f"common prefix {p['common_prefix']} of {g['tokens_per_prompt']} tokens, max |chosen-token logprob "
+                f"diff| {p['max_abs_logprob_diff']}")
+        if p.get("first_token_logprob_diff") is not None:
+            text += f" (first token {p['first_token_logprob_diff']})"
+        selves = p.get("repeats_itself") or {}
+        if selves.get("reference") is not None:
+            text += (f"; repeats itself: reference {'yes' if selves['reference'] else 'no'}, "
+                     f"variant {'yes' if selves['variant'] else 'no'}")
+        return text + (f": {p['verdict']}" if p.get("verdict") else "")
+
+    line = f"greedy vs {g['vs']}: {key} " + ("decoded together: " if g.get("alone") else "") + mode(g)
+    if g.get("alone"):
+        line += "; each prompt alone (one row per step): " + mode(g["alone"])
+    return line
 
 
 def host_cell(h: dict) -> str:
@@ -179,9 +234,7 @@ def format_table(results: list[dict], summary: dict, batches: list[int]) -> str:
                  for k, row in summary["rows"].items() if row["lora_overhead"]]
     if overheads:
         lines += ["", "LoRA overhead (1 - tok/s with LoRA / without): " + "; ".join(overheads)]
-    for key, g in summary.get("greedy", {}).items():
-        lines.append(f"greedy vs {g['vs']}: {key} common prefix {g['common_prefix']} of {g['tokens_per_prompt']} "
-                     f"tokens, max |chosen-token logprob diff| {g['max_abs_logprob_diff']}")
+    lines += [_greedy_line(key, g) for key, g in summary.get("greedy", {}).items()]
     spreads = [f"{r['config']}@{r['variant']} b{b} {m['decode_spread']:.1%}" for r in results if r.get("ok")
                for b, m in r.get("batches", {}).items() if m.get("decode_spread") is not None]
     if spreads:
