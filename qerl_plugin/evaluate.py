@@ -70,6 +70,8 @@ class EvalConfig:
     batch_size: int = 8
     gpu_memory_utilization: float | None = None
     max_model_len: int | None = None
+    max_num_seqs: int | None = None  # vllm backend: sequences decoded at once (1: one-row decode steps)
+    max_lora_rank: int | None = None  # vllm backend: max_lora_rank (default: the adapter's rank, rounded up)
     overwrite: bool = False
     progress: bool = True
 
@@ -187,6 +189,8 @@ def make_backend(name: str, info: ModelInfo, tokenizer, adapter: AdapterInfo | N
         seed=cfg.seed,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        max_lora_rank=cfg.max_lora_rank,
         **common,
     )
 
@@ -385,6 +389,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=_at_least(1), default=8, metavar="B", help="hf backend: prompts per generate call (default 8)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F", help="vllm backend: fraction of GPU memory")
     parser.add_argument("--max-model-len", type=_at_least(1), default=None, metavar="N", help="vllm backend: context length")
+    parser.add_argument("--max-num-seqs", type=_at_least(1), default=None, metavar="N",
+                        help="vllm backend: sequences decoded at once (default vLLM's; 1: every decode step one row)")
+    parser.add_argument("--max-lora-rank", type=_at_least(1), default=None, metavar="R",
+                        help="vllm backend: the engine's max_lora_rank (default: the adapter's rank rounded up to one "
+                        "vLLM allows; qerl's fused LoRA kernels need 16 or more)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -406,6 +415,8 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_lora_rank=args.max_lora_rank,
         overwrite=args.overwrite,
         progress=not args.quiet,
     )

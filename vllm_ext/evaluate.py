@@ -43,9 +43,16 @@ def allowed_lora_ranks() -> tuple[int, ...]:
     return tuple(sorted(get_args(MaxLoRARanks)))
 
 
-def max_lora_rank_for(adapter: AdapterInfo, allowed: Sequence[int] | None = None) -> int:
-    """The smallest allowed ``max_lora_rank`` that holds the adapter's rank; refuses a rank above them all."""
+def max_lora_rank_for(adapter: AdapterInfo, allowed: Sequence[int] | None = None, asked: int | None = None) -> int:
+    """The smallest allowed ``max_lora_rank`` that holds the adapter's rank; refuses a rank above them all. ``asked``
+    (``--max-lora-rank``): that value instead, where vLLM allows it and it holds the adapter (vLLM pads the adapter
+    to it: qerl's fused LoRA kernels take ranks of 16 and more, so an r8 adapter served at 16 runs them)."""
     allowed = sorted(allowed if allowed is not None else allowed_lora_ranks())
+    if asked is not None:
+        if asked not in allowed or asked < adapter.rank:
+            raise EvalError(f"--max-lora-rank {asked}: expected one of vLLM's {allowed} at or above the adapter's rank "
+                            f"{adapter.rank} ({adapter.path})")
+        return asked
     fits = [r for r in allowed if r >= adapter.rank]
     if not fits:
         raise EvalError(
@@ -64,8 +71,11 @@ def engine_kwargs(
     seed: int = 0,
     gpu_memory_utilization: float | None = None,
     max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    max_lora_rank: int | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` for MODEL (and the adapter)."""
+    """Keyword arguments of ``vllm.LLM`` for MODEL (and the adapter). ``max_num_seqs`` 1 decodes one sequence at a
+    time, so every decode step is a one-row GEMM (the path ``decode_gemv`` changes)."""
     kwargs: dict[str, Any] = {"model": str(info.path), "dtype": dtype, "seed": seed}
     if quantization == options.METHOD:
         kwargs["quantization"] = options.METHOD
@@ -75,8 +85,10 @@ def engine_kwargs(
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
+    if max_num_seqs is not None:
+        kwargs["max_num_seqs"] = max_num_seqs
     if adapter is not None:
-        rank = max_lora_rank_for(adapter)
+        rank = max_lora_rank_for(adapter, asked=max_lora_rank)
         check_adapter_for_vllm(adapter, rank, info.config.get("max_position_embeddings"))
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=rank)
     return kwargs
@@ -139,6 +151,8 @@ class VLLMBackend:
         seed: int = 0,
         gpu_memory_utilization: float | None = None,
         max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_lora_rank: int | None = None,
         progress: bool = True,
     ):
         kwargs = engine_kwargs(
@@ -149,6 +163,8 @@ class VLLMBackend:
             seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_lora_rank=max_lora_rank,
         )
         import torch
 

@@ -438,10 +438,34 @@ def test_bad_options(chat_model, data, tmp_path, no_backend, capsys):
         run_eval(EvalConfig(model=str(chat_model), data=str(data), n=0))
     with pytest.raises(EvalError, match="sampling at temperature 0 repeats the greedy answer"):
         run_eval(EvalConfig(model=str(chat_model), data=str(data), n=4, temperature=0.0))
+    with pytest.raises(SystemExit) as e:
+        main([*base, "--max-num-seqs", "0"])
+    assert e.value.code == 2 and "argument --max-num-seqs: must be at least 1, got 0" in capsys.readouterr().err
     assert main([*base, "--reward", "no_such_module:fn"]) == 1
     assert "--reward 'no_such_module:fn' cannot be resolved" in capsys.readouterr().err
     assert main([*base, "--reward", "verl_ext.reward"]) == 1
     assert "expected MODULE:FUNCTION" in capsys.readouterr().err
+
+
+class _RecordingBackend:
+    """Stands in for VLLMBackend (no GPU here): keeps the keywords make_backend hands it."""
+
+    def __init__(self, info, tokenizer, **kwargs):
+        self.kwargs = kwargs
+
+
+def test_vllm_backend_gets_the_engine_options(monkeypatch, chat_model):
+    import argparse
+
+    import qerl_plugin.evaluate as ev
+
+    monkeypatch.setitem(ev.BACKENDS, "vllm", (__name__, "_RecordingBackend"))
+    cfg = EvalConfig(model=str(chat_model), data="unused", max_num_seqs=1, max_model_len=256, seed=5, max_lora_rank=16)
+    got = ev.make_backend("vllm", inspect_model(chat_model), None, None, cfg).kwargs
+    assert got["max_num_seqs"] == 1 and got["max_model_len"] == 256 and got["seed"] == 5 and got["max_lora_rank"] == 16
+    parser = argparse.ArgumentParser()
+    ev.add_arguments(parser)
+    assert parser.parse_args(["m", "--data", "d", "--max-num-seqs", "1"]).max_num_seqs == 1
 
 
 def test_backend_choice_and_no_vllm_or_verl_import(monkeypatch):

@@ -61,12 +61,18 @@ def test_engine_kwargs_are_valid_vllm_engine_args(bf16, nvfp4, tmp_path):
     from vllm_ext.quant import METHOD_NAME
 
     assert online["quantization"] == METHOD_NAME
-    stored = ve.engine_kwargs(inspect_model(nvfp4), gpu_memory_utilization=0.5)
+    stored = ve.engine_kwargs(inspect_model(nvfp4), gpu_memory_utilization=0.5, max_num_seqs=1)
     assert "quantization" not in stored and "enable_lora" not in stored  # vLLM detects the NVFP4A16 checkpoint
-    assert stored["gpu_memory_utilization"] == 0.5
+    assert stored["gpu_memory_utilization"] == 0.5 and stored["max_num_seqs"] == 1
     for kwargs in (online, stored):
         args = EngineArgs(**kwargs)  # unknown names or bad types fail here, without an engine
         assert args.model == kwargs["model"]
+    assert EngineArgs(**stored).max_num_seqs == 1
+    padded = ve.engine_kwargs(inspect_model(bf16), adapter=adapter, max_lora_rank=32)  # the r16 adapter served at 32
+    assert padded["max_lora_rank"] == 32 and EngineArgs(**padded).max_lora_rank == 32
+    for bad in (8, 48):  # below the adapter's rank; not a rank vLLM allows
+        with pytest.raises(EvalError, match=f"--max-lora-rank {bad}: expected one of vLLM's"):
+            ve.engine_kwargs(inspect_model(bf16), adapter=adapter, max_lora_rank=bad)
     with pytest.raises(EvalError, match="--quantization 'fp8'"):
         ve.engine_kwargs(inspect_model(bf16), quantization="fp8")
 
