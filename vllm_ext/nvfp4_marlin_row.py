@@ -69,7 +69,7 @@ from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
 __all__ = ["ASUM_FORMS", "MARLIN_ROW_OP", "SWEPT_TILES", "TILES_ENV", "marlin_divisor", "marlin_row_gemm",
-           "marlin_row_tile", "nvfp4_marlin_row", "shared_layout", "x_alignment"]
+           "marlin_row_tile", "marlin_unpadded", "nvfp4_marlin_row", "shared_layout", "x_alignment"]
 
 CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths of one (HB >= 8: whole chunks)
 # a JSON file of tiles by weight shape, {"N,K": {"hb": ..., "t": ..., "split_k": ..., "num_warps": ..., "stages": ...,
@@ -311,14 +311,23 @@ def x_alignment(asum: bool | int) -> int:
 
 def shared_layout(qweight: torch.Tensor, scale: torch.Tensor, k: int) -> int | None:
     """``N`` when ``qweight``/``scale`` are Marlin's tensors of an unpadded ``[N, k]`` NVFP4 weight (int32
-    ``[k/16, 2N]``, FP8 ``[k/16, N]``, N a multiple of 64, k of 128), else None."""
+    ``[k/16, 2N]``, FP8 ``[k/16, N]``, with :func:`marlin_unpadded` ``N, k``), else None."""
     if qweight.dtype != torch.int32 or qweight.dim() != 2 or scale.dim() != 2:
         return None
     n = scale.shape[1]
-    if (n % CHUNK or k % 128 or tuple(qweight.shape) != (k // 16, 2 * n) or tuple(scale.shape) != (k // 16, n)
+    if (not marlin_unpadded(n, k) or tuple(qweight.shape) != (k // 16, 2 * n) or tuple(scale.shape) != (k // 16, n)
             or scale.dtype != torch.float8_e4m3fn):
         return None
     return n
+
+
+def marlin_unpadded(n: int, k: int) -> bool:
+    """Whether vLLM keeps an ``[n, k]`` NVFP4 weight unpadded for Marlin: N a multiple of 64 and K of 128, or N of 128
+    and K of 64, Marlin's two thread-tile families (``marlin_utils.marlin_padded_nk``, which pads every other shape).
+    vLLM's pure-torch reference of its repack gives both the same layout (16-input rows, 64-output chunks), which the
+    kernel reads (tests/vllm_ext/test_nvfp4_marlin_row.py); the second family holds e.g. SmolLM2's gate/up (N 2 x
+    1536, K 576). Padded weights stay on Marlin."""
+    return (n % CHUNK == 0 and k % 128 == 0) or (n % 128 == 0 and k % 64 == 0)
 
 
 def _steps(k: int, t_max: int) -> int:
@@ -336,10 +345,9 @@ def marlin_row_tile(n: int, k: int, lora: bool = False) -> dict[str, int] | None
     from HBM, 108 tiles of whole chunks in the three forms): the four words of an output summed before its scale
     (``asum`` 1), unpipelined, four warps; long K (down) one chunk per program, 16 groups per step, split-K 16; large N
     (gate/up) two chunks, 8 groups, split-K 4; q/k/v and o two chunks, 8 groups, split-K 16 (one chunk where N is not a
-    multiple of 128). ``lora``: the same. None where Marlin's layout of the weight is padded (N not a multiple of 64 or
-    K of 128)."""
+    multiple of 128). ``lora``: the same. None where vLLM pads the weight for Marlin (:func:`marlin_unpadded`)."""
     del lora  # same tiles for the row+lora kernel until a sweep says otherwise
-    if n % CHUNK or k % 128:
+    if not marlin_unpadded(n, k):
         return None
     path = os.environ.get(TILES_ENV)
     if path:
@@ -394,7 +402,7 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if n is None:
         problems.append(f"qweight {qweight.dtype} {tuple(qweight.shape)} / scale {scale.dtype} {tuple(scale.shape)} "
                         f"are not Marlin's unpadded tensors for K={k} (int32 [K/16, 2N], float8_e4m3fn [K/16, N], "
-                        "N a multiple of 64, K of 128)")
+                        "N a multiple of 64 and K of 128, or N of 128 and K of 64)")
     if hb not in (1, 2, 4, 8, 16, 32, 64) or (n is not None and n % (8 * hb)):
         problems.append(f"hb={hb} (1, 2, 4 or 8; 16, 32 or 64 where N is a multiple of 8 hb, here N={n})")
     if t < 1 or t & (t - 1) or k % (16 * t):

@@ -42,6 +42,7 @@ CASES = [
     (256, 1024, dict(hb=8, t=16, split_k=4, asum=3)),
     (192, 512, dict(hb=2, t=8, split_k=3, bias=True, asum=4)),  # form 3 with a group's x read as two 16-byte runs
     (256, 1024, dict(hb=16, t=8, split_k=4, stages=2, asum=4)),
+    (256, 320, dict(hb=16, t=4, split_k=2, asum=4)),  # K a multiple of 64, not 128 (Marlin's second family)
 ]
 
 INTERPRETED = textwrap.dedent(
@@ -236,6 +237,7 @@ LORA_CASES = [  # (slices, K, rank, bias, tile): q/k/v-like three slices, split-
     ((256, 128, 128), 512, 16, True, dict(block_n=128, block_k=128, split_k=2, num_warps=2, asum=2)),
     ((128, 64, 64), 512, 16, True, dict(block_n=64, block_k=256, split_k=1, num_warps=2, asum=3)),
     ((256, 128, 128), 512, 16, False, dict(block_n=128, block_k=128, split_k=2, num_warps=4, asum=4)),
+    ((128, 128), 576, 16, False, dict(block_n=128, block_k=64, split_k=3, num_warps=4, asum=4)),  # K 576, as SmolLM2
 ]
 
 
@@ -253,6 +255,20 @@ def test_interpreted_row_lora_on_marlin_tensors():
     assert shipped["block_n"] % 8 == 0 and 3584 % shipped["block_k"] == 0 and padded is None
 
 
+def test_unpadded_is_vllms_own_padding_rule():
+    """``marlin_unpadded`` is true exactly where vLLM's ``marlin_padded_nk`` leaves an NVFP4 weight (group 16) as it
+    is, over every N and K multiple of 16 up to 1 024, and on the 7B, 32B and SmolLM2 linears."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_padded_nk
+
+    from vllm_ext.nvfp4_marlin_row import marlin_unpadded
+
+    shapes = [(n, k) for n in range(16, 1025, 16) for k in range(16, 1025, 16)]
+    shapes += [(4608, 3584), (37888, 3584), (3584, 18944), (55296, 5120), (5120, 27648),  # 7B, 32B
+               (960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2: q/k/v, o, gate/up, down
+    for n, k in shapes:
+        assert marlin_unpadded(n, k) == (marlin_padded_nk(n, k, 16) == (n, k)), (n, k)
+
+
 def test_tiles_of_the_7b_and_32b_linears():
     """Every Qwen2.5-7B and -32B linear has a tile whose loop step divides K; a padded layout has none."""
     from vllm_ext.nvfp4_marlin_row import marlin_row_tile
@@ -263,6 +279,10 @@ def test_tiles_of_the_7b_and_32b_linears():
         assert tile is not None and tile["hb"] in (8, 16) and tile["asum"] in (1, 3, 4), (n, k)
         assert k % (16 * tile["t"]) == 0 and (k // (16 * tile["t"])) >= tile["split_k"], (n, k, tile)
     assert marlin_row_tile(100, 3584) is None and marlin_row_tile(128, 200) is None
+    # Marlin's second family (N a multiple of 128, K of 64): SmolLM2's gate/up; its q/k/v and o (K 576 with N not a
+    # multiple of 128) are padded by vLLM and stay on Marlin
+    assert marlin_row_tile(3072, 576) == dict(hb=16, t=4, split_k=9, num_warps=4, stages=0, asum=1)
+    assert marlin_row_tile(576, 576) is None and marlin_row_tile(960, 576) is None
     # §4ai's rule (form 1) on a shape no sweep named
     assert marlin_row_tile(4608, 18944) == dict(hb=8, t=16, split_k=16, num_warps=4, stages=0, asum=1)  # not swept
     assert marlin_row_tile(2048, 2048) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=1)
@@ -399,9 +419,9 @@ def test_shared_dispatch_reads_marlins_tensors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (vLLM's Marlin repack and GEMM)")
-@pytest.mark.parametrize("n, k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
+@pytest.mark.parametrize("n, k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (3072, 576), (576, 1536)])
 def test_gpu_kernel_on_marlins_own_tensors(n, k):
-    """On the 7B linears in bfloat16: vLLM's CUDA repack (``MarlinBackend._marlin``) equals the CPU reference, and
+    """On the 7B linears and SmolLM2's gate/up (Marlin's second family, K 576) and down, in bfloat16: vLLM's CUDA repack (``MarlinBackend._marlin``) equals the CPU reference, and
     the kernel with its shipped tile is within the bf16 output's rounding of the exact product, as close as Marlin's
     own GEMM (at most its error plus one bf16 step of the largest output), and the same bits twice."""
     from marlin_reference import marlin_tensors
