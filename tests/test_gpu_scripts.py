@@ -1829,3 +1829,12 @@ def test_compare_evals_judges_a_candidate_against_the_run_to_run_floor(tmp_path,
     short = _eval_lines(tmp_path / "short.jsonl", ref[:50])
     with pytest.raises(SystemExit, match="cover different examples"):
         ce.compare(ce.load(files["ref"]), ce.load(files["floor"]), ce.load(short))
+
+
+def test_the_smollm2_shapes_gpu_tests_passed_in_the_thirty_sixth_sessions_second_call_set():
+    """§4an call set B: the GPU tests of the row and row+lora kernels with SmolLM2's gate/up (Marlin's second unpadded
+    family) and down among them: 19 passed, §4an's 17 and those two."""
+    log = (ROOT / "docs" / "gpu-runs" / "2026-11-29" / "thirty-sixth-b" / "marlin_row_test" / "stdout.log").read_text()
+    assert "19 passed" in log and "failed" not in log
+    src = (ROOT / "tests" / "vllm_ext" / "test_nvfp4_marlin_row.py").read_text()
+    assert "(3584, 18944), (3072, 576), (576, 1536)])\ndef test_gpu_kernel_on_marlins_own_tensors" in src
