@@ -2,15 +2,16 @@
 """Two `qerl eval` runs of one model against each other, on a real model: does an engine option change what it says?
 
     python3 scripts/gpu/compare_evals.py --reference off.jsonl --floor off2.jsonl --candidate shared.jsonl \
-        [--candidate-log shared.log --path "on the row+lora path"] [--out compare.json]
+        [--candidate-log shared.log --path "on the row+lora path" [--path ...]] [--out compare.json]
 
 ``--reference`` and ``--floor`` are two runs of the same engine (their disagreement is the run-to-run floor: with
 LoRA, vLLM's punica shrink and qerl's LoRA kernel sum float32 partials with atomics, docs/benchmarks.md §4an), and
 ``--candidate`` the engine under test. Per run: greedy accuracy; per pair: how many examples' greedy responses differ.
 
 Verdict (the criteria of docs/benchmarks.md §4ao, fixed before the run):
-- void where ``--candidate-log`` lacks ``--path`` (the candidate did not run the path it is meant to test);
-- pass where the candidate's accuracy is within ``--max-acc-diff`` (0.05) of the reference's and the examples whose
+- void where ``--candidate-log`` lacks a ``--path`` text (the candidate did not run the path it is meant to test);
+- pass where the candidate's accuracy is within ``--max-acc-diff`` (0.05; compared as a count of examples, so 0.05 of
+  200 is 10 and a float's rounding cannot move the line) of the reference's and the examples whose
   responses differ from the reference's number at most twice those that differ between reference and floor, plus
   ``--slack`` (4);
 - fail otherwise.
@@ -34,7 +35,7 @@ def load(path: Path) -> dict[int, dict[str, Any]]:
             continue
         rec = json.loads(line)
         if not rec.get("greedy"):
-            raise SystemExit(f"{path}:{n}: no greedy result (row {rec.get('row')}); run qerl eval with --n 1 or more")
+            raise SystemExit(f"{path}:{n}: no greedy result (row {rec.get('row')}): not a qerl eval output")
         rows[rec["row"]] = rec["greedy"]
     if not rows:
         raise SystemExit(f"{path}: no examples")
@@ -54,7 +55,7 @@ def differing(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> lis
 
 
 def compare(reference: dict, floor: dict, candidate: dict, *, max_acc_diff: float = 0.05, slack: int = 4,
-            log_text: str | None = None, path: str | None = None) -> dict[str, Any]:
+            log_text: str | None = None, paths: list[str] | None = None) -> dict[str, Any]:
     base, cand = differing(reference, floor), differing(reference, candidate)
     acc = {"reference": accuracy(reference), "floor": accuracy(floor), "candidate": accuracy(candidate)}
     out: dict[str, Any] = {
@@ -66,14 +67,16 @@ def compare(reference: dict, floor: dict, candidate: dict, *, max_acc_diff: floa
         "allowed_differ": 2 * len(base) + slack,
         "max_acc_diff": max_acc_diff,
     }
-    if path is not None:
-        out["path"] = path
-        out["path_seen"] = bool(log_text) and path in log_text
-        if not out["path_seen"]:
+    if paths:
+        out["paths_seen"] = {p: bool(log_text) and p in log_text for p in paths}
+        missing = [p for p, seen in out["paths_seen"].items() if not seen]
+        if missing:
             out["verdict"] = "void"
-            out["why"] = f"the candidate's log does not name {path!r}: it did not run the path under test"
+            out["why"] = f"the candidate's log does not name {missing}: it did not run the path under test"
             return out
-    acc_ok = abs(acc["candidate"] - acc["reference"]) <= max_acc_diff
+    right = {k: sum(bool(r["correct"]) for r in rows.values())
+             for k, rows in (("reference", reference), ("candidate", candidate))}
+    acc_ok = abs(right["candidate"] - right["reference"]) <= round(max_acc_diff * len(reference), 9)
     differ_ok = len(cand) <= out["allowed_differ"]
     out["verdict"] = "pass" if acc_ok and differ_ok else "fail"
     out["why"] = (f"accuracy {acc['candidate']:.3f} against {acc['reference']:.3f} (at most {max_acc_diff} apart: "
@@ -88,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--floor", type=Path, required=True, help="a second run of the reference engine")
     p.add_argument("--candidate", type=Path, required=True, help="the engine under test")
     p.add_argument("--candidate-log", type=Path, help="the candidate run's log (stderr), searched for --path")
-    p.add_argument("--path", help="text the candidate's log must hold (e.g. 'on the row+lora path')")
+    p.add_argument("--path", action="append", help="text the candidate's log must hold (e.g. 'on the row+lora path'); "
+                   "repeat for several")
     p.add_argument("--max-acc-diff", type=float, default=0.05)
     p.add_argument("--slack", type=int, default=4)
     p.add_argument("--out", type=Path)
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--candidate-log and --path go together")
     log_text = args.candidate_log.read_text(errors="replace") if args.candidate_log else None
     out = compare(load(args.reference), load(args.floor), load(args.candidate), max_acc_diff=args.max_acc_diff,
-                  slack=args.slack, log_text=log_text, path=args.path)
+                  slack=args.slack, log_text=log_text, paths=args.path)
     text = json.dumps(out, indent=1)
     if args.out:
         args.out.write_text(text + "\n")

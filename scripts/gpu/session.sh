@@ -185,15 +185,17 @@ run_step() {
     eval_shared)  # §4ao: decode_gemv shared on a real model. SmolLM2's NVFP4 checkpoint (`smol` first) with the published
         # adapter (r8, served at max_lora_rank 16: qerl's fused LoRA kernels take 16 and more), one sequence at a time
         # (--max-num-seqs 1: every decode step one row, so the row+lora path runs on the layers whose Marlin layout is
-        # unpadded: gate/up and down), greedy on 200 test problems: off twice (the run-to-run floor),
+        # unpadded: gate/up and down; the check is void unless the shared run's log says gate/up took it), greedy on 200
+        # test problems: off twice (the run-to-run floor),
         # then shared; scripts/gpu/compare_evals.py judges by §4ao's criteria. Into $work/eval_shared
-        step eval_shared 540 bash -c 'd='"$work"'/eval_shared; mkdir -p $d && for m in off off2 shared; do
+        step eval_shared 540 bash -c 'd=$1; mkdir -p "$d" && for m in off off2 shared; do
             QERL_NVFP4_DECODE_GEMV=${m%2} python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --adapter docs/learning/smollm2-nvfp4-lora-aqn \
                 --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --max-num-seqs 1 --max-lora-rank 16 --max-new-tokens 64 \
-                --limit 200 --gpu-memory-utilization 0.2 --quiet --overwrite --out $d/$m.jsonl > $d/$m.log 2>&1 || { tail -n 30 $d/$m.log; exit 1; }
-            tail -n 4 $d/$m.log; done
-            python3 scripts/gpu/compare_evals.py --reference $d/off.jsonl --floor $d/off2.jsonl --candidate $d/shared.jsonl \
-                --candidate-log $d/shared.log --path "on the row+lora path" --out $d/compare.json' ;;
+                --limit 200 --gpu-memory-utilization 0.2 --quiet --overwrite --out "$d/$m.jsonl" > "$d/$m.log" 2>&1 || { tail -n 30 "$d/$m.log"; exit 1; }
+            tail -n 4 "$d/$m.log"; done
+            python3 scripts/gpu/compare_evals.py --reference "$d/off.jsonl" --floor "$d/off2.jsonl" --candidate "$d/shared.jsonl" \
+                --candidate-log "$d/shared.log" --path "on the row+lora path" --path "3072 x 576 weights run on qerl'"'"'s row kernel" \
+                --out "$d/compare.json"' _ "$work/eval_shared" ;;
     steptime_bf16)  # the demo's settings on the BF16 base, alone on the GPU, 12 steps without validation
         step steptime_bf16 420 python3 scripts/gpu/learning.py launch --runs bf16:0 --work "$work/steptime" --override trainer.total_training_steps=12 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 && python3 scripts/gpu/learning.py wait --work "$work/steptime" --timeout 400 --every 20 ;;
     steptime_big)  # the demo's config (decoupled mode) alone, 20 steps, no validation, one micro-batch per phase (64k tokens
@@ -401,7 +403,7 @@ overlap-lora --batches 8 --new-tokens 256 --repeats 3 --profile-tokens 64" run_s
 --batches 1,8,64 --new-tokens 256 --repeats 3 --profile-tokens 64" run_step bench_bg ;;
     marlin_row_test)  # §4ah: decode_gemv "shared"'s kernel on Marlin's own tensors (the CUDA repack against vLLM's reference,
         # the kernel against Marlin and the exact product, row+lora against the checkpoint layout) and the row+lora tests
-        step marlin_row_test 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_marlin_row.py \
+        step marlin_row_test 240 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_marlin_row.py \
             tests/vllm_ext/test_nvfp4_gemv_lora.py ;;
     sweep_shared)  # §4ah: that kernel's tiles on the 7B and 32B linears against the checkpoint-layout row kernel and Marlin
         # at one row; writes $work/sweep_shared/marlin_row_tiles.json (after every linear), which bench_shared and

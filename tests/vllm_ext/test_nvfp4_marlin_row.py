@@ -365,6 +365,31 @@ def test_shared_mode_takes_every_layer_without_a_copy(mode, copied):
     assert backend.row_weights(layers["qkv"], None) is None
 
 
+def test_shared_mode_names_which_weight_shapes_take_the_kernel_once_each(caplog):
+    """The notice a run's log holds (what compare_evals.py --path looks for): per weight shape, once, whether its
+    one-row calls run on the row kernel; on SmolLM2, gate/up (Marlin's second family) and down do, q/k/v and o (padded
+    by vLLM) stay on Marlin; nothing is said with decode_gemv off."""
+    import logging
+
+    from vllm_ext import nvfp4_backends
+    from vllm_ext.nvfp4_backends import MarlinBackend
+
+    caplog.set_level(logging.WARNING, logger="qerl.vllm.nvfp4")
+    nvfp4_backends._warned.difference_update({k for k in nvfp4_backends._warned if k.startswith("decode_gemv ")})
+    for mode in ("shared", "off"):
+        backend = object.__new__(MarlinBackend)
+        backend.decode_gemv = mode
+        for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536), (3072, 576)):  # gate/up twice: one line
+            layer = torch.nn.Module()
+            layer.output_size_per_partition, layer.input_size_per_partition = n, k
+            backend._note_shape(layer)
+    lines = [r.getMessage() for r in caplog.records if r.name == "qerl.vllm.nvfp4"]
+    assert lines == ["nvfp4: decode_gemv shared: one-row calls of 960 x 576 weights stay on Marlin",
+                     "nvfp4: decode_gemv shared: one-row calls of 576 x 576 weights stay on Marlin",
+                     "nvfp4: decode_gemv shared: one-row calls of 3072 x 576 weights run on qerl's row kernel",
+                     "nvfp4: decode_gemv shared: one-row calls of 576 x 1536 weights run on qerl's row kernel"]
+
+
 DISPATCH = textwrap.dedent(
     """
     import json
@@ -419,7 +444,8 @@ def test_shared_dispatch_reads_marlins_tensors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (vLLM's Marlin repack and GEMM)")
-@pytest.mark.parametrize("n, k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (3072, 576), (576, 1536)])
+@pytest.mark.parametrize("n, k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944),
+                                  (3072, 576), (576, 1536)])  # SmolLM2's gate/up (Marlin's second family), down
 def test_gpu_kernel_on_marlins_own_tensors(n, k):
     """On the 7B linears and SmolLM2's gate/up (Marlin's second family, K 576) and down, in bfloat16: vLLM's CUDA repack (``MarlinBackend._marlin``) equals the CPU reference, and
     the kernel with its shipped tile is within the bf16 output's rounding of the exact product, as close as Marlin's
