@@ -87,6 +87,8 @@ def engine_kwargs(
         kwargs["max_model_len"] = max_model_len
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = max_num_seqs
+    if max_lora_rank is not None and adapter is None:
+        raise EvalError(f"--max-lora-rank {max_lora_rank} without --adapter: there is no LoRA to serve")
     if adapter is not None:
         rank = max_lora_rank_for(adapter, asked=max_lora_rank)
         check_adapter_for_vllm(adapter, rank, info.config.get("max_position_embeddings"))

@@ -73,6 +73,8 @@ def test_engine_kwargs_are_valid_vllm_engine_args(bf16, nvfp4, tmp_path):
     for bad in (8, 48):  # below the adapter's rank; not a rank vLLM allows
         with pytest.raises(EvalError, match=f"--max-lora-rank {bad}: expected one of vLLM's"):
             ve.engine_kwargs(inspect_model(bf16), adapter=adapter, max_lora_rank=bad)
+    with pytest.raises(EvalError, match="--max-lora-rank 16 without --adapter"):
+        ve.engine_kwargs(inspect_model(bf16), max_lora_rank=16)
     with pytest.raises(EvalError, match="--quantization 'fp8'"):
         ve.engine_kwargs(inspect_model(bf16), quantization="fp8")
 

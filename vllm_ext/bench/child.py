@@ -182,8 +182,8 @@ def greedy_fingerprint(llm, spec: dict, lora, sampling_params_cls) -> dict[str, 
     """Greedy tokens and their chosen-token logprobs for a few fixed prompts: two engines (e.g. the same config
     with another LoRA kernel) that compute the same function agree on them (compared in the report).
 
-    Four passes over the same prompts: decoded together (one batch, as before §4an: a batch of 4 runs the size-8 CUDA
-    graph, so a ``decode_gemv`` engine's one-row kernel never runs), that again (``repeat``), each prompt alone
+    Four passes over the same prompts: decoded together (one batch, as before §4an: four rows per decode step, so a
+    ``decode_gemv`` engine's one-row kernel never runs), that again (``repeat``), each prompt alone
     (``alone``: every decode step is a one-row call) and that again (``alone.repeat``). The repeats measure the
     engine's own run-to-run variation: with LoRA, vLLM's punica shrink (more than 64 tokens) and qerl's LoRA kernel
     sum float32 partials with atomics, in an order that varies from launch to launch (§4an), so an engine need not
