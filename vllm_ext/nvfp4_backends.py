@@ -274,26 +274,28 @@ class MarlinBackend(Backend):
             _set_kernel(layer, "bias", m.bias.data if fused else raw_bias)
         if getattr(layer, "workspace", None) is None:
             layer.workspace = m.workspace  # plain attribute: kept (not re-created) across reloads
-        self._note_shape(layer)
-        if self._gemv_ok(layer) and self.decode_gemv == "shared":
+        row = self._gemv_ok(layer)
+        self._note_shape(layer, row)
+        if row and self.decode_gemv == "shared":
             # the row kernel reads Marlin's tensors: only its divisor (and a natural-order fused bias) are its own
             _set_kernel(layer, "qerl_gemv_gscale", marlin_divisor(m.weight_global_scale.data, layer.params_dtype))
             if fused:
                 _set_kernel(layer, "qerl_gemv_bias", raw_bias.clone())
-        elif self._gemv_ok(layer):
+        elif row:
             _set_kernel(layer, "qerl_gemv_packed", packed.clone())
             _set_kernel(layer, "qerl_gemv_scale", scale.clone())
             _set_kernel(layer, "qerl_gemv_gscale", gscale.reshape(-1)[:1].to(torch.float32).clone())
             if fused:  # Marlin's bias is permuted; the one-row kernel adds the natural-order one
                 _set_kernel(layer, "qerl_gemv_bias", raw_bias.clone())
 
-    def _note_shape(self, layer: torch.nn.Module) -> None:
-        """Once per weight shape and mode: whether its one-row calls take qerl's row kernel or stay on Marlin (so a
-        run's log says which layers a decode_gemv check covered; ``scripts/gpu/compare_evals.py --path``)."""
+    def _note_shape(self, layer: torch.nn.Module, row: bool) -> None:
+        """Once per weight shape and mode: whether its one-row calls take qerl's row kernel (``row``, what
+        :meth:`_gemv_ok` said) or stay on Marlin (so a run's log says which layers a decode_gemv check covered;
+        ``scripts/gpu/compare_evals.py --path``)."""
         if self.decode_gemv == "off":
             return
         n, k = layer.output_size_per_partition, layer.input_size_per_partition
-        where = "run on qerl's row kernel" if self._gemv_ok(layer) else "stay on Marlin"
+        where = "run on qerl's row kernel" if row else "stay on Marlin"
         warn_once(f"decode_gemv {self.decode_gemv} {n}x{k}", "nvfp4: decode_gemv %s: one-row calls of %d x %d "
                   "weights %s", self.decode_gemv, n, k, where)
 

@@ -42,8 +42,8 @@ def load(path: Path) -> dict[int, dict[str, Any]]:
     return rows
 
 
-def accuracy(rows: dict[int, dict[str, Any]]) -> float:
-    return sum(bool(r["correct"]) for r in rows.values()) / len(rows)
+def correct(rows: dict[int, dict[str, Any]]) -> int:
+    return sum(bool(r["correct"]) for r in rows.values())
 
 
 def differing(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> list[int]:
@@ -57,7 +57,9 @@ def differing(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> lis
 def compare(reference: dict, floor: dict, candidate: dict, *, max_acc_diff: float = 0.05, slack: int = 4,
             log_text: str | None = None, paths: list[str] | None = None) -> dict[str, Any]:
     base, cand = differing(reference, floor), differing(reference, candidate)
-    acc = {"reference": accuracy(reference), "floor": accuracy(floor), "candidate": accuracy(candidate)}
+    runs = {"reference": reference, "floor": floor, "candidate": candidate}
+    right = {k: correct(rows) for k, rows in runs.items()}
+    acc = {k: right[k] / len(rows) for k, rows in runs.items()}
     out: dict[str, Any] = {
         "examples": len(reference),
         "accuracy": {k: round(v, 4) for k, v in acc.items()},
@@ -74,8 +76,6 @@ def compare(reference: dict, floor: dict, candidate: dict, *, max_acc_diff: floa
             out["verdict"] = "void"
             out["why"] = f"the candidate's log does not name {missing}: it did not run the path under test"
             return out
-    right = {k: sum(bool(r["correct"]) for r in rows.values())
-             for k, rows in (("reference", reference), ("candidate", candidate))}
     acc_ok = abs(right["candidate"] - right["reference"]) <= round(max_acc_diff * len(reference), 9)
     differ_ok = len(cand) <= out["allowed_differ"]
     out["verdict"] = "pass" if acc_ok and differ_ok else "fail"

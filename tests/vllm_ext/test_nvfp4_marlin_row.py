@@ -382,7 +382,7 @@ def test_shared_mode_names_which_weight_shapes_take_the_kernel_once_each(caplog)
         for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536), (3072, 576)):  # gate/up twice: one line
             layer = torch.nn.Module()
             layer.output_size_per_partition, layer.input_size_per_partition = n, k
-            backend._note_shape(layer)
+            backend._note_shape(layer, backend._gemv_ok(layer))
     lines = [r.getMessage() for r in caplog.records if r.name == "qerl.vllm.nvfp4"]
     assert lines == ["nvfp4: decode_gemv shared: one-row calls of 960 x 576 weights stay on Marlin",
                      "nvfp4: decode_gemv shared: one-row calls of 576 x 576 weights stay on Marlin",
