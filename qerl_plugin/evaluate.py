@@ -369,7 +369,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         choices=("nvfp4",),
-        help="quantize a BF16 MODEL to NVFP4 at load, as `qerl quantize` would (an NVFP4A16 MODEL is detected)",
+        help="quantize a BF16 MODEL to NVFP4 at load, as `qerl quantize` would; with an NVFP4A16 MODEL and --backend "
+        "vllm: run it on qerl's nvfp4 method, as verl's rollout does (without it vLLM runs its stock path)",
     )
     parser.add_argument("--n", type=_at_least(1), default=1, metavar="K", help="samples per prompt for pass@k (default 1: greedy only)")
     parser.add_argument(

@@ -1,8 +1,10 @@
 """``qerl eval --backend vllm``: generation with ``vllm.LLM`` on a GPU, a LoRA adapter served unmerged.
 
 MODEL is a BF16 checkpoint (``--quantization nvfp4`` quantizes it at load with qerl's ``nvfp4`` method) or
-an NVFP4A16 compressed-tensors checkpoint from ``qerl quantize`` (vLLM detects it; with qerl's plugin it
-runs on Marlin FP4). An adapter is passed per request as a ``LoRARequest``; ``max_lora_rank`` is the
+an NVFP4A16 compressed-tensors checkpoint from ``qerl quantize``: vLLM detects it and runs its stock
+compressed-tensors path (Marlin FP4) unless ``--quantization nvfp4`` hands it to qerl's ``nvfp4`` method, the one
+verl's rollout runs (the same Marlin FP4 for many rows; on Hopper one-row decode steps take qerl's row kernel,
+``decode_gemv``). An adapter is passed per request as a ``LoRARequest``; ``max_lora_rank`` is the
 smallest value vLLM accepts that holds the adapter's rank. :mod:`qerl_plugin.evaluate` loads this module
 by name only when the vLLM backend is chosen.
 """
@@ -25,6 +27,7 @@ __all__ = [
     "allowed_lora_ranks",
     "check_adapter_for_vllm",
     "engine_kwargs",
+    "kernels_line",
     "lora_request",
     "max_lora_rank_for",
     "sampling_params",
@@ -94,6 +97,18 @@ def engine_kwargs(
         check_adapter_for_vllm(adapter, rank, info.config.get("max_position_embeddings"))
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=rank)
     return kwargs
+
+
+def kernels_line(info: ModelInfo, kwargs: dict[str, Any]) -> str:
+    """Which quantization path the engine built from ``kwargs`` runs MODEL on, in words for the eval log."""
+    if kwargs.get("quantization") == options.METHOD:
+        if info.quantization == "nvfp4a16":
+            return "qerl's nvfp4 method on the NVFP4A16 checkpoint (the kernels verl's rollout runs)"
+        return "qerl's nvfp4 method, the BF16 weights quantized at load"
+    if info.quantization == "nvfp4a16":
+        return ("vLLM's stock compressed-tensors path for NVFP4A16; --quantization nvfp4 runs qerl's nvfp4 method "
+                "instead, as verl's rollout does")
+    return "no quantization"
 
 
 def check_adapter_for_vllm(adapter: AdapterInfo, max_lora_rank: int, max_position_embeddings: int | None = None) -> None:
@@ -175,14 +190,14 @@ class VLLMBackend:
         from vllm import LLM
 
         self.kwargs = kwargs
+        self.info = info
         self.progress = progress
         self.lora = lora_request(adapter)
         self.llm = LLM(**kwargs)
 
     def describe(self) -> str:
         extra = f", max_lora_rank {self.kwargs['max_lora_rank']}" if self.lora else ""
-        quant = f", quantization {self.kwargs['quantization']}" if "quantization" in self.kwargs else ""
-        return f"vLLM{quant}{extra}"
+        return f"vLLM, {kernels_line(self.info, self.kwargs)}{extra}"
 
     def generate(
         self,

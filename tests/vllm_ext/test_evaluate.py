@@ -79,6 +79,25 @@ def test_engine_kwargs_are_valid_vllm_engine_args(bf16, nvfp4, tmp_path):
         ve.engine_kwargs(inspect_model(bf16), quantization="fp8")
 
 
+def test_an_nvfp4a16_checkpoint_runs_qerls_method_only_when_asked(bf16, nvfp4):
+    """vLLM's own ModelConfig, from the engine arguments qerl eval builds: the NVFP4A16 checkpoint stays on vLLM's
+    compressed-tensors path unless --quantization nvfp4 is given (the method verl's rollout runs); the log says which."""
+    from vllm import EngineArgs
+
+    model = inspect_model(nvfp4)
+    stock = ve.engine_kwargs(model, max_model_len=128)
+    ours = ve.engine_kwargs(model, quantization="nvfp4", max_model_len=128)
+    assert ours["quantization"] == "nvfp4" and "quantization" not in stock
+    assert EngineArgs(**stock).create_model_config().quantization == "compressed-tensors"
+    assert EngineArgs(**ours).create_model_config().quantization == "nvfp4"
+    assert ve.kernels_line(model, stock).startswith("vLLM's stock compressed-tensors path")
+    assert "--quantization nvfp4 runs qerl's nvfp4 method" in ve.kernels_line(model, stock)
+    assert ve.kernels_line(model, ours) == "qerl's nvfp4 method on the NVFP4A16 checkpoint (the kernels verl's rollout runs)"
+    online = inspect_model(bf16)
+    assert ve.kernels_line(online, ve.engine_kwargs(online, quantization="nvfp4")).endswith("quantized at load")
+    assert ve.kernels_line(online, ve.engine_kwargs(online)) == "no quantization"
+
+
 def test_vllm_refuses_what_it_cannot_serve_before_the_engine(bf16, tmp_path):
     """vLLM's own PEFTHelper checks run before start-up (here: a bias-trained adapter)."""
     adapter_dir = write_adapter(bf16, 8, tmp_path / "biased")
