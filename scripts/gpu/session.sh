@@ -182,19 +182,24 @@ run_step() {
         # `split -b 27M -d FILE gguf.part` into .gpu/smol0 (part00, part01) and .gpu/smol1 (part02, part03); each
         # call copies its folder's parts to /tmp/stage_smol. SMOL_MD5: the GGUF's md5 (checked when set)
         step smol 300 bash -c 'cat /tmp/stage_smol/gguf.part* > /tmp/smol.gguf && { [ -z "${SMOL_MD5:-}" ] || echo "$SMOL_MD5  /tmp/smol.gguf" | md5sum -c --quiet; } && python3 examples/smollm2/prepare.py /tmp/qerl_smollm2 --gguf /tmp/smol.gguf --nvfp4 --overwrite --no-sample' ;;
-    eval_shared)  # §4ao: decode_gemv shared on a real model. SmolLM2's NVFP4 checkpoint (`smol` first) with the published
+    eval_shared)  # §4ao/§4ap: decode_gemv shared on a real model. SmolLM2's NVFP4 checkpoint (`smol` first), on qerl's nvfp4
+        # method (--quantization nvfp4: without it vLLM runs its stock compressed-tensors path, and §4ap's first run was
+        # void for that reason), with the published
         # adapter (r8, served at max_lora_rank 16: qerl's fused LoRA kernels take 16 and more), one sequence at a time
         # (--max-num-seqs 1: every decode step one row, so the row+lora path runs on the layers whose Marlin layout is
         # unpadded: gate/up and down; the check is void unless the shared run's log says gate/up took it), greedy on 200
         # test problems: off twice (the run-to-run floor),
-        # then shared; scripts/gpu/compare_evals.py judges by §4ao's criteria. Into $work/eval_shared
+        # then shared; scripts/gpu/compare_evals.py judges by §4ao's criteria. Into $work/eval_shared. The three runs took
+        # 243 + ~80 + ~140 s in §4ap (the first compiles): a run whose summary exists is skipped, so a call cut at the
+        # step's limit is finished by calling eval_shared again
         step eval_shared 540 bash -c 'd=$1; mkdir -p "$d" && for m in off off2 shared; do
+            [ -f "$d/$m.summary.json" ] && { echo "$m: done in an earlier call"; continue; }
             QERL_NVFP4_DECODE_GEMV=${m%2} python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --adapter docs/learning/smollm2-nvfp4-lora-aqn \
-                --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --max-num-seqs 1 --max-lora-rank 16 --max-new-tokens 64 \
+                --quantization nvfp4 --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --max-num-seqs 1 --max-lora-rank 16 --max-new-tokens 64 \
                 --limit 200 --gpu-memory-utilization 0.2 --quiet --overwrite --out "$d/$m.jsonl" > "$d/$m.log" 2>&1 || { tail -n 30 "$d/$m.log"; exit 1; }
             tail -n 4 "$d/$m.log"; done
             python3 scripts/gpu/compare_evals.py --reference "$d/off.jsonl" --floor "$d/off2.jsonl" --candidate "$d/shared.jsonl" \
-                --candidate-log "$d/shared.log" --path "on the row+lora path" --path "3072 x 576 weights run on qerl'"'"'s row kernel" \
+                --candidate-log "$d/shared.log" --path "qerl'"'"'s nvfp4 method on the NVFP4A16" --path "on the row+lora path" --path "3072 x 576 weights run on qerl'"'"'s row kernel" \
                 --out "$d/compare.json"' _ "$work/eval_shared" ;;
     steptime_bf16)  # the demo's settings on the BF16 base, alone on the GPU, 12 steps without validation
         step steptime_bf16 420 python3 scripts/gpu/learning.py launch --runs bf16:0 --work "$work/steptime" --override trainer.total_training_steps=12 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 && python3 scripts/gpu/learning.py wait --work "$work/steptime" --timeout 400 --every 20 ;;
