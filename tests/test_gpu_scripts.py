@@ -1784,6 +1784,80 @@ def test_vllms_lora_shrink_splits_k_with_atomic_adds_for_the_bench_prefill():
     assert "tl.atomic_add(c_ptr, accumulator" in inspect.getsource(kernel_utils)
 
 
+def _eval_shared_step() -> str:
+    text = (GPU / "session.sh").read_text()
+    start = text.index("    eval_shared)")
+    return text[start:text.index(";;", start)]
+
+
+def test_eval_shared_runs_qerls_method_and_checks_its_log_for_it():
+    """§4ap: the real-model check runs SmolLM2's NVFP4A16 checkpoint with --quantization nvfp4 (vLLM's stock
+    compressed-tensors path has no decode_gemv), and is void unless the candidate's log names that method in the words
+    ``qerl eval`` logs (vllm_ext.evaluate.kernels_line); a run finished in an earlier call is not run again."""
+    import shlex
+    from types import SimpleNamespace
+
+    from vllm_ext.evaluate import kernels_line
+
+    step = _eval_shared_step()
+    assert step.count("qerl_plugin.cli eval ") == 1 and "--quantization nvfp4" in step
+    start = step.index("python3 scripts/gpu/compare_evals.py")
+    compare = step[start:step.index("--out", start)].replace("'\"'\"'", "'")  # the shell's quote inside bash -c '...'
+    words = shlex.split(compare.replace("\\\n", " "))
+    paths = [words[i + 1] for i, w in enumerate(words) if w == "--path"]
+    assert paths == ["qerl's nvfp4 method on the NVFP4A16", "on the row+lora path",
+                     "3072 x 576 weights run on qerl's row kernel"]
+    line = kernels_line(SimpleNamespace(quantization="nvfp4a16"), {"quantization": "nvfp4"})
+    assert paths[0] in line and paths[0] not in kernels_line(SimpleNamespace(quantization="nvfp4a16"), {})
+    assert '[ -f "$d/$m.summary.json" ]' in step
+
+
+def test_thirty_seventh_sessions_raw_results():
+    """§4ap, recomputed from the committed raw files: the real-model check was void (all three runs on vLLM's stock
+    compressed-tensors path, so decode_gemv changed nothing: the same 200 responses, 0.780 each); the GPU tests passed;
+    in the 7B table shared beat off at b1 and equalled it at b8 and b64, with LoRA and without; in the greedy check
+    every engine with LoRA, vLLM's stock ones included, differs from its own repeat, and none without LoRA does."""
+    from vllm_ext.bench import report
+
+    runs = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "thirty-seventh" / "work"
+    assert "19 passed" in (runs / "marlin_row_test" / "stdout.log").read_text()
+    ev, ce = runs / "eval_shared", _import_script("compare_evals")
+    got = ce.compare(ce.load(ev / "off.jsonl"), ce.load(ev / "off2.jsonl"), ce.load(ev / "shared.jsonl"),
+                     log_text=(ev / "shared.log").read_text(), paths=["on the row+lora path"])
+    assert got["verdict"] == "void" and got["differ_reference_floor"] == got["differ_reference_candidate"] == 0
+    assert set(got["accuracy"].values()) == {0.78}
+    assert json.loads((ev / "compare.json").read_text())["verdict"] == "void"
+    for name in ("off", "off2", "shared"):
+        log = (ev / f"{name}.log").read_text()
+        assert "quantization=compressed-tensors" in log and "Using MarlinNvFp4LinearKernel" in log
+        assert "quantization=nvfp4" not in log and "decode_gemv" not in log
+
+    table = json.loads((runs / "bench-tshared" / "a" / "bench_rollout.json").read_text())
+    by = {(r["config"], r["variant"]): r for r in table["results"]}
+    assert all(r["inherited_env"] == {"QERL_MARLIN_ROW_TILES": ""} for r in by.values())
+    for config, gain in (("nvfp4-lora", 21.5), ("nvfp4", 12.4)):
+        shared, off = by[(config, "decode-gemv-shared")]["batches"], by[(config, "decode-gemv-off")]["batches"]
+        assert [_verdict_tok_s(shared, off, b) for b in ("1", "8", "64")] == ["faster", "equal", "equal"], config
+        assert round(100 * (shared["1"]["decode_tok_s"] / off["1"]["decode_tok_s"] - 1), 1) == gain
+    rows = table["summary"]["rows"]
+    assert rows["nvfp4-lora@decode-gemv-shared"]["vs_bf16_lora"] == {"1": 1.981, "8": 1.588, "64": 1.135}
+    assert rows["stock-nvfp4-lora@punica-lora"]["vs_bf16_lora"] == {"1": 1.277, "8": 1.304, "64": 0.964}
+    assert rows["nvfp4-lora@decode-gemv-shared"]["lora_overhead"] == {"1": 0.079, "8": 0.132, "64": 0.079}
+
+    def repeats_itself(result, mode):
+        g = result["greedy"] if mode == "together" else result["greedy"]["alone"]
+        return g["tokens"] == g["repeat"]["tokens"] and g["chosen_logprobs"] == g["repeat"]["chosen_logprobs"]
+
+    for (config, variant), result in by.items():
+        for mode in ("together", "alone"):
+            assert repeats_itself(result, mode) == ("lora" not in config), (config, variant, mode)
+    greedy = report.greedy_agreement(table["results"])
+    plain = greedy["nvfp4@decode-gemv-shared"]
+    assert plain["all_identical"] and plain["alone"]["first_token_logprob_diff"] == 0.0
+    assert plain["alone"]["verdict"] == "differs while each engine repeats itself exactly"
+    assert plain["alone"]["common_prefix"] == [7, 3, 11, 1]
+
+
 def _eval_lines(path: Path, answers: list[tuple[str, bool]]) -> Path:
     """``qerl eval``'s per-example lines (its own record functions) for responses ``answers`` (text, correct)."""
     from qerl_plugin.evaluate import _record
