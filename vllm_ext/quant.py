@@ -62,6 +62,27 @@ def _online_config_problem(quant_cfg: dict[str, Any]) -> str | None:
     return None
 
 
+_STOCK_NOTED = False  # the stock-path note below is logged once per process
+
+
+def _note_stock_path(quant_cfg: dict[str, Any]) -> None:
+    """Once per process: an NVFP4A16 checkpoint loaded without ``--quantization nvfp4`` runs on vLLM's stock
+    compressed-tensors path, without qerl's decode kernels; say so and how to choose qerl's method. Never raises:
+    the stock path must load whatever this check thinks of the config."""
+    global _STOCK_NOTED
+    if _STOCK_NOTED or quant_cfg.get("quant_method") != "compressed-tensors":
+        return
+    try:
+        if _nvfp4a16_problem(quant_cfg) is not None:
+            return
+    except Exception:  # noqa: BLE001 (a config this check cannot read is vLLM's to judge)
+        return
+    _STOCK_NOTED = True
+    logger.warning("qerl: this NVFP4A16 checkpoint runs on vLLM's stock compressed-tensors path; "
+                   "--quantization nvfp4 runs it on qerl's nvfp4 method instead (what verl's rollout runs; on Hopper "
+                   "its batch-1 decode takes qerl's row kernel with the LoRA fused)")
+
+
 def _fix_hint(method: Any) -> str:
     return (
         "nvfp4 serves compressed-tensors NVFP4A16 checkpoints (`qerl quantize`, llmcompressor's NVFP4A16 "
@@ -161,6 +182,8 @@ class NVFP4Config(QuantizationConfig):
     ) -> str | None:
         """Claim a compressed-tensors NVFP4A16 checkpoint when the user asked for ``--quantization nvfp4``."""
         if user_quant != METHOD_NAME:
+            if user_quant is None:
+                _note_stock_path(hf_quant_cfg)
             return None
         method = hf_quant_cfg.get("quant_method")
         if method == METHOD_NAME:

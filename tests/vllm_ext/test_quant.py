@@ -52,6 +52,23 @@ def test_override_quantization_method():
         NVFP4Config.override_quantization_method({"quant_method": "awq", "bits": 4}, "nvfp4")
 
 
+def test_the_stock_path_says_once_how_to_choose_qerls_method(monkeypatch, caplog):
+    """An NVFP4A16 checkpoint without --quantization keeps vLLM's stock path, with one log line naming the flag;
+    other checkpoints (and an explicit --quantization compressed-tensors) load without it."""
+    monkeypatch.setattr(quant, "_STOCK_NOTED", False)
+    w4a4 = quantization_config_dict()
+    w4a4["config_groups"]["group_0"]["input_activations"] = dict(w4a4["config_groups"]["group_0"]["weights"])
+    with caplog.at_level("WARNING", logger="qerl.vllm.quant"):
+        for cfg, user in ((w4a4, None), ({"quant_method": "awq", "bits": 4}, None),
+                          (quantization_config_dict(), "compressed-tensors")):
+            assert NVFP4Config.override_quantization_method(cfg, user) is None
+        assert not caplog.records
+        for _ in range(2):
+            assert NVFP4Config.override_quantization_method(quantization_config_dict(), None) is None
+    (record,) = caplog.records
+    assert "runs on vLLM's stock compressed-tensors path; --quantization nvfp4 runs it on qerl's" in record.getMessage()
+
+
 def test_model_config_picks_nvfp4_for_both_checkpoint_kinds(tmp_path, tiny_qwen2_dir, tiny_qwen2_nvfp4_dir):
     """vLLM's own ModelConfig: --quantization nvfp4 takes BF16 and CT NVFP4A16 checkpoints; CT alone stays stock."""
     from vllm.config import ModelConfig
