@@ -4,7 +4,7 @@ CHECKPOINT_DIR is what verl's trainer saved for the NVFP4 + LoRA actor: ``.../gl
 ``global_step_N`` folder, or the run's checkpoint folder (its ``latest_checkpointed_iteration.txt`` picks the
 step). OUT gets ``adapter_config.json`` and ``adapter_model.safetensors`` and nothing of the frozen base, so
 
-    vllm serve NVFP4_MODEL --enable-lora --max-lora-rank R --lora-modules NAME=OUT
+    vllm serve NVFP4_MODEL --quantization nvfp4 --enable-lora --max-lora-rank R --lora-modules NAME=OUT
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BF16_MODEL), OUT)
 
 load it. The LoRA tensors keep the dtype they were trained in (``--dtype`` converts), with PEFT's names
@@ -203,6 +203,6 @@ def run(args: argparse.Namespace) -> int:
     report = export_adapter(args.checkpoint, args.out, base=args.base, overwrite=args.overwrite, dtype=args.dtype)
     print(report.summary())
     rank = max(8, 1 << (report.r - 1).bit_length())  # a hint: vLLM's max_lora_rank takes the powers of 2 from 8 to 512
-    print(f"serve it: vllm serve {args.base or '<NVFP4 model>'} --enable-lora --max-lora-rank {rank} "
-          f"--lora-modules qerl={report.out}")
+    print(f"serve it: vllm serve {args.base or '<NVFP4 model>'} --quantization nvfp4 --enable-lora "
+          f"--max-lora-rank {rank} --lora-modules qerl={report.out}")
     return 0

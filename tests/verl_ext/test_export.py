@@ -435,16 +435,34 @@ def test_base_of_other_shapes(tmp_path, ckpt1):
 # the command
 
 
-def test_cli(tmp_path, ckpt2, model_dir, capsys):
+def test_cli(tmp_path, ckpt2, model_dir, capsys, monkeypatch):
     from qerl_plugin import cli
 
     assert cli.main(["export", str(_actor(ckpt2, "fsdp2").parent), str(tmp_path / "a"), "--base", str(model_dir)]) == 0
     out = capsys.readouterr().out
     assert "wrote" in out and "r=5 alpha=10 on 14 modules" in out and "FSDP2, 2 rank(s)" in out
     assert f"--enable-lora --max-lora-rank 8 --lora-modules qerl={tmp_path / 'a'}" in out
+    _serve_hint_parses(out, model_dir, tmp_path / "a", monkeypatch)
     assert cli.main(["export", str(_actor(ckpt2, "fsdp2")), str(tmp_path / "a")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("qerl export: error: OUT") and len(err.strip().splitlines()) == 1
+
+
+def _serve_hint_parses(out: str, model_dir, adapter, monkeypatch) -> None:
+    """The printed `vllm serve` line, read by vLLM's own serve parser: qerl's method on the base, the adapter by name
+    (without --quantization nvfp4 an NVFP4A16 base would run on vLLM's stock path)."""
+    pytest.importorskip("vllm")
+    import shlex
+
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setattr(type(current_platform), "device_type", "cpu")  # vLLM's parser needs a device type
+    (line,) = [x for x in out.splitlines() if x.startswith("serve it: vllm serve ")]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(shlex.split(line.removeprefix("serve it: vllm serve ")))
+    assert (args.model_tag, args.quantization, args.enable_lora, args.max_lora_rank) == (str(model_dir), "nvfp4", True, 8)
+    assert [(m.name, m.path) for m in args.lora_modules] == [("qerl", str(adapter))]
 
 
 def test_module_import_is_cheap():
