@@ -1800,7 +1800,8 @@ def test_eval_shared_runs_qerls_method_and_checks_its_log_for_it():
     from vllm_ext.evaluate import kernels_line
 
     step = _eval_shared_step()
-    assert step.count("qerl_plugin.cli eval ") == 1 and "--quantization nvfp4" in step
+    run = step[step.index("qerl_plugin.cli eval "):step.index('--out "$d/$m.jsonl"')]  # the command, not the comments
+    assert step.count("qerl_plugin.cli eval ") == 1 and "--quantization nvfp4" in run
     start = step.index("python3 scripts/gpu/compare_evals.py")
     compare = step[start:step.index("--out", start)].replace("'\"'\"'", "'")  # the shell's quote inside bash -c '...'
     words = shlex.split(compare.replace("\\\n", " "))

@@ -108,6 +108,8 @@ def kernels_line(info: ModelInfo, kwargs: dict[str, Any]) -> str:
     if info.quantization == "nvfp4a16":
         return ("vLLM's stock compressed-tensors path for NVFP4A16; --quantization nvfp4 runs qerl's nvfp4 method "
                 "instead, as verl's rollout does")
+    if info.quantization:
+        return f"vLLM's own {info.quantization} method"
     return "no quantization"
 
 

@@ -70,17 +70,18 @@ def _note_stock_path(quant_cfg: dict[str, Any]) -> None:
     compressed-tensors path, without qerl's decode kernels; say so and how to choose qerl's method. Never raises:
     the stock path must load whatever this check thinks of the config."""
     global _STOCK_NOTED
-    if _STOCK_NOTED or quant_cfg.get("quant_method") != "compressed-tensors":
+    if _STOCK_NOTED:
         return
     try:
-        if _nvfp4a16_problem(quant_cfg) is not None:
+        if quant_cfg.get("quant_method") != "compressed-tensors" or _nvfp4a16_problem(quant_cfg) is not None:
             return
     except Exception:  # noqa: BLE001 (a config this check cannot read is vLLM's to judge)
         return
     _STOCK_NOTED = True
     logger.warning("qerl: this NVFP4A16 checkpoint runs on vLLM's stock compressed-tensors path; "
                    "--quantization nvfp4 runs it on qerl's nvfp4 method instead (what verl's rollout runs; on Hopper "
-                   "its batch-1 decode takes qerl's row kernel with the LoRA fused)")
+                   "with one GPU per engine, its one-row decode calls take qerl's row kernel with the LoRA fused, on "
+                   "the layers whose Marlin layout allows it)")
 
 
 def _fix_hint(method: Any) -> str:

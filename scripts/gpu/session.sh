@@ -190,9 +190,10 @@ run_step() {
         # unpadded: gate/up and down; the check is void unless the shared run's log says gate/up took it), greedy on 200
         # test problems: off twice (the run-to-run floor),
         # then shared; scripts/gpu/compare_evals.py judges by §4ao's criteria. Into $work/eval_shared. The three runs took
-        # 243 + ~80 + ~140 s in §4ap (the first compiles): a run whose summary exists is skipped, so a call cut at the
-        # step's limit is finished by calling eval_shared again
-        step eval_shared 540 bash -c 'd=$1; mkdir -p "$d" && for m in off off2 shared; do
+        # ~263 + ~95 + ~156 s of wall time in §4ap (off and shared each compiled, 62 and 67 s: shared got a new compile
+        # cache entry): a run whose summary exists is skipped, so a call cut at the step's limit is finished by
+        # calling eval_shared again; FRESH=1 starts over (after a code change on a warm machine)
+        step eval_shared 540 bash -c 'd=$1; [ -z "${FRESH:-}" ] || rm -rf "$d"; mkdir -p "$d" && for m in off off2 shared; do
             [ -f "$d/$m.summary.json" ] && { echo "$m: done in an earlier call"; continue; }
             QERL_NVFP4_DECODE_GEMV=${m%2} python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --adapter docs/learning/smollm2-nvfp4-lora-aqn \
                 --quantization nvfp4 --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --max-num-seqs 1 --max-lora-rank 16 --max-new-tokens 64 \

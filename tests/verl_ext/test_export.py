@@ -461,7 +461,8 @@ def _serve_hint_parses(out: str, model_dir, adapter, monkeypatch) -> None:
     monkeypatch.setattr(type(current_platform), "device_type", "cpu")  # vLLM's parser needs a device type
     (line,) = [x for x in out.splitlines() if x.startswith("serve it: vllm serve ")]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(shlex.split(line.removeprefix("serve it: vllm serve ")))
-    assert (args.model_tag, args.quantization, args.enable_lora, args.max_lora_rank) == (str(model_dir), "nvfp4", True, 8)
+    got = (args.model_tag, args.quantization, args.enable_lora, args.max_lora_rank)
+    assert got == (str(model_dir), "nvfp4", True, 8)
     assert [(m.name, m.path) for m in args.lora_modules] == [("qerl", str(adapter))]
 
 

@@ -3,6 +3,7 @@ sampling parameters and the refusals, checked against the installed vLLM without
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import get_args
@@ -81,7 +82,8 @@ def test_engine_kwargs_are_valid_vllm_engine_args(bf16, nvfp4, tmp_path):
 
 def test_an_nvfp4a16_checkpoint_runs_qerls_method_only_when_asked(bf16, nvfp4):
     """vLLM's own ModelConfig, from the engine arguments qerl eval builds: the NVFP4A16 checkpoint stays on vLLM's
-    compressed-tensors path unless --quantization nvfp4 is given (the method verl's rollout runs); the log says which."""
+    compressed-tensors path unless --quantization nvfp4 is given (the method verl's rollout runs); the log says
+    which, and names another checkpoint's own method."""
     from vllm import EngineArgs
 
     model = inspect_model(nvfp4)
@@ -92,10 +94,13 @@ def test_an_nvfp4a16_checkpoint_runs_qerls_method_only_when_asked(bf16, nvfp4):
     assert EngineArgs(**ours).create_model_config().quantization == "nvfp4"
     assert ve.kernels_line(model, stock).startswith("vLLM's stock compressed-tensors path")
     assert "--quantization nvfp4 runs qerl's nvfp4 method" in ve.kernels_line(model, stock)
-    assert ve.kernels_line(model, ours) == "qerl's nvfp4 method on the NVFP4A16 checkpoint (the kernels verl's rollout runs)"
+    ours_line = "qerl's nvfp4 method on the NVFP4A16 checkpoint (the kernels verl's rollout runs)"
+    assert ve.kernels_line(model, ours) == ours_line
     online = inspect_model(bf16)
     assert ve.kernels_line(online, ve.engine_kwargs(online, quantization="nvfp4")).endswith("quantized at load")
     assert ve.kernels_line(online, ve.engine_kwargs(online)) == "no quantization"
+    awq = dataclasses.replace(online, quantization="awq")
+    assert ve.kernels_line(awq, {"model": "m"}) == "vLLM's own awq method"
 
 
 def test_vllm_refuses_what_it_cannot_serve_before_the_engine(bf16, tmp_path):
