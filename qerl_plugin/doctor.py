@@ -7,7 +7,8 @@ Jobs and what they need:
 * ``rollout``          a CUDA GPU of compute capability >= 7.5 (vLLM's own test for its Marlin FP4 kernel),
                        vLLM importable with its compiled ops ``torch.ops._C.marlin_gemm`` /
                        ``gptq_marlin_repack``, and our ``vllm.general_plugins`` entry point ``qerl``.
-* ``serve``            as rollout (the plugin is only recommended: stock vLLM serves NVFP4 + LoRA).
+* ``serve``            as rollout (the plugin is only recommended: stock vLLM serves NVFP4 + LoRA; with it,
+                       ``vllm serve CKPT --quantization nvfp4`` runs qerl's kernels).
 * ``train``            rollout, plus verl, peft, transformers and our ``verl.plugins`` entry point ``qerl``.
 
 Versions that differ from the pins (:data:`qerl_plugin.upstream.PINS`) are warnings, not failures. vLLM and
