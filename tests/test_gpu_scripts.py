@@ -1845,13 +1845,9 @@ def test_thirty_seventh_sessions_raw_results():
     assert rows["stock-nvfp4-lora@punica-lora"]["vs_bf16_lora"] == {"1": 1.277, "8": 1.304, "64": 0.964}
     assert rows["nvfp4-lora@decode-gemv-shared"]["lora_overhead"] == {"1": 0.079, "8": 0.132, "64": 0.079}
 
-    def repeats_itself(result, mode):
-        g = result["greedy"] if mode == "together" else result["greedy"]["alone"]
-        return g["tokens"] == g["repeat"]["tokens"] and g["chosen_logprobs"] == g["repeat"]["chosen_logprobs"]
-
     for (config, variant), result in by.items():
-        for mode in ("together", "alone"):
-            assert repeats_itself(result, mode) == ("lora" not in config), (config, variant, mode)
+        for mode, g in (("together", result["greedy"]), ("alone", result["greedy"]["alone"])):
+            assert report._repeats_itself(g) is ("lora" not in config), (config, variant, mode)
     greedy = report.greedy_agreement(table["results"])
     plain = greedy["nvfp4@decode-gemv-shared"]
     assert plain["all_identical"] and plain["alone"]["first_token_logprob_diff"] == 0.0
