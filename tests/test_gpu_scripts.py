@@ -1794,7 +1794,6 @@ def test_eval_shared_runs_qerls_method_and_checks_its_log_for_it():
     """§4ap: the real-model check runs SmolLM2's NVFP4A16 checkpoint with --quantization nvfp4 (vLLM's stock
     compressed-tensors path has no decode_gemv), and is void unless the candidate's log names that method in the words
     ``qerl eval`` logs (vllm_ext.evaluate.kernels_line); a run finished in an earlier call is not run again."""
-    import shlex
     from types import SimpleNamespace
 
     from vllm_ext.evaluate import kernels_line
@@ -1802,10 +1801,7 @@ def test_eval_shared_runs_qerls_method_and_checks_its_log_for_it():
     step = _eval_shared_step()
     run = step[step.index("qerl_plugin.cli eval "):step.index('--out "$d/$m.jsonl"')]  # the command, not the comments
     assert step.count("qerl_plugin.cli eval ") == 1 and "--quantization nvfp4" in run
-    start = step.index("python3 scripts/gpu/compare_evals.py")
-    compare = step[start:step.index("--out", start)].replace("'\"'\"'", "'")  # the shell's quote inside bash -c '...'
-    words = shlex.split(compare.replace("\\\n", " "))
-    paths = [words[i + 1] for i, w in enumerate(words) if w == "--path"]
+    paths = _eval_shared_paths()
     assert paths == ["qerl's nvfp4 method on the NVFP4A16", "on the row+lora path",
                      "3072 x 576 weights run on qerl's row kernel"]
     line = kernels_line(SimpleNamespace(quantization="nvfp4a16"), {"quantization": "nvfp4"})
@@ -1853,6 +1849,42 @@ def test_thirty_seventh_sessions_raw_results():
     assert plain["all_identical"] and plain["alone"]["first_token_logprob_diff"] == 0.0
     assert plain["alone"]["verdict"] == "differs while each engine repeats itself exactly"
     assert plain["alone"]["common_prefix"] == [7, 3, 11, 1]
+
+
+def test_thirty_eighth_sessions_raw_results():
+    """§4aq, recomputed from the committed raw files: the real-model check of decode_gemv "shared" ran qerl's method
+    (every run's log says so, and shared's names the row kernel on SmolLM2's gate/up and down) and passes §4ao's rule:
+    0.780 each, 2 of 200 responses differ from off's, none between off's two runs; off's responses are the stock
+    path's of §4ap."""
+    runs = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "thirty-eighth" / "work"
+    assert "19 passed" in (runs / "marlin_row_test" / "stdout.log").read_text()
+    ev, ce = runs / "eval_shared", _import_script("compare_evals")
+    paths = _eval_shared_paths()
+    off, off2, shared = (ce.load(ev / f"{m}.jsonl") for m in ("off", "off2", "shared"))
+    got = ce.compare(off, off2, shared, log_text=(ev / "shared.log").read_text(), paths=paths)
+    assert got["verdict"] == "pass" and got["differ_reference_floor"] == 0 and got["differ_reference_candidate"] == 2
+    assert got["rows_differing"] == [112, 128] and set(got["accuracy"].values()) == {0.78}
+    assert json.loads((ev / "compare.json").read_text())["verdict"] == "pass"
+    for name in ("off", "off2", "shared"):
+        log = (ev / f"{name}.log").read_text()
+        assert "'quantization': 'nvfp4'" in log and paths[0] in log
+        assert ("qerl's row kernel" in log) is (name == "shared")
+    assert "one-row calls of 960 x 576 weights stay on Marlin" in (ev / "shared.log").read_text()
+    answers = {m: [rows[i]["pred"] for i in (112, 128)] for m, rows in (("off", off), ("shared", shared))}
+    assert answers == {"off": ["21", "6"], "shared": ["20", "7"]}
+    stock = ce.load(ROOT / "docs" / "gpu-runs" / "2026-11-29" / "thirty-seventh" / "work" / "eval_shared" / "off.jsonl")
+    assert ce.differing(stock, off) == [] and ce.differing(stock, shared) == [112, 128]
+
+
+def _eval_shared_paths() -> list[str]:
+    """The ``--path`` texts that session.sh's eval_shared step hands compare_evals.py."""
+    import shlex
+
+    step = _eval_shared_step()
+    start = step.index("python3 scripts/gpu/compare_evals.py")
+    compare = step[start:step.index("--out", start)].replace("'\"'\"'", "'")  # the shell's quote inside bash -c '...'
+    words = shlex.split(compare.replace("\\\n", " "))
+    return [words[i + 1] for i, w in enumerate(words) if w == "--path"]
 
 
 def _eval_lines(path: Path, answers: list[tuple[str, bool]]) -> Path:
