@@ -251,6 +251,13 @@ run_step() {
     gemv)  # the W4A16 GEMM vs Marlin on the 7B decode linears: every tile's error, a tile sweep, the best tile vs Marlin
         # and BF16 with the weights streamed from HBM (scripts/gpu/check_gemv.py; GEMV_ARGS more options)
         step gemv 420 python3 scripts/gpu/check_gemv.py ${GEMV_ARGS:-} ;;
+    marlin_smem)  # §4ar: why the overlap mode hides so little of the LoRA kernel beside Marlin at b8. The per-layer
+        # kernels in CUDA graphs (overlap_fused against serial_fused), then Nsight Compute's launch statistics and
+        # occupancy of Marlin's FP4 GEMM and of the LoRA kernel at 8 rows (the ncu runs' own timings are not used)
+        step kernels_h200 240 python3 scripts/gpu/bench_rollout.py kernels --shape 7B --batches 1,8,64
+        step ncu_marlin_smem 240 bash -c 'for k in Marlin _fused_lora_kernel; do OUT=/tmp/ncu_scratch ncu --kernel-name regex:$k \
+            --launch-count 8 --section LaunchStats --section Occupancy python3 scripts/gpu/bench_rollout.py kernels --shape 7B \
+            --batches 8 --iters 2 > "$OUT/ncu_$k.log" 2>&1 || exit 1; grep -E "Grid Size|Block Size|Shared Memory|Block Limit|Registers Per|Theoretical Occ" "$OUT/ncu_$k.log" | sort | uniq -c; done' ;;
     ncu_kernels)  # the dequant kernel, Marlin and the one-row W4A16 kernel under Nsight Compute (scripts/gpu/profile_kernels.py)
         step ncu_kernels 300 bash -c 'python3 scripts/gpu/profile_kernels.py --calls 3 && ncu --kernel-name regex:"dequant|marlin|row_kernel" --launch-count 16 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats python3 scripts/gpu/profile_kernels.py --calls 3' ;;
     ncu_shared)  # §4ah: decode_gemv shared's kernel (NCU_ARGS: --asum 0-4 for that form) under Nsight Compute, the sections
