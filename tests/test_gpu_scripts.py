@@ -1876,6 +1876,48 @@ def test_thirty_eighth_sessions_raw_results():
     assert ce.differing(stock, off) == [] and ce.differing(stock, shared) == [112, 128]
 
 
+def _ncu_metrics(log: Path) -> list[dict[str, str]]:
+    """Each profiled launch's metric values in an Nsight Compute text report (``Metric Name  Unit  Value`` rows)."""
+    import re
+
+    launches: list[dict[str, str]] = []
+    for line in log.read_text().splitlines():
+        if ", Context " in line and ", Device " in line:  # a launch's header line
+            launches.append({"header": line.strip()})
+        elif launches:
+            got = re.match(r"\s{4}(\S.*?)\s{2,}(?:\S+\s{2,})?([\d.,]+)\s*$", line)
+            if got:
+                launches[-1].setdefault(got.group(1).strip(), got.group(2))
+    return launches
+
+
+def test_thirty_eighth_sessions_marlin_shared_memory():
+    """§4ar, recomputed from the committed raw files: Marlin's FP4 GEMM at 8 rows launches one block per SM with the
+    SM's whole shared-memory configuration (so Nsight Compute limits it to one block per SM), while the LoRA kernel's
+    blocks need shared memory of their own; and the kernel bench's share of the LoRA kernel that overlap hides."""
+    runs = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "thirty-eighth-b" / "work"
+    marlin = _ncu_metrics(runs / "ncu_marlin_smem" / "ncu_Marlin.log")
+    lora = _ncu_metrics(runs / "ncu_marlin_smem" / "ncu__fused_lora_kernel.log")
+    assert len(marlin) == len(lora) == 8
+    for m in marlin:
+        assert "void Marlin<" in m["header"] and int(m["Grid Size"]) == int(m["# SMs"]) == 132
+        used = float(m["Dynamic Shared Memory Per Block"]) + float(m["Driver Shared Memory Per Block"])
+        assert abs(used - float(m["Shared Memory Configuration Size"])) < 0.01 and m["Block Limit Shared Mem"] == "1"
+    for k in lora:
+        assert "_fused_lora_kernel (50, 1, 1)x(128, 1, 1)" in k["header"]
+        assert float(k["Dynamic Shared Memory Per Block"]) == 24.58 and float(k["Driver Shared Memory Per Block"]) > 0
+
+    step = json.loads((runs / "kernels_h200" / "bench_kernels.json").read_text())["per_step_ms"]
+    hidden = {m: round(100 * (v["serial_fused"] - v["overlap_fused"]) / v["lora_fused"], 1) for m, v in step.items()}
+    assert hidden == {"1": 17.2, "8": 11.6, "64": 31.6}
+    assert round(step["8"]["overlap_fused"] - step["8"]["marlin"], 3) == 0.555
+    table = json.loads((ROOT / "docs" / "gpu-runs" / "2026-11-29" / "thirty-seventh" / "work" / "bench-tshared" / "a" /
+                        "bench_rollout.json").read_text())
+    by = {(r["config"], r["variant"]): r["batches"]["8"]["decode_tok_s"] for r in table["results"]}
+    per_step_ms = 1000 * (8 / by[("nvfp4-lora", "decode-gemv-shared")] - 8 / by[("nvfp4", "decode-gemv-shared")])
+    assert round(per_step_ms, 3) == 0.536
+
+
 def _eval_shared_paths() -> list[str]:
     """The ``--path`` texts that session.sh's eval_shared step hands compare_evals.py."""
     import shlex
