@@ -16,6 +16,7 @@ Imports neither vLLM nor verl. The data path:
 * ``qerl_plugin.plot``      ``qerl plot``: training curves from verl's ``metrics.jsonl`` files
 * ``qerl_plugin.sampler``   ``QERL_PROFILE_DIR``: a wall-clock sampling profiler in every verl and vLLM process
 * ``qerl_plugin.doctor``    environment report (``qerl doctor``)
+* ``qerl_plugin.notices``   warnings logged once per process, shared by the vLLM and verl extensions
 * ``qerl_plugin.gpu_clocks`` nvidia-smi samples of the GPU's clocks around a timed run: did it slow itself down?
 * ``qerl_plugin.cli``       the ``qerl`` command
 

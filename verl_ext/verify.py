@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from qerl_plugin import notices
 from verl_ext.answers import normalize_answer
 
 __all__ = ["VERIFY_MODES", "is_equivalent", "shutdown_helpers", "warn_once"]
@@ -287,14 +288,12 @@ class _HelperPool:
 
 
 _POOL = _HelperPool()
-_NOTICES: set[str] = set()
 
 
 def warn_once(key: str, msg: str, *args: Any) -> None:
-    """``logger.warning(msg, *args)`` the first time this process sees ``key``."""
-    if key not in _NOTICES:
-        _NOTICES.add(key)
-        logger.warning(msg, *args)
+    """``logger.warning(msg, *args)`` on this module's logger the first time this process sees ``key``
+    (:func:`qerl_plugin.notices.warn_once`, keys under ``verify/``)."""
+    notices.warn_once(logger, "verify/" + key, msg, *args)
 
 
 def shutdown_helpers() -> None:

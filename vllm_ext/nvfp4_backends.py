@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn import Parameter
 from vllm.platforms import current_platform
 
-from qerl_plugin import nvfp4, options
+from qerl_plugin import notices, nvfp4, options
 from qerl_plugin.nvfp4 import GROUP_SIZE, NVFP4Error
 # importing it registers torch.ops.qerl.nvfp4_gemv_row (decode_gemv)
 from vllm_ext.nvfp4_gemv import SMALL_MAX_K, SMALL_MAX_N, decode_tile, small_linear
@@ -54,14 +54,13 @@ FP32_REDUCE_ENV = options.NVFP4_FP32_REDUCE_ENV
 DECODE_GEMV_ENV = options.NVFP4_DECODE_GEMV_ENV
 HUMMING_BATCH_INVARIANT_ENV = options.HUMMING_BATCH_INVARIANT_ENV
 KERNEL_FLAG = "_qerl_kernel"
-_warned: set[str] = set()
+NOTICE_PREFIX = "nvfp4/"  # this module's keys in qerl_plugin.notices
 
 
 def warn_once(key: str, msg: str, *args: Any) -> None:
-    """Log a warning the first time ``key`` is seen in this process."""
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(msg, *args)
+    """Log a warning on this module's logger the first time ``key`` is seen in this process
+    (:func:`qerl_plugin.notices.warn_once`, keys under :data:`NOTICE_PREFIX`)."""
+    notices.warn_once(logger, NOTICE_PREFIX + key, msg, *args)
 
 
 def _current_vllm_config() -> Any:

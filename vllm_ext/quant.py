@@ -20,7 +20,7 @@ from vllm.model_executor.layers.quantization.base_config import (
     QuantizeMethodBase,
 )
 
-from qerl_plugin import options
+from qerl_plugin import notices, options
 from qerl_plugin.upstream import MARLIN_FP4_MIN_CAPABILITY
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,26 +62,20 @@ def _online_config_problem(quant_cfg: dict[str, Any]) -> str | None:
     return None
 
 
-_STOCK_NOTED = False  # the stock-path note below is logged once per process
-
-
 def _note_stock_path(quant_cfg: dict[str, Any]) -> None:
     """Once per process: an NVFP4A16 checkpoint loaded without ``--quantization nvfp4`` runs on vLLM's stock
     compressed-tensors path, without qerl's decode kernels; say so and how to choose qerl's method. Never raises:
     the stock path must load whatever this check thinks of the config."""
-    global _STOCK_NOTED
-    if _STOCK_NOTED:
-        return
     try:
         if quant_cfg.get("quant_method") != "compressed-tensors" or _nvfp4a16_problem(quant_cfg) is not None:
             return
     except Exception:  # noqa: BLE001 (a config this check cannot read is vLLM's to judge)
         return
-    _STOCK_NOTED = True
-    logger.warning("qerl: this NVFP4A16 checkpoint runs on vLLM's stock compressed-tensors path; "
-                   "--quantization nvfp4 runs it on qerl's nvfp4 method instead (what verl's rollout runs; on Hopper "
-                   "with one GPU per engine, its one-row decode calls take qerl's row kernel with the LoRA fused, on "
-                   "the layers whose Marlin layout allows it)")
+    notices.warn_once(logger, "quant/stock path",
+                      "qerl: this NVFP4A16 checkpoint runs on vLLM's stock compressed-tensors path; --quantization "
+                      "nvfp4 runs it on qerl's nvfp4 method instead (what verl's rollout runs; on Hopper with one GPU "
+                      "per engine, its one-row decode calls take qerl's row kernel with the LoRA fused, on the layers "
+                      "whose Marlin layout allows it)")
 
 
 def _fix_hint(method: Any) -> str:

@@ -52,10 +52,10 @@ def test_nvfp4_options():
         options.nvfp4_options({"qerl_nvfp4": "marlin"})
 
 
-def test_options_and_upstream_import_nothing_heavy():
+def test_options_upstream_and_notices_import_nothing_heavy():
     code = (
         "import json, sys\n"
-        "import qerl_plugin.options, qerl_plugin.upstream\n"
+        "import qerl_plugin.options, qerl_plugin.upstream, qerl_plugin.notices\n"
         "print(json.dumps(sorted(m for m in ('torch', 'vllm', 'verl', 'compressed_tensors') if m in sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

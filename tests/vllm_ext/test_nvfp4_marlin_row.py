@@ -371,11 +371,12 @@ def test_shared_mode_names_which_weight_shapes_take_the_kernel_once_each(caplog)
     by vLLM) stay on Marlin; nothing is said with decode_gemv off."""
     import logging
 
+    from qerl_plugin import notices
     from vllm_ext import nvfp4_backends
     from vllm_ext.nvfp4_backends import MarlinBackend
 
     caplog.set_level(logging.WARNING, logger="qerl.vllm.nvfp4")
-    nvfp4_backends._warned.difference_update({k for k in nvfp4_backends._warned if k.startswith("decode_gemv ")})
+    notices.forget(nvfp4_backends.NOTICE_PREFIX + "decode_gemv ")
     for mode in ("shared", "off"):
         backend = object.__new__(MarlinBackend)
         backend.decode_gemv = mode

@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from vllm.config import DeviceConfig, VllmConfig  # noqa: E402
 
+from qerl_plugin import notices  # noqa: E402
 from qerl_plugin.format import quantization_config_dict  # noqa: E402
 from vllm_ext import quant  # noqa: E402
 from vllm_ext.quant import NVFP4Config, NVFP4ConfigError  # noqa: E402
@@ -55,7 +56,7 @@ def test_override_quantization_method():
 def test_the_stock_path_says_once_how_to_choose_qerls_method(monkeypatch, caplog):
     """An NVFP4A16 checkpoint without --quantization keeps vLLM's stock path, with one log line naming the flag;
     other checkpoints (and an explicit --quantization compressed-tensors) load without it."""
-    monkeypatch.setattr(quant, "_STOCK_NOTED", False)
+    notices.forget("quant/")
     w4a4 = quantization_config_dict()
     w4a4["config_groups"]["group_0"]["input_activations"] = dict(w4a4["config_groups"]["group_0"]["weights"])
     with caplog.at_level("WARNING", logger="qerl.vllm.quant"):
