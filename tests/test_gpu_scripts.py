@@ -1918,6 +1918,23 @@ def test_thirty_eighth_sessions_marlin_shared_memory():
     assert round(per_step_ms, 3) == 0.536
 
 
+def test_thirty_eighth_sessions_launch_orders():
+    """§4as, recomputed from the committed raw files: over three kernel-bench runs, the LoRA kernel as a dependent
+    launch after Marlin (serial_pdl) and enqueued before it (overlap_first) are each slower than overlap_fused at 8
+    and at 64 rows by the plan's rule (each run of the case above overlap's slowest), so neither reaches the gate."""
+    import statistics
+
+    runs = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "thirty-eighth-c" / "work"
+    assert "16 passed" in (runs / "lora_order_test" / "stdout.log").read_text()
+    steps = [json.loads((runs / f"lora_order_{i}" / "bench_kernels.json").read_text())["per_step_ms"] for i in (1, 2, 3)]
+    for m in ("8", "64"):
+        overlap = [s[m]["overlap_fused"] for s in steps]
+        for case in ("serial_pdl", "overlap_first"):
+            assert min(s[m][case] for s in steps) > max(overlap), (m, case)
+    med = {c: statistics.median(s["8"][c] for s in steps) for c in ("overlap_fused", "serial_pdl", "overlap_first")}
+    assert med == {"overlap_fused": 2.733, "serial_pdl": 2.819, "overlap_first": 2.841}
+
+
 def _eval_shared_paths() -> list[str]:
     """The ``--path`` texts that session.sh's eval_shared step hands compare_evals.py."""
     import shlex

@@ -104,7 +104,6 @@ def supports(x: torch.Tensor, lora_a: tuple[torch.Tensor, ...], lora_b: tuple[to
 
 
 if triton is not None:
-    from triton.language.extra.cuda import gdc_wait
 
     @triton.jit
     def _shrink_slice(x_ptr, sxm, a_ptr, h_ptr, t, s, M, K,
@@ -129,7 +128,7 @@ if triton is not None:
     @triton.jit
     def _expand_block(y_ptr, sym, idx_ptr, b_ptr, h_ptr, done_ptr, s, j, col0, n, M, KS, scale,
                       R: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr, HROWS: tl.constexpr,
-                      UPCAST: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+                      UPCAST: tl.constexpr, ADD: tl.constexpr):
         offs_m = tl.arange(0, BLOCK_M)
         offs_r = tl.arange(0, R)
         mmask = offs_m < M
@@ -140,8 +139,6 @@ if triton is not None:
         bt = tl.load(b_ptr + offs_n[None, :] * R + offs_r[:, None], mask=nmask[None, :], other=0.0)  # [R, BN]
         yp = y_ptr + offs_m[:, None] * sym + col0 + offs_n[None, :]
         ymask = mmask[:, None] & nmask[None, :]
-        if PDL:  # a programmatic dependent launch: y is the kernel before's output; wait for it to be complete
-            gdc_wait()
         if ADD:
             yv = tl.load(yp, mask=ymask, other=0.0)
         done = tl.atomic_add(done_ptr, 0, sem="acquire")
@@ -173,7 +170,6 @@ if triton is not None:
         M, K, KS, scale, HALF,
         S: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
         HROWS: tl.constexpr, UPCAST: tl.constexpr, ADD: tl.constexpr, SHIFT: tl.constexpr, ZB: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         word = tl.atomic_add(sync_ptr, 1, sem="acq_rel")
         parity = word >> SHIFT
@@ -204,13 +200,13 @@ if triton is not None:
                 tl.store(h_next + offs, tl.zeros((ZB,), tl.float32), mask=offs < tl.minimum((e + 1) * strip, HALF))
             if e < nb0:
                 _expand_block(y_ptr, sym, idx_ptr, b0, h_now, done_ptr, 0, e, 0, n0, M, KS, scale, R, BLOCK_M, BN,
-                              HROWS, UPCAST, ADD, PDL)
+                              HROWS, UPCAST, ADD)
             elif e < nb0 + nb1:
                 _expand_block(y_ptr, sym, idx_ptr, b1, h_now, done_ptr, 1, e - nb0, n0, n1, M, KS, scale, R, BLOCK_M,
-                              BN, HROWS, UPCAST, ADD, PDL)
+                              BN, HROWS, UPCAST, ADD)
             else:
                 _expand_block(y_ptr, sym, idx_ptr, b2, h_now, done_ptr, 2, e - nb0 - nb1, n0 + n1, n2, M, KS, scale,
-                              R, BLOCK_M, BN, HROWS, UPCAST, ADD, PDL)
+                              R, BLOCK_M, BN, HROWS, UPCAST, ADD)
 
 
 _HEAD = 4  # int32 words in front of the fp32 workspace: the ticket word, two done-counters, padding
@@ -245,17 +241,16 @@ def fused_lora_linear(
     token_lora_indices: torch.Tensor,
     sync: torch.Tensor,
     add_inputs: bool = True,
-    pdl: bool = False,
 ) -> None:
     """punica's ``add_lora_linear`` for one adapter in slot 0, in one launch: ``y`` ``[tokens,
     sum(output_slices)]`` gains ``B_s @ (scale * A_s @ x)`` in each slice's columns for tokens whose slot is 0
     (``add_inputs=False``: ``y`` is overwritten with the update alone, zero for the other tokens, so it needs no
-    initial value). ``lora_*_stacked[s]``: ``[1, 1, r, in]`` / ``[1, 1, out_s, r]``. ``pdl``: see :func:`launch`.
-    Raises :class:`FusedLoRAUnsupported` where :func:`supports` says no."""
+    initial value). ``lora_*_stacked[s]``: ``[1, 1, r, in]`` / ``[1, 1, out_s, r]``. Raises
+    :class:`FusedLoRAUnsupported` where :func:`supports` says no."""
     why = supports(x, lora_a_stacked, lora_b_stacked, output_slices)
     if why is not None:
         raise FusedLoRAUnsupported(why)
-    launch(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, token_lora_indices, sync, add_inputs, pdl)
+    launch(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, token_lora_indices, sync, add_inputs)
 
 
 def slice_operands(lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...], rank: int,
@@ -278,15 +273,10 @@ def launch(
     token_lora_indices: torch.Tensor,
     sync: torch.Tensor,
     add_inputs: bool = True,
-    pdl: bool = False,
 ) -> None:
     """:func:`fused_lora_linear` for a caller that has already had ``None`` from :func:`supports` for this call
     (the engine's op asks it once per call to choose its path); still refuses a strided output and a state too
-    small for the rank. ``pdl`` (Hopper, not under the interpreter; ignored elsewhere): launch as a programmatic
-    dependent launch of the kernel before it on the stream, which wrote ``y`` (the base GEMM): the expand programs
-    wait for that kernel (``griddepcontrol.wait``) before they touch ``y``, so the launch's own latency overlaps the
-    end of that kernel. ``x`` must be complete before that kernel starts (the base GEMM's own input is). §4as:
-    measured at the kernel level only."""
+    small for the rank."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -300,7 +290,6 @@ def launch(
         raise FusedLoRAUnsupported(f"state of {sync.numel()} {sync.dtype} words is too small for rank {rank}; "
                                    f"make it with new_sync(device, max_rank>={rank})")
     slices = len(output_slices)
-    pdl = bool(pdl) and not _interpreting() and x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 9
     block_m = max(16, triton.next_power_of_2(m))
     ks, grid = programs(k, output_slices)
     h = sync[_HEAD:].view(torch.float32)
@@ -309,32 +298,28 @@ def launch(
     _fused_lora_kernel[(grid,)](
         x2, x2.stride(0), y2, y2.stride(0), token_lora_indices, *a, *b, *n, sync, h, m, k, ks, float(scale), half,
         S=slices, R=rank, BLOCK_M=block_m, CHUNK=CHUNK_K, BN=BLOCK_N, HROWS=MAX_TOKENS, UPCAST=_interpreting(),
-        ADD=bool(add_inputs), SHIFT=PARITY_SHIFT, ZB=ZERO_BLOCK, PDL=pdl, launch_pdl=pdl,
+        ADD=bool(add_inputs), SHIFT=PARITY_SHIFT, ZB=ZERO_BLOCK,
     )  # fmt: skip
 
 
 def launch_beside(base, update: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
                   lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...],
                   token_lora_indices: torch.Tensor, sync: torch.Tensor, side: "torch.cuda.Stream",
-                  start: "torch.cuda.Event", done: "torch.cuda.Event", add: bool = True, first: bool = False):
+                  start: "torch.cuda.Event", done: "torch.cuda.Event", add: bool = True):
     """``base() + LoRA(x)`` with the kernel beside the base GEMM (the overlap mode): ``start`` is recorded on the
     current stream, ``base()`` is enqueued there, the kernel (overwrite mode, into ``update`` ``[tokens, sum(slices)]``)
     on ``side`` after ``start``; the current stream waits for ``done`` and adds. ``x``, ``update`` and ``sync`` must
     stay untouched until then, which the wait guarantees for anything the current stream does next. CUDA graphs
     capture the fork and join as edges (``side`` joins the capture through ``start``). With ``add=False`` it
-    returns ``(base(), update)`` after the join, for the caller to add (and a compiler to fuse the add). With
-    ``first`` the kernel is enqueued on ``side`` before ``base()`` on the current stream (§4as: whether its blocks,
-    placed first, run beside Marlin's; measured at the kernel level only)."""
+    returns ``(base(), update)`` after the join, for the caller to add (and a compiler to fuse the add)."""
     main = torch.cuda.current_stream(x.device)
     start.record(main)
-    out = base() if not first else None
+    out = base()
     with torch.cuda.stream(side):
         side.wait_event(start)
         launch(update, x, lora_a_stacked, lora_b_stacked, scale, output_slices, token_lora_indices, sync,
                add_inputs=False)
         done.record(side)
-    if first:
-        out = base()
     main.wait_event(done)
     if not add:
         return out, update

@@ -258,11 +258,6 @@ run_step() {
         step ncu_marlin_smem 240 bash -c 'for k in Marlin _fused_lora_kernel; do OUT=/tmp/ncu_scratch ncu --kernel-name regex:$k \
             --launch-count 8 --section LaunchStats --section Occupancy python3 scripts/gpu/bench_rollout.py kernels --shape 7B \
             --batches 8 --iters 2 > "$OUT/ncu_$k.log" 2>&1 || exit 1; grep -E "Grid Size|Block Size|Shared Memory|Block Limit|Registers Per|Theoretical Occ" "$OUT/ncu_$k.log" | sort | uniq -c; done' ;;
-    lora_order)  # §4as: the LoRA kernel as a programmatic dependent launch after Marlin (serial_pdl), and enqueued
-        # before Marlin on the side stream (overlap_first), against overlap_fused: the LoRA kernel's GPU tests, then the
-        # per-layer kernel bench three times at 8 and 64 rows (each run's graphs best of 5; the spread is across runs)
-        step lora_order_test 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_lora_fused.py
-        for i in 1 2 3; do step lora_order_$i 120 python3 scripts/gpu/bench_rollout.py kernels --shape 7B --batches 8,64; done ;;
     ncu_kernels)  # the dequant kernel, Marlin and the one-row W4A16 kernel under Nsight Compute (scripts/gpu/profile_kernels.py)
         step ncu_kernels 300 bash -c 'python3 scripts/gpu/profile_kernels.py --calls 3 && ncu --kernel-name regex:"dequant|marlin|row_kernel" --launch-count 16 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats python3 scripts/gpu/profile_kernels.py --calls 3' ;;
     ncu_shared)  # §4ah: decode_gemv shared's kernel (NCU_ARGS: --asum 0-4 for that form) under Nsight Compute, the sections

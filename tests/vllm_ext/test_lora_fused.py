@@ -259,23 +259,6 @@ def test_fused_is_a_lora_mode(monkeypatch):
         options.lora_mode({"qerl_lora": "cublas"})
 
 
-def test_pdl_launch_waits_for_the_kernel_before_only_in_its_expand_programs():
-    """§4as: with ``PDL`` the kernel, compiled for sm_90 (no GPU needed), waits for the kernel before it
-    (``griddepcontrol.wait``) once, on the expand programs' path before they touch ``y``; without it, never."""
-    from vllm_ext.triton_support import compile_sm90
-
-    ptrs = {**{n: "*bf16" for n in ("x_ptr", "y_ptr", "a0", "a1", "a2", "b0", "b1", "b2")}, "idx_ptr": "*i64",
-            "sync_ptr": "*i32", "h_ptr": "*fp32", "scale": "fp32"}
-    consts = dict(S=3, R=32, BLOCK_M=16, CHUNK=256, BN=128, HROWS=64, UPCAST=False, ADD=True, SHIFT=16, ZB=512)
-    ptx = {pdl: compile_sm90(lora_fused._fused_lora_kernel, ptrs, dict(consts, PDL=pdl), num_warps=4).asm["ptx"]
-           for pdl in (False, True)}
-    assert "griddepcontrol" not in ptx[False]
-    body = ptx[True]
-    assert body.count("griddepcontrol.wait") == 3  # one per slice's inlined expand path, none in the shrink
-    assert "griddepcontrol.launch_dependents" not in body
-    assert body.index("griddepcontrol.wait") > body.index("atom.global")  # after the ticket, not at the start
-
-
 # ---------------------------------------------------------------------------------------------------------
 # GPU: bfloat16 against vLLM's punica Triton kernels, 7B shapes, eager and replayed in a CUDA graph
 
@@ -384,53 +367,3 @@ def test_gpu_wrapper_takes_fused_for_small_calls_and_punica_above_under_torch_co
     text = caplog.text
     assert "LoRA call with 8 tokens on the fused path" in text
     assert "LoRA call with 300 tokens on the punica path (300 tokens > 64)" in text
-
-
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_gpu_pdl_launch_and_side_first_give_the_plain_launchs_result(tokens):
-    """§4as's two kernel-bench cases: the kernel as a programmatic dependent launch right after the GEMM that writes
-    ``y`` (eager, and replayed in a CUDA graph), and the overlap mode with the kernel enqueued before the GEMM, each
-    add what the plain launch adds (within the error of the plain launch against the exact result: the shrink's
-    atomics sum in any order)."""
-    g = torch.Generator().manual_seed(2)
-    k, r, slices = 3584, 32, (3584, 512, 512)
-    n = sum(slices)
-    x = torch.randn(tokens, k, generator=g).bfloat16().cuda()
-    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16().cuda()
-    a = tuple((torch.randn(1, 1, r, k, generator=g) / k**0.5).bfloat16().cuda() for _ in slices)
-    b = tuple((torch.randn(1, 1, m, r, generator=g) / r**0.5).bfloat16().cuda() for m in slices)
-    idx = torch.zeros(tokens, dtype=torch.long, device="cuda")
-    idx[1::3] = -1
-    served = (idx == 0).unsqueeze(1).float()
-    exact = x.float() @ w.float().t() + served * torch.cat(
-        [(x.float() @ a[i][0, 0].float().t()) @ b[i][0, 0].float().t() for i in range(len(slices))], 1)
-    sync = lora_fused.new_sync("cuda")
-
-    def gemm_then_lora(pdl):
-        y = x @ w.t()
-        lora_fused.fused_lora_linear(y, x, a, b, 1.0, slices, idx, sync, pdl=pdl)
-        return y
-
-    plain = gemm_then_lora(False)
-    tol = 2 * (plain.float() - exact).abs().max().item() + 1e-2
-    assert (gemm_then_lora(True).float() - exact).abs().max().item() <= tol
-    graph, out = torch.cuda.CUDAGraph(), None
-    with torch.cuda.graph(graph):
-        out = gemm_then_lora(True)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert (out.float() - exact).abs().max().item() <= tol
-    assert lora_fused.ready(sync)
-
-    beside = (torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event())
-    for first in (False, True):
-        update = torch.empty(tokens, n, dtype=torch.bfloat16, device="cuda")
-        got = lora_fused.launch_beside(lambda: x @ w.t(), update, x, a, b, 1.0, slices, idx, sync, *beside,
-                                       first=first)
-        torch.cuda.synchronize()
-        assert (got.float() - exact).abs().max().item() <= tol
-    assert lora_fused.ready(sync)

@@ -27,8 +27,6 @@ overhead from Python), for every projection group (qkv, o, gate_up, down) and ba
   serial_fused  marlin then lora_fused on one stream (additional_config={"qerl_lora": "fused"})
   overlap_fused marlin on the main stream, lora_fused (overwrite mode) beside it on a second stream, joined, added
                 (additional_config={"qerl_lora": "overlap"}); overlap_row the same beside gemv_row (m = 1)
-  serial_pdl    serial_fused with lora_fused as a programmatic dependent launch of marlin (Hopper; §4as)
-  overlap_first overlap_fused with lora_fused enqueued on its stream before marlin (§4as)
   gemv          qerl's experimental Triton NVFP4 GEMM on the checkpoint layout (vllm_ext.nvfp4_gemv), tensor-core
                 path, 64 output features per program; gemv_sk4 the same with the K tiles split over 4 programs (one
                 launch, partials summed in a fixed order); gemv_row its one-row CUDA-core path as decode_gemv runs it
@@ -40,7 +38,7 @@ Writes $OUT/bench_kernels.json; prints the table last. Needs a CUDA GPU and vLLM
 
 
 COLUMNS = ("bf16", "marlin", "marlin_bf16r", "gemv", "gemv_sk4", "gemv_row", "lora_punica", "lora_dense", "lora_fused",
-           "serial", "serial_fused", "overlap", "overlap_fused", "overlap_row", "serial_pdl", "overlap_first")
+           "serial", "serial_fused", "overlap", "overlap_fused", "overlap_row")
 
 
 def marlin_layer(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
@@ -191,8 +189,8 @@ def run(args: argparse.Namespace) -> int:
             slots = torch.zeros(m, dtype=torch.long, device=dev)
             sync = lora_fused.new_sync(dev)
 
-            def fused(target, pdl=False):
-                lora_fused.fused_lora_linear(target, x, lora_a, lora_b, 1.0, tuple(ns), slots, sync, pdl=pdl)
+            def fused(target):
+                lora_fused.fused_lora_linear(target, x, lora_a, lora_b, 1.0, tuple(ns), slots, sync)
 
             def dense(target):
                 target.addmm_(x @ a_cat.t(), b_bd.t())
@@ -218,10 +216,9 @@ def run(args: argparse.Namespace) -> int:
 
             beside = (lora_fused.new_sync(dev), torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event())
 
-            def fused_beside(base_fn, first=False):
+            def fused_beside(base_fn):
                 update = torch.empty(m, n, device=dev, dtype=bf16)
-                return lora_fused.launch_beside(base_fn, update, x, lora_a, lora_b, 1.0, tuple(ns), slots, *beside,
-                                                first=first)
+                return lora_fused.launch_beside(base_fn, update, x, lora_a, lora_b, 1.0, tuple(ns), slots, *beside)
 
             def one_row():  # not `row`: that name is the result dict below, which a late-bound lambda would call
                 return nvfp4_gemv_row(x, packed_cat, scale_cat, parts[0].global_scale)
@@ -241,8 +238,6 @@ def run(args: argparse.Namespace) -> int:
                 "serial_fused": lambda: fused(marlin()),
                 "overlap_fused": lambda: fused_beside(marlin),
                 "overlap_row": (lambda: fused_beside(one_row)) if m == 1 else None,
-                "serial_pdl": lambda: fused(marlin(), pdl=True),
-                "overlap_first": lambda: fused_beside(marlin, first=True),
             }
             row: dict[str, Any] = {"group": gname, "m": m, "n": n, "k": k_in}
             for cname, fn in cases.items():
