@@ -1869,7 +1869,10 @@ def test_thirty_eighth_sessions_raw_results():
         log = (ev / f"{name}.log").read_text()
         assert "'quantization': 'nvfp4'" in log and paths[0] in log
         assert ("qerl's row kernel" in log) is (name == "shared")
-    assert "one-row calls of 960 x 576 weights stay on Marlin" in (ev / "shared.log").read_text()
+    shared_log = (ev / "shared.log").read_text()
+    for n, k, where in ((3072, 576, "run on qerl's row kernel"), (576, 1536, "run on qerl's row kernel"),
+                        (960, 576, "stay on Marlin"), (576, 576, "stay on Marlin")):
+        assert f"one-row calls of {n} x {k} weights {where}" in shared_log
     answers = {m: [rows[i]["pred"] for i in (112, 128)] for m, rows in (("off", off), ("shared", shared))}
     assert answers == {"off": ["21", "6"], "shared": ["20", "7"]}
     stock = ce.load(ROOT / "docs" / "gpu-runs" / "2026-11-29" / "thirty-seventh" / "work" / "eval_shared" / "off.jsonl")
@@ -1926,7 +1929,8 @@ def test_thirty_eighth_sessions_launch_orders():
 
     runs = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "thirty-eighth-c" / "work"
     assert "16 passed" in (runs / "lora_order_test" / "stdout.log").read_text()
-    steps = [json.loads((runs / f"lora_order_{i}" / "bench_kernels.json").read_text())["per_step_ms"] for i in (1, 2, 3)]
+    steps = [json.loads((runs / f"lora_order_{i}" / "bench_kernels.json").read_text())["per_step_ms"]
+             for i in (1, 2, 3)]
     for m in ("8", "64"):
         overlap = [s[m]["overlap_fused"] for s in steps]
         for case in ("serial_pdl", "overlap_first"):

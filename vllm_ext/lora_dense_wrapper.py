@@ -51,6 +51,7 @@ import torch
 from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 from vllm.model_executor.layers.linear import QKVParallelLinear
 
+from qerl_plugin import notices
 from qerl_plugin.options import LORA_SPLIT_ADD_ENV, parse_bool
 from vllm_ext import lora_fused, nvfp4_gemv_lora
 from vllm_ext.lora_dense import dense_lora_linear, requested_mode
@@ -64,7 +65,7 @@ logger = logging.getLogger("qerl.vllm.lora_dense")
 FUSED_OP = "qerl::lora_linear_fused"
 _WRAPPERS: "weakref.WeakValueDictionary[int, QerlPunicaWrapper]" = weakref.WeakValueDictionary()
 _LOGGED: set[tuple[str, int]] = set()
-_ROW_REFUSALS: set[str] = set()  # why decode_gemv layers' one-row calls could not take the row+lora path (logged once)
+ROW_REFUSAL_KEY = "lora/row refusal/"  # qerl_plugin.notices: why a one-row call could not take row+lora, once each
 MERGED_APPLY_TARGET = "vllm.lora.layers.column_parallel_linear:_mcp_apply"  # what route_merged_layers wraps
 # ... and, for the overlap path, o_proj/down_proj's apply and the method that hands a layer its wrapper
 LINEAR_APPLY_TARGET = "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.apply"
@@ -283,10 +284,9 @@ def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
                 # split: the kernel also writes the zero "update" the model adds (no zeros_like launch per call)
                 return nvfp4_gemv_lora.launch_supported(x, *row, a, b, 1.0, slices, wrapper._token_lora_indices,
                                                         zeros=split)
-            if why not in _ROW_REFUSALS:  # once per reason: the call runs as below
-                _ROW_REFUSALS.add(why)
-                logger.warning("qerl: a one-row LoRA call of %s stays off the row+lora path (%s); it runs the "
-                               "base GEMM and the LoRA kernel", _prefix(layer) or type(layer).__name__, why)
+            notices.warn_once(logger, ROW_REFUSAL_KEY + why, "qerl: a one-row LoRA call of %s stays off the row+lora "
+                              "path (%s); it runs the base GEMM and the LoRA kernel",  # once per reason
+                              _prefix(layer) or type(layer).__name__, why)
     if not x.is_cuda or lora_fused.supports(x2, a, b, slices) is not None:
         # in order, on this stream, as the fused mode runs: the base GEMM, then vLLM's own step that has the wrapper
         # add the update (the one-launch kernel where it takes the call, punica for more than 64 tokens)

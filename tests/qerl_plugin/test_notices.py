@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from qerl_plugin import notices
 
 
@@ -23,6 +25,8 @@ def test_each_key_is_logged_once_until_forgotten(caplog):
 def test_the_extensions_keys_do_not_silence_each_other(caplog):
     """vllm_ext.nvfp4_backends and verl_ext.verify both call their helper with bare keys; the same key in each is
     logged once in each, on each module's own logger."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("verl")
     from verl_ext import verify
     from vllm_ext import nvfp4_backends
 

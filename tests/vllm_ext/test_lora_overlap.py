@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 
 from vllm.lora.layers import LoRAMapping  # noqa: E402
 
-from qerl_plugin import options  # noqa: E402
+from qerl_plugin import notices, options  # noqa: E402
 from vllm_ext import lora_dense_wrapper as ldw  # noqa: E402
 from vllm_ext.lora_dense import dense_lora_linear  # noqa: E402
 
@@ -368,7 +368,7 @@ def test_a_row_call_the_kernel_refuses_says_why_and_runs_in_order(cpu_config, mo
     from qerl_plugin import nvfp4
     from vllm_ext.nvfp4_backends import MarlinBackend
 
-    monkeypatch.setattr(ldw, "_ROW_REFUSALS", set())
+    notices.forget(ldw.ROW_REFUSAL_KEY)
     monkeypatch.setattr(ldw, "_interpreting", lambda: True)  # reach the one-row branch on the CPU
     caplog.set_level(logging.WARNING, logger="qerl.vllm.lora_dense")
     with set_current_vllm_config(cpu_config):
