@@ -1939,6 +1939,21 @@ def test_thirty_eighth_sessions_launch_orders():
     assert med == {"overlap_fused": 2.733, "serial_pdl": 2.819, "overlap_first": 2.841}
 
 
+def test_thirty_eighth_sessions_marlin_launch_at_64_rows():
+    """§4at, recomputed from the committed raw files: at 64 rows Marlin's q/k/v GEMM launches as at 8 rows (grid = the
+    SM count, the SM's whole shared memory per block, one block per SM), so the plan's verdict is "not explained by
+    the launch shape"."""
+    runs = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "thirty-eighth-d" / "work" / "ncu_launch"
+    marlin, lora = _ncu_metrics(runs / "ncu_Marlin.log"), _ncu_metrics(runs / "ncu__fused_lora_kernel.log")
+    assert len(marlin) == len(lora) == 8
+    for m in marlin:
+        assert "void Marlin<" in m["header"] and "128, 4, 4, 8" in m["header"]
+        assert int(m["Grid Size"]) == int(m["# SMs"]) == 132 and m["Block Size"] == "128"
+        used = float(m["Dynamic Shared Memory Per Block"]) + float(m["Driver Shared Memory Per Block"])
+        assert abs(used - float(m["Shared Memory Configuration Size"])) < 0.01 and m["Block Limit Shared Mem"] == "1"
+    assert all(float(k["Dynamic Shared Memory Per Block"]) == 49.15 for k in lora)
+
+
 def _eval_shared_paths() -> list[str]:
     """The ``--path`` texts that session.sh's eval_shared step hands compare_evals.py."""
     import shlex
