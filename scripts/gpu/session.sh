@@ -79,6 +79,14 @@ step() {  # step NAME LIMIT_S CMD...
     pack
 }
 
+ncu_launch_step() {  # ncu_launch_step NAME ROWS: Nsight Compute's launch statistics and occupancy of the first 8
+    # launches of Marlin's FP4 GEMM and of qerl's LoRA kernel in the per-layer kernel bench at ROWS rows (its first
+    # group, q/k/v; the ncu runs' own timings are not used): a log per kernel, a summary of its key lines (§4ar, §4at)
+    step "$1" 240 bash -c 'for k in Marlin _fused_lora_kernel; do OUT=/tmp/ncu_scratch ncu --kernel-name regex:$k \
+        --launch-count 8 --section LaunchStats --section Occupancy python3 scripts/gpu/bench_rollout.py kernels --shape 7B \
+        --batches '"$2"' --iters 2 > "$OUT/ncu_$k.log" 2>&1 || exit 1; grep -E "Grid Size|Block Size|Shared Memory|Block Limit|Registers Per|Theoretical Occ" "$OUT/ncu_$k.log" | sort | uniq -c; done'
+}
+
 run_step() {
     case "$1" in
     project)  # the project only (code changed since install); the wheels stay
@@ -255,14 +263,9 @@ run_step() {
         # kernels in CUDA graphs (overlap_fused against serial_fused), then Nsight Compute's launch statistics and
         # occupancy of Marlin's FP4 GEMM and of the LoRA kernel at 8 rows (the ncu runs' own timings are not used)
         step kernels_h200 240 python3 scripts/gpu/bench_rollout.py kernels --shape 7B --batches 1,8,64
-        step ncu_marlin_smem 240 bash -c 'for k in Marlin _fused_lora_kernel; do OUT=/tmp/ncu_scratch ncu --kernel-name regex:$k \
-            --launch-count 8 --section LaunchStats --section Occupancy python3 scripts/gpu/bench_rollout.py kernels --shape 7B \
-            --batches 8 --iters 2 > "$OUT/ncu_$k.log" 2>&1 || exit 1; grep -E "Grid Size|Block Size|Shared Memory|Block Limit|Registers Per|Theoretical Occ" "$OUT/ncu_$k.log" | sort | uniq -c; done' ;;
-    ncu_launch)  # §4at: Nsight Compute's launch statistics and occupancy of Marlin's FP4 GEMM and of the LoRA kernel at
-        # ROWS rows (default 64) in the per-layer kernel bench (its first group, q/k/v), as marlin_smem's second part
-        step ncu_launch 240 bash -c 'for k in Marlin _fused_lora_kernel; do OUT=/tmp/ncu_scratch ncu --kernel-name regex:$k \
-            --launch-count 8 --section LaunchStats --section Occupancy python3 scripts/gpu/bench_rollout.py kernels --shape 7B \
-            --batches '"${ROWS:-64}"' --iters 2 > "$OUT/ncu_$k.log" 2>&1 || exit 1; grep -E "Grid Size|Block Size|Shared Memory|Block Limit|Registers Per|Theoretical Occ" "$OUT/ncu_$k.log" | sort | uniq -c; done' ;;
+        ncu_launch_step ncu_marlin_smem 8 ;;
+    ncu_launch)  # §4at: marlin_smem's Nsight Compute part alone, at ROWS rows (default 64)
+        ncu_launch_step ncu_launch "${ROWS:-64}" ;;
     ncu_kernels)  # the dequant kernel, Marlin and the one-row W4A16 kernel under Nsight Compute (scripts/gpu/profile_kernels.py)
         step ncu_kernels 300 bash -c 'python3 scripts/gpu/profile_kernels.py --calls 3 && ncu --kernel-name regex:"dequant|marlin|row_kernel" --launch-count 16 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats python3 scripts/gpu/profile_kernels.py --calls 3' ;;
     ncu_shared)  # §4ah: decode_gemv shared's kernel (NCU_ARGS: --asum 0-4 for that form) under Nsight Compute, the sections
