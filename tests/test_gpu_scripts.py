@@ -1894,6 +1894,14 @@ def _ncu_metrics(log: Path) -> list[dict[str, str]]:
     return launches
 
 
+def _assert_one_block_per_sm_with_all_its_shared_memory(m: dict[str, str]) -> None:
+    """A Marlin launch in an ncu report (:func:`_ncu_metrics`): a grid of the SM count (132, an H200), each block taking
+    the SM's whole shared-memory configuration (dynamic + driver), so one block per SM by shared memory."""
+    assert "void Marlin<" in m["header"] and int(m["Grid Size"]) == int(m["# SMs"]) == 132
+    used = float(m["Dynamic Shared Memory Per Block"]) + float(m["Driver Shared Memory Per Block"])
+    assert abs(used - float(m["Shared Memory Configuration Size"])) < 0.01 and m["Block Limit Shared Mem"] == "1"
+
+
 def test_thirty_eighth_sessions_marlin_shared_memory():
     """§4ar, recomputed from the committed raw files: Marlin's FP4 GEMM at 8 rows launches one block per SM with the
     SM's whole shared-memory configuration (so Nsight Compute limits it to one block per SM), while the LoRA kernel's
@@ -1903,9 +1911,7 @@ def test_thirty_eighth_sessions_marlin_shared_memory():
     lora = _ncu_metrics(runs / "ncu_marlin_smem" / "ncu__fused_lora_kernel.log")
     assert len(marlin) == len(lora) == 8
     for m in marlin:
-        assert "void Marlin<" in m["header"] and int(m["Grid Size"]) == int(m["# SMs"]) == 132
-        used = float(m["Dynamic Shared Memory Per Block"]) + float(m["Driver Shared Memory Per Block"])
-        assert abs(used - float(m["Shared Memory Configuration Size"])) < 0.01 and m["Block Limit Shared Mem"] == "1"
+        _assert_one_block_per_sm_with_all_its_shared_memory(m)
     for k in lora:
         assert "_fused_lora_kernel (50, 1, 1)x(128, 1, 1)" in k["header"]
         assert float(k["Dynamic Shared Memory Per Block"]) == 24.58 and float(k["Driver Shared Memory Per Block"]) > 0
@@ -1947,10 +1953,8 @@ def test_thirty_eighth_sessions_marlin_launch_at_64_rows():
     marlin, lora = _ncu_metrics(runs / "ncu_Marlin.log"), _ncu_metrics(runs / "ncu__fused_lora_kernel.log")
     assert len(marlin) == len(lora) == 8
     for m in marlin:
-        assert "void Marlin<" in m["header"] and "128, 4, 4, 8" in m["header"]
-        assert int(m["Grid Size"]) == int(m["# SMs"]) == 132 and m["Block Size"] == "128"
-        used = float(m["Dynamic Shared Memory Per Block"]) + float(m["Driver Shared Memory Per Block"])
-        assert abs(used - float(m["Shared Memory Configuration Size"])) < 0.01 and m["Block Limit Shared Mem"] == "1"
+        _assert_one_block_per_sm_with_all_its_shared_memory(m)
+        assert "128, 4, 4, 8" in m["header"] and m["Block Size"] == "128"
     assert all(float(k["Dynamic Shared Memory Per Block"]) == 49.15 for k in lora)
 
 
