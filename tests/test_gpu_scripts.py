@@ -1894,6 +1894,23 @@ def _ncu_metrics(log: Path) -> list[dict[str, str]]:
     return launches
 
 
+def test_ncu_launch_step_profiles_marlin_and_the_lora_kernel_at_the_rows_asked():
+    """session.sh's ncu_launch_step (marlin_smem at 8 rows, ncu_launch at ROWS, default 64), run with ``step`` stubbed
+    to print its arguments: one step of the given name and limit, whose command profiles both kernels in the kernel
+    bench at that row count."""
+    import subprocess
+
+    text = (GPU / "session.sh").read_text()
+    fn = text[text.index("ncu_launch_step() {"):text.index("\n}\n", text.index("ncu_launch_step() {")) + 3]
+    assert "ncu_launch_step ncu_marlin_smem 8 ;;" in text and 'ncu_launch_step ncu_launch "${ROWS:-64}" ;;' in text
+    out = subprocess.run(["bash", "-c", 'step() { printf "%s\\0" "$@"; }\n' + fn + "ncu_launch_step ncu_launch 64"],
+                         capture_output=True, text=True, check=True).stdout.split("\0")
+    name, limit, cmd = out[0], out[1], out[-2]
+    assert (name, limit, out[2:4]) == ("ncu_launch", "240", ["bash", "-c"])
+    assert "for k in Marlin _fused_lora_kernel" in cmd and "--batches 64 --iters 2" in cmd
+    assert "--section LaunchStats --section Occupancy" in cmd and "--launch-count 8" in cmd
+
+
 def _assert_one_block_per_sm_with_all_its_shared_memory(m: dict[str, str]) -> None:
     """A Marlin launch in an ncu report (:func:`_ncu_metrics`): a grid of the SM count (132, an H200), each block taking
     the SM's whole shared-memory configuration (dynamic + driver), so one block per SM by shared memory."""
