@@ -239,17 +239,87 @@ if gluon is not None:
         return mma_v2(a, xb.to(gl.bfloat16), acc)
 
     @gluon.jit
+    def _gdc_wait():
+        """``griddepcontrol.wait``: wait until the grids this programmatic dependent launch depends on have finished
+        and their writes are visible (Triton's ``gdc_wait``, which is not exported to Gluon)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _lora_update(pid, M, N, lora, out_ty: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                     WARPS: gl.constexpr, NREP: gl.constexpr, R: gl.constexpr, HP_M: gl.constexpr,
+                     KS_PAD: gl.constexpr, PDL: gl.constexpr):
+        """The adapter's update for output block ``pid``, ``[BLOCK_N, BLOCK_M]`` in ``out_ty``, as punica computes
+        it: ``h`` = the shrink's float32 partials of this block's slice summed in a fixed order, times ``lscale``,
+        zero for a token whose slot is not 0, rounded to ``out_ty``; then ``B_s h`` summed in float32 on the tensor
+        cores (mma.sync) and rounded. ``lora`` = ``(hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale)``: the partials
+        ``[slices, KS_PAD, HP_M, R]``, the tokens' slots, each slice's ``B`` ``[n_s, R]``, the first two slice sizes
+        and the partials per slice. A block never straddles two slices (the launch checks). ``PDL``: wait for the
+        shrink's grid before reading its partials."""
+        hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale = lora
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        bl: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8) if R < 256 else 1, R // 8 if R < 256 else 32],
+                                            [WARPS, 1], [1, 0])
+        hl: gl.constexpr = gl.BlockedLayout([1, 1], [32 // BLOCK_M if BLOCK_M < 32 else 1,
+                                                     BLOCK_M if BLOCK_M < 32 else 32], [WARPS, 1], [1, 0])
+        row0 = pid * BLOCK_N
+        rn = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, bl))
+        rr = gl.arange(0, R, layout=gl.SliceLayout(0, bl))
+        n_ok = (rn < N)[:, None]
+        if row0 >= n0 + n1:
+            bt = gl.load(b2 + (rn - n0 - n1)[:, None] * R + rr[None, :], mask=n_ok, other=0.0)
+            hs = 2
+        elif row0 >= n0:
+            bt = gl.load(b1 + (rn - n0)[:, None] * R + rr[None, :], mask=n_ok, other=0.0)
+            hs = 1
+        else:
+            bt = gl.load(b0 + rn[:, None] * R + rr[None, :], mask=n_ok, other=0.0)
+            hs = 0
+        r2 = gl.arange(0, R, layout=gl.SliceLayout(1, hl))
+        m2 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, hl))
+        m_ok = m2 < M
+        if PDL:
+            _gdc_wait()
+        h_ptrs = hp_ptr + (hs * KS_PAD * HP_M + m2[None, :]) * R + r2[:, None]
+        tot = gl.zeros([R, BLOCK_M], gl.float32, hl)
+        for c in range(KS):  # a fixed order
+            tot += gl.load(h_ptrs + c * (HP_M * R), mask=m_ok[None, :], other=0.0)
+        slot = gl.load(idx_ptr + m2, mask=m_ok, other=-1)
+        h = gl.where((slot == 0)[None, :], tot * lscale, 0.0).to(out_ty)  # punica's intermediate, rounded
+        up = mma_v2(gl.convert_layout(bt, a_l), gl.convert_layout(h, b_l),
+                    gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma))
+        return up.to(out_ty)
+
+    @gluon.jit
+    def _finish(tot, gmul, pid, M, N, lora, acc_l: gl.constexpr, out_ty: gl.constexpr, BLOCK_N: gl.constexpr,
+                BLOCK_M: gl.constexpr, LORA: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
+                R: gl.constexpr, HP_M: gl.constexpr, KS_PAD: gl.constexpr, PDL: gl.constexpr):
+        """The output block: ``tot * gmul`` rounded to ``out_ty``; with ``LORA`` the adapter's rounded update
+        (:func:`_lora_update`) added in float32 and rounded again, as a base GEMM followed by punica's expand."""
+        base = (tot * gmul).to(out_ty)
+        if LORA:
+            up = _lora_update(pid, M, N, lora, out_ty, BLOCK_N, BLOCK_M, WARPS, NREP, R, HP_M, KS_PAD, PDL)
+            base = (base.to(gl.float32) + gl.convert_layout(up, acc_l).to(gl.float32)).to(out_ty)
+        return base
+
+    @gluon.jit
     def _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr):
-        """``y^T`` block ``pid`` = ``acc * gmul`` in ``y``'s dtype. With split-K each program stores its float32
-        partial in the workspace ``[SPLIT_K, BLOCK_M, N]`` and counts itself in at ``cnt_ptr[pid]``; the last to
-        arrive sums the partials in a fixed order (bit-reproducible), stores the output and resets the counter."""
+                  BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr, lora=None, LORA: gl.constexpr = False,
+                  WARPS: gl.constexpr = 4, NREP: gl.constexpr = 1, R: gl.constexpr = 16, HP_M: gl.constexpr = 16,
+                  KS_PAD: gl.constexpr = 16, PDL: gl.constexpr = False):
+        """``y^T`` block ``pid`` = ``acc * gmul`` in ``y``'s dtype (with ``LORA``, plus the adapter's update:
+        :func:`_finish`). With split-K each program stores its float32 partial in the workspace ``[SPLIT_K,
+        BLOCK_M, N]`` and counts itself in at ``cnt_ptr[pid]``; the last to arrive sums the partials in a fixed
+        order (bit-reproducible), stores the output and resets the counter."""
+        out_ty: gl.constexpr = y_ptr.dtype.element_ty
         rn_o = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
         rm_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
         ok = (rn_o < N)[:, None] & (rm_o < M)[None, :]
         y_ptrs = y_ptr + rm_o[None, :] * sym + rn_o[:, None]
         if SPLIT_K == 1:
-            gl.store(y_ptrs, (acc * gmul).to(y_ptr.dtype.element_ty), mask=ok)
+            gl.store(y_ptrs, _finish(acc, gmul, pid, M, N, lora, acc_l, out_ty, BLOCK_N, BLOCK_M, LORA, WARPS, NREP, R,
+                                     HP_M, KS_PAD, PDL), mask=ok)
         else:
             ws_ptrs = ws_ptr + rm_o[None, :] * N + rn_o[:, None]
             gl.store(ws_ptrs + pid_k * (BLOCK_M * N), acc, mask=ok)
@@ -259,7 +329,8 @@ if gluon is not None:
                 tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
                 for s in gl.static_range(SPLIT_K):  # a fixed order, whatever order the programs arrived in
                     tot += gl.load(ws_ptrs + s * (BLOCK_M * N), mask=ok, other=0.0, cache_modifier=".cg")
-                gl.store(y_ptrs, (tot * gmul).to(y_ptr.dtype.element_ty), mask=ok)
+                gl.store(y_ptrs, _finish(tot, gmul, pid, M, N, lora, acc_l, out_ty, BLOCK_N, BLOCK_M, LORA, WARPS,
+                                         NREP, R, HP_M, KS_PAD, PDL), mask=ok)
                 gl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next call (and the next CUDA-graph replay)
 
     @gluon.jit
@@ -348,27 +419,23 @@ if gluon is not None:
         return w5, gl.load(x_ptr + x_offs + k0, mask=x_ok, other=0.0)
 
     @gluon.jit
-    def _wgmma_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
-                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
-                      SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr):
+    def _wgmma_acc(x_ptr, sxm, w_ptr, s_ptr, M, N, K, KB, KS, pid, pid_k, acc_l: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr, SPLIT_K: gl.constexpr,
+                   EVEN_N: gl.constexpr):
         """The Hopper version: ``warpgroup_mma`` (wgmma) with the decoded weight in registers and ``x`` in shared
         memory, ``16 * WARPS * NREP`` weight rows per program (4 or 8 warps: one or two warpgroups). The weight is
         read wide and decoded by moving bits as in :func:`_gluon_kernel`; its registers are then renamed into wgmma's
         register operand (pairs of consecutive K): operand K ``g * 64 + cb * 32 + h * 16 + c1 * 8 + j * 2 + c0``
         holds the tile's code ``j * block_k / 4 + 16 g + 8 cb + 4 c1 + 2 c0 + h`` (j: the lane's bits 0-1), and ``x``
-        is stored into shared memory in that order. Split-K and the epilogue as in :func:`_gluon_kernel`. (A version
-        with the decoded weight in shared memory too, two buffers and one wgmma in flight, was 15-46 % slower on
-        every 7B linear at 8 and 64 rows, §4s results, and is removed.)"""
+        is stored into shared memory in that order. Returns program ``(pid, pid_k)``'s float32 sums in ``acc_l``
+        (wgmma's accumulator layout). (A version with the decoded weight in shared memory too, two buffers and one
+        wgmma in flight, was 15-46 % slower on every 7B linear at 8 and 64 rows, §4s results, and is removed.)"""
         BLOCK_N: gl.constexpr = 16 * WARPS * NREP
         G: gl.constexpr = BLOCK_K // 64
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         w3_l: gl.constexpr = _wide_w_layout(BLOCK_K, WARPS, NREP)
         x_l: gl.constexpr = _x_load_layout(BLOCK_K, WARPS)
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M, BLOCK_K))
-        pid = gl.program_id(0)
-        pid_k = gl.program_id(1)
         n0 = pid * BLOCK_N
         rn_w = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w3_l)))
         rj_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, w3_l)))
@@ -393,8 +460,40 @@ if gluon is not None:
             fence_async_shared()
             gl.thread_barrier()
             acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
-        gmul = _EPILOGUE_UP / gl.load(g_ptr)
-        _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l, BLOCK_N, BLOCK_M, SPLIT_K)
+        return acc
+
+    @gluon.jit
+    def _wgmma_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
+                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
+                      SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr):
+        """The Hopper version (:func:`_wgmma_acc`'s loop), then split-K and the epilogue as in
+        :func:`_gluon_kernel`."""
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        acc = _wgmma_acc(x_ptr, sxm, w_ptr, s_ptr, M, N, K, KB, KS, pid, pid_k, acc_l, BLOCK_M, BLOCK_K, WARPS, NREP,
+                         SPLIT_K, EVEN_N)
+        _epilogue(acc, _EPILOGUE_UP / gl.load(g_ptr), y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l,
+                  16 * WARPS * NREP, BLOCK_M, SPLIT_K)
+
+    @gluon.jit
+    def _wgmma_lora_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
+                           hp_ptr, idx_ptr, b0, b1, b2, n0, n1, LKS, lscale,
+                           BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
+                           SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, R: gl.constexpr, HP_M: gl.constexpr,
+                           KS_PAD: gl.constexpr, PDL: gl.constexpr):
+        """:func:`_wgmma_kernel` with one adapter's expand in the epilogue of each output block's finishing program
+        (:func:`_lora_update`; ``hp_ptr`` ... ``lscale`` as there, ``LKS`` its partials per slice)."""
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        acc = _wgmma_acc(x_ptr, sxm, w_ptr, s_ptr, M, N, K, KB, KS, pid, pid_k, acc_l, BLOCK_M, BLOCK_K, WARPS, NREP,
+                         SPLIT_K, EVEN_N)
+        _epilogue(acc, _EPILOGUE_UP / gl.load(g_ptr), y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l,
+                  16 * WARPS * NREP, BLOCK_M, SPLIT_K, (hp_ptr, idx_ptr, b0, b1, b2, n0, n1, LKS, lscale), True, WARPS,
+                  NREP, R, HP_M, KS_PAD, PDL)
 
 
 def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,

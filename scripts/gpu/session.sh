@@ -264,6 +264,15 @@ run_step() {
         # occupancy of Marlin's FP4 GEMM and of the LoRA kernel at 8 rows (the ncu runs' own timings are not used)
         step kernels_h200 240 python3 scripts/gpu/bench_rollout.py kernels --shape 7B --batches 1,8,64
         ncu_launch_step ncu_marlin_smem 8 ;;
+    gluon_lora_test)  # §4au: the GPU tests of the few-row Gluon GEMM with the LoRA's expand in its epilogue
+        # (vllm_ext.nvfp4_gluon_lora) and of the wgmma GEMM under it
+        step gluon_lora_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_gluon_lora.py \
+            tests/vllm_ext/test_nvfp4_gluon.py -k "gluon_lora or wgmma" ;;
+    kernels_gluon)  # §4au: the per-layer kernel bench with the gluon and gluon_lora columns at 1, 8, 16 and 64 rows, runs
+        # FIRST ... REPEATS (default 1 ... 3), each in its own folder
+        for i in $(seq "${FIRST:-1}" "${REPEATS:-3}"); do
+            step "kernels_gluon_$i" 200 python3 scripts/gpu/bench_rollout.py kernels --shape 7B --batches 1,8,16,64
+        done ;;
     ncu_launch)  # §4at: marlin_smem's Nsight Compute part alone, at ROWS rows (default 64)
         ncu_launch_step ncu_launch "${ROWS:-64}" ;;
     ncu_kernels)  # the dequant kernel, Marlin and the one-row W4A16 kernel under Nsight Compute (scripts/gpu/profile_kernels.py)

@@ -31,6 +31,9 @@ overhead from Python), for every projection group (qkv, o, gate_up, down) and ba
                 path, 64 output features per program; gemv_sk4 the same with the K tiles split over 4 programs (one
                 launch, partials summed in a fixed order); gemv_row its one-row CUDA-core path as decode_gemv runs it
                 in the engine (torch.ops.qerl.nvfp4_gemv_row: PTX decode, x once per word, decode_tile's tiles; m = 1)
+  gluon         qerl's experimental Gluon GEMM's Hopper version (vllm_ext.nvfp4_gluon, wgmma) at §4r's tiles
+  gluon_lora    the same with the adapter's expand in its epilogue after a shrink kernel, one launch each
+                (vllm_ext.nvfp4_gluon_lora; programmatic dependent launches); on Hopper only, m <= 64
 
 Per-step sums (x layers) estimate the linear-layer share of a decode step and what each LoRA strategy costs.
 Writes $OUT/bench_kernels.json; prints the table last. Needs a CUDA GPU and vLLM's compiled ops.
@@ -38,7 +41,7 @@ Writes $OUT/bench_kernels.json; prints the table last. Needs a CUDA GPU and vLLM
 
 
 COLUMNS = ("bf16", "marlin", "marlin_bf16r", "gemv", "gemv_sk4", "gemv_row", "lora_punica", "lora_dense", "lora_fused",
-           "serial", "serial_fused", "overlap", "overlap_fused", "overlap_row")
+           "serial", "serial_fused", "overlap", "overlap_fused", "overlap_row", "gluon", "gluon_lora")
 
 
 def marlin_layer(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
@@ -148,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     from qerl_plugin import nvfp4
     from vllm_ext import lora_fused
     from vllm_ext.nvfp4_gemv import nvfp4_gemv_row, nvfp4_small_gemm
+    from vllm_ext.nvfp4_gluon import GLUON_IMPORT_ERROR, nvfp4_gluon_gemm
+    from vllm_ext.nvfp4_gluon_lora import MAX_TOKENS, gluon_lora_gemm, tile_for
 
     shp = shape_config(args.shape)
     hidden, inter, layers = shp["hidden_size"], shp["intermediate_size"], shp["num_hidden_layers"]
@@ -223,6 +228,17 @@ def run(args: argparse.Namespace) -> int:
             def one_row():  # not `row`: that name is the result dict below, which a late-bound lambda would call
                 return nvfp4_gemv_row(x, packed_cat, scale_cat, parts[0].global_scale)
 
+            gluon_ok = GLUON_IMPORT_ERROR is None and torch.cuda.get_device_capability()[0] == 9 and m <= MAX_TOKENS
+            block_k, warps, nrep, split_k = tile_for(n, k_in, m)
+
+            def gluon():
+                return nvfp4_gluon_gemm(x, packed_cat, scale_cat, parts[0].global_scale, block_k=block_k, warps=warps,
+                                        nrep=nrep, split_k=split_k, wgmma=True)
+
+            def gluon_lora():
+                return gluon_lora_gemm(x, packed_cat, scale_cat, parts[0].global_scale, lora_a, lora_b, 1.0, tuple(ns),
+                                       slots)
+
             cases = {
                 "bf16": lambda: F.linear(x, weight),
                 "marlin": marlin,
@@ -238,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
                 "serial_fused": lambda: fused(marlin()),
                 "overlap_fused": lambda: fused_beside(marlin),
                 "overlap_row": (lambda: fused_beside(one_row)) if m == 1 else None,
+                "gluon": gluon if gluon_ok else None,
+                "gluon_lora": gluon_lora if gluon_ok else None,
             }
             row: dict[str, Any] = {"group": gname, "m": m, "n": n, "k": k_in}
             for cname, fn in cases.items():

@@ -1,0 +1,209 @@
+"""A few-row NVFP4 linear and its single adapter's LoRA in two launches, as :mod:`vllm_ext.nvfp4_gemv_lora` does for
+one row: a shrink kernel for up to 64 tokens, then the Gluon kernel's Hopper version
+(:func:`vllm_ext.nvfp4_gluon._wgmma_lora_kernel`) with the LoRA's expand in its epilogue. Experimental: nothing in
+the engines uses it; ``qerl bench kernels`` times it (column ``gluon_lora``) against Marlin with qerl's LoRA kernel
+beside it (``overlap_fused``, the default at batch 8).
+
+Why: at 8 rows the LoRA costs a 7B decode step about as much beside Marlin as after it (docs/benchmarks.md §4ar:
+0.555 ms over Marlin on an H200), because Marlin's blocks hold each SM's whole shared memory. In the one-row path
+the expand runs in the GEMM's own epilogue and costs 0.351 ms over the GEMM instead of 0.897 (§4m). This is the
+same for a few rows, on the Gluon kernel (level with Marlin at 8 rows on an H100, §4r); design.md sketches it.
+
+* :func:`_shrink_rows_kernel`, grid ``(chunks, slices)``: program ``(c, s)`` writes the float32 partial ``x[:, chunk
+  c] @ A_s[:, chunk c]^T`` (``[tokens, R]``, on the tensor cores) to ``hp[s, c]``; at most :data:`MAX_CHUNKS`
+  chunks of a multiple of 256 input features (:func:`vllm_ext.nvfp4_gemv_lora.chunking`).
+* the GEMM's finishing program of each output block (the last split-K arrival) rounds the base result, sums its
+  slice's partials in a fixed order, applies ``scale`` and each token's slot, rounds ``h``, takes ``B_s h`` on the
+  tensor cores in float32, rounds, adds in float32 and stores once. On Hopper it is a programmatic dependent launch
+  that waits for the shrink only before reading the partials; the shrink itself waits for the kernel before it
+  and only then lets the GEMM start (as in :mod:`vllm_ext.nvfp4_gemv_lora` since §4p).
+
+The arithmetic is punica's (base rounded, ``h`` summed in float32 then scaled and rounded, the update summed in
+float32 and rounded, added in float32), with its float32 sums in other orders, and the same bits on every launch.
+CUDA only (Gluon has no interpreter; the shrink alone runs under it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ext import lora_fused
+from vllm_ext.nvfp4_gemv import pdl_first_allowed, pdl_supported
+from vllm_ext.nvfp4_gemv_lora import MAX_CHUNKS, SUB_K, chunking
+from vllm_ext.nvfp4_gluon import GLUON_IMPORT_ERROR, MAX_TOKENS
+from vllm_ext.triton_support import interpreting, tl, triton
+
+__all__ = ["MAX_TOKENS", "TILES_7B", "gluon_lora_gemm", "shrink_rows", "supports", "tile_for"]
+
+# The wgmma version's best tiles on the 7B linears from §4r's sweeps (H100; calls 6 and 7 agree): (n, k) -> rows ->
+# (block_k, warps, nrep, split_k). Other shapes get the 8-row tile of q/k/v.
+TILES_7B = {
+    (4608, 3584): {8: (256, 4, 1, 8), 64: (128, 4, 1, 4)},  # q/k/v
+    (3584, 3584): {8: (256, 4, 1, 8), 64: (256, 4, 1, 4)},  # o
+    (37888, 3584): {8: (256, 4, 1, 2), 64: (64, 4, 1, 1)},  # gate/up
+    (3584, 18944): {8: (256, 4, 1, 8), 64: (128, 8, 1, 8)},  # down
+}
+
+
+def tile_for(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
+    """``(block_k, warps, nrep, split_k)`` for an ``[n, k]`` weight at ``rows`` tokens: §4r's 8-row tile up to 16
+    rows, its 64-row tile above (the 7B shapes), else the q/k/v 8-row tile with ``block_k`` cut to divide K."""
+    by_rows = TILES_7B.get((n, k))
+    if by_rows is not None:
+        return by_rows[8 if rows <= 16 else 64]
+    block_k = 256 if k % 256 == 0 else 128 if k % 128 == 0 else 64
+    return block_k, 4, 1, 8
+
+
+if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def _shrink_rows_kernel(x_ptr, sxm, a0, a1, a2, hp_ptr, M, K, CH, R: tl.constexpr, SUB: tl.constexpr,
+                            BLOCK_M: tl.constexpr, KS_PAD: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
+                            F32_DOT: tl.constexpr):
+        """``hp[s, c] = x[:, chunk c] @ A_s[:, chunk c]^T`` in float32 (``[BLOCK_M, R]``; products of 16-bit values,
+        exact in float32; rows past ``M`` are zeros). ``WAIT``: this grid is itself a programmatic dependent launch
+        and waits for the kernel before it (which wrote ``x``) before anything else, and only then lets the GEMM
+        start. ``PDL``: let the GEMM start now (it waits for this grid before reading ``hp``). ``F32_DOT``: the dot on
+        float32 copies of the tiles (the interpreter's bf16 ``tl.dot`` is wrong: :func:`interpreting`)."""
+        if WAIT:
+            gdc_wait()
+        if PDL:
+            gdc_launch_dependents()
+        c = tl.program_id(0)
+        s = tl.program_id(1)
+        a_ptr = a0
+        if s == 1:
+            a_ptr = a1
+        elif s == 2:
+            a_ptr = a2
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, R)
+        m_ok = offs_m < M
+        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for k0 in range(c * CH, tl.minimum(c * CH + CH, K), SUB):
+            offs_k = k0 + tl.arange(0, SUB)
+            k_ok = offs_k < K
+            xv = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                         other=0.0)
+            av = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+            if F32_DOT:
+                acc = tl.dot(xv.to(tl.float32), tl.trans(av).to(tl.float32), acc)
+            else:
+                acc = tl.dot(xv, tl.trans(av), acc)
+        tl.store(hp_ptr + ((s * KS_PAD + c) * BLOCK_M + offs_m[:, None]) * R + offs_r[None, :], acc)
+
+
+def _shrink_block_m(rows: int) -> int:
+    """The shrink's token block: a power of two, at least 16 (``tl.dot``'s smallest)."""
+    return max(16, triton.next_power_of_2(rows))
+
+
+def shrink_rows(x: torch.Tensor, lora_a: tuple[torch.Tensor, ...], pdl: bool = False,
+                wait: bool = False) -> torch.Tensor:
+    """The shrink's float32 partials ``[slices, MAX_CHUNKS, block_m, R]`` for ``x`` ``[rows, K]`` and each slice's
+    ``A`` ``[1, 1, R, K]``: chunk ``c`` of slice ``s`` holds ``x[:, chunk] @ A_s[:, chunk]^T`` (rows past ``rows``
+    zero; chunks past :func:`~vllm_ext.nvfp4_gemv_lora.chunking`'s count unwritten). Runs under the Triton
+    interpreter too. ``pdl``/``wait``: as in :func:`_shrink_rows_kernel`."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows, rank = x2.shape[0], lora_a[0].shape[-2]
+    a = [t.view(rank, k) for t in lora_a] + [lora_a[0].view(rank, k)] * (3 - len(lora_a))  # unused pointers: slice 0
+    per, ks = chunking(k)
+    block_m = _shrink_block_m(rows)
+    hp = torch.empty(len(lora_a), MAX_CHUNKS, block_m, rank, device=x.device, dtype=torch.float32)
+    _shrink_rows_kernel[(ks, len(lora_a))](x2, x2.stride(0), *a, hp, rows, k, per, R=rank, SUB=SUB_K, BLOCK_M=block_m,
+                                           KS_PAD=MAX_CHUNKS, PDL=pdl, WAIT=wait, F32_DOT=interpreting(), num_warps=4,
+                                           launch_pdl=wait)
+    return hp
+
+
+def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, ...],
+             lora_b: tuple[torch.Tensor, ...], output_slices: tuple[int, ...],
+             tile: tuple[int, int, int, int] | None = None) -> str | None:
+    """``None`` when :func:`gluon_lora_gemm` runs this call, else why not (a sentence)."""
+    if GLUON_IMPORT_ERROR is not None:
+        return f"Triton's Gluon is not importable ({GLUON_IMPORT_ERROR})"
+    k = x.shape[-1]
+    rows = x.numel() // k
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return f"x on {x.device}: the kernel needs a Hopper GPU (wgmma; Gluon has no interpreter)"
+    if not 1 <= rows <= MAX_TOKENS:
+        return f"{rows} rows (1 to {MAX_TOKENS})"
+    why = lora_fused.weights_supported(x.dtype, k, lora_a, lora_b, output_slices)
+    if why is not None:
+        return why
+    if x.dtype != torch.bfloat16:
+        return f"activations in {x.dtype} (bfloat16 supported)"
+    rank = lora_a[0].shape[-2]
+    if rank > 128:
+        return f"rank {rank} (at most 128)"
+    n = packed.shape[0]
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != (sum(output_slices), k // 2):
+        return (f"weight {packed.dtype} {tuple(packed.shape)} is not the checkpoint layout for input {k} and slices "
+                f"{tuple(output_slices)}")
+    block_k, warps, nrep, _ = tile or tile_for(n, k, rows)
+    if k % block_k:
+        return f"K={k} is not a multiple of block_k={block_k}"
+    ragged = [size for size in output_slices[:-1] if size % (16 * warps * nrep)]
+    if ragged:
+        return f"slice sizes {ragged} are not multiples of the kernel's {16 * warps * nrep} rows per block"
+    return None
+
+
+def gluon_lora_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                    lora_a: tuple[torch.Tensor, ...], lora_b: tuple[torch.Tensor, ...], lora_scale: float,
+                    output_slices: tuple[int, ...], token_lora_indices: torch.Tensor,
+                    tile: tuple[int, int, int, int] | None = None, pdl: bool | None = None,
+                    pdl_first: bool | None = None) -> torch.Tensor:
+    """``x @ W.T + B_s @ (lora_scale * A_s @ x)`` per slice for the tokens of ``x`` ``[..., K]`` (at most
+    :data:`MAX_TOKENS`) whose slot in ``token_lora_indices`` is 0 (any other slot: no update); returns ``[..., N]``
+    in bfloat16. ``W``: the NVFP4 triple in the checkpoint layout (``packed`` uint8 ``[N, K/2]``, ``scale``
+    float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor); ``lora_a[s]`` ``[1, 1, R, K]``,
+    ``lora_b[s]`` ``[1, 1, n_s, R]``. ``tile``: ``(block_k, warps, nrep, split_k)``, default :func:`tile_for`.
+    ``pdl`` (default where :func:`~vllm_ext.nvfp4_gemv.pdl_supported`): the GEMM as a programmatic dependent launch;
+    ``pdl_first`` (default ``pdl`` and :func:`~vllm_ext.nvfp4_gemv.pdl_first_allowed`): the shrink too. Raises
+    :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported` where :func:`supports` says no."""
+    from vllm_ext.nvfp4_gemv import _counters
+    from vllm_ext.nvfp4_gluon import _wgmma_lora_kernel
+
+    slices = tuple(output_slices)
+    why = supports(x, packed, lora_a, lora_b, slices, tile)
+    if why is not None:
+        raise lora_fused.FusedLoRAUnsupported(why)
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], packed.shape[0]
+    if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, k // 16):
+        raise ValueError(f"scale {scale.dtype} {tuple(scale.shape)}, expected float8_e4m3fn ({n}, {k // 16})")
+    block_k, warps, nrep, split_k = tile or tile_for(n, k, m)
+    split_k = max(1, min(split_k, k // block_k))
+    if pdl is None:
+        pdl = pdl_supported(x.device)
+    if pdl_first is None:
+        pdl_first = pdl and pdl_first_allowed()
+    rank = lora_a[0].shape[-2]
+    hp = shrink_rows(x2, lora_a, pdl=pdl, wait=pdl_first)
+    _, b = lora_fused.slice_operands(lora_a, lora_b, rank, k)
+    n_first = list(slices[:2]) + [n] * (2 - min(2, len(slices)))  # slices past the last start beyond N: never taken
+    out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
+    block_m = max(8, triton.next_power_of_2(m))
+    blocks = triton.cdiv(n, 16 * warps * nrep)
+    if split_k > 1:  # float32 partials [split_k, block_m, N] and the blocks' arrival counters
+        ws = torch.empty(split_k, block_m, n, device=x.device, dtype=torch.float32)
+        cnt = _counters(x.device, blocks)
+    else:
+        ws = cnt = out  # not read
+    _wgmma_lora_kernel[(blocks, split_k)](
+        x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
+        out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, hp, token_lora_indices, *b, n_first[0], n_first[1],
+        chunking(k)[1], float(lora_scale), BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=nrep, SPLIT_K=split_k,
+        EVEN_N=n % (16 * warps * nrep) == 0, R=rank, HP_M=hp.shape[2], KS_PAD=MAX_CHUNKS, PDL=pdl, num_warps=warps,
+        launch_pdl=pdl,
+    )  # fmt: skip
+    return out.reshape(*x.shape[:-1], n)
