@@ -57,8 +57,9 @@ SHRINK = textwrap.dedent(
 
 def test_shrink_matches_float64_sums_per_chunk_under_the_interpreter():
     """Each chunk's partial ``x[:, chunk] @ A_s[:, chunk]^T`` is the float64 sum within float32's error bound for a
-    sum of that many terms (the products of bf16 values are exact in float32), for 1, 3, 8 and 20 tokens, one to three slices and a K that takes 12
-    chunks of 768; rows past the tokens are zeros (the GEMM's epilogue masks them anyway)."""
+    sum of that many terms (the products of bf16 values are exact in float32), for 1, 3, 8 and 20 tokens, one to
+    three slices and a K that takes 12 chunks of 768; rows past the tokens are zeros (the GEMM's epilogue masks them
+    anyway)."""
     cases = [[1, 768, 16, 1], [3, 1024, 32, 3], [8, 8704, 16, 2], [20, 512, 64, 3]]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", SHRINK, json.dumps(cases)], capture_output=True, text=True, env=env,
@@ -78,8 +79,8 @@ _SIGNATURE = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv
               "n0": "i32", "n1": "i32", "LKS": "i32", "lscale": "fp32"}
 
 
-@pytest.mark.parametrize("block_m,block_k,warps,split_k,rank,pdl", [(8, 256, 4, 8, 32, True), (8, 256, 4, 2, 16, True),
-                                                                    (64, 128, 8, 8, 64, False), (16, 64, 4, 1, 32, True)])
+@pytest.mark.parametrize("block_m,block_k,warps,split_k,rank,pdl", [
+    (8, 256, 4, 8, 32, True), (8, 256, 4, 2, 16, True), (64, 128, 8, 8, 64, False), (16, 64, 4, 1, 32, True)])
 def test_gemm_with_the_expand_compiles_for_sm90(block_m, block_k, warps, split_k, rank, pdl):
     """``_wgmma_lora_kernel`` compiled for sm_90 (Triton's front end and bundled ptxas, no GPU): the main loop's
     warpgroup MMAs as in the GEMM alone (block_k / 16 per tile), the expand on the tensor cores (mma.sync, rank / 16

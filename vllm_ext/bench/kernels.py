@@ -41,7 +41,8 @@ Writes $OUT/bench_kernels.json; prints the table last. Needs a CUDA GPU and vLLM
 
 
 COLUMNS = ("bf16", "marlin", "marlin_bf16r", "gemv", "gemv_sk4", "gemv_row", "lora_punica", "lora_dense", "lora_fused",
-           "serial", "serial_fused", "overlap", "overlap_fused", "overlap_row", "gluon", "gluon_lora")
+           "serial", "serial_fused", "overlap", "overlap_fused", "overlap_row",
+           "gluon", "gluon_lora")
 
 
 def marlin_layer(packed, scale, global_scale, dtype=None):  # noqa: ANN001, ANN201
