@@ -257,8 +257,10 @@ if gluon is not None:
         shrink's grid before reading its partials."""
         hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale = lora
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        # k_width 2, mma.sync's own operand layout for 16-bit values (with 8, as the GEMM's loop uses, a rank of 16,
+        # half of the 32 K that 8 per thread span, gave wrong sums on an H200: §4au)
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         bl: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8) if R < 256 else 1, R // 8 if R < 256 else 32],
                                             [WARPS, 1], [1, 0])
         hl: gl.constexpr = gl.BlockedLayout([1, 1], [32 // BLOCK_M if BLOCK_M < 32 else 1,

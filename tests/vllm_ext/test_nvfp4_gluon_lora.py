@@ -4,9 +4,8 @@ On the CPU the shrink runs under the Triton interpreter (a subprocess: TRITON_IN
 imported) against float64 sums, the GEMM with the expand is compiled for sm_90 with Triton's own ptxas, and the
 refusals are checked. The GEMM's numerics need a Hopper GPU (Gluon has no interpreter): there the result is checked
 against the Gluon GEMM's own bits plus an independent float64 statement of punica's LoRA (``h`` = ``scale * A @ x``
-rounded, ``B @ h`` rounded, added and rounded), at most 2 bf16 ulps away (the kernel's float32 sums run in other
-orders), tokens without the adapter bit for bit equal to the GEMM alone, and the same bits on a second call and in
-a CUDA graph.
+rounded, ``B @ h`` rounded, added and rounded), within the rounding bound of sums run in other orders, tokens
+without the adapter bit for bit equal to the GEMM alone, and the same bits on a second call and in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -147,21 +146,19 @@ def _case(slices, k, rank, rows, seed, served=None):  # noqa: ANN001, ANN202
 
 def _punica_f64(base, x, a, b, scale, slots):  # noqa: ANN001, ANN202
     """The GEMM's bits plus punica's update stated in float64: ``h = scale * A @ x`` rounded to bf16 (zero for a
-    token whose slot is not 0), ``B @ h`` rounded, added and rounded."""
-    ups = []
+    token whose slot is not 0), ``B @ h`` rounded, added and rounded. Also the bound on how far a kernel that sums
+    ``h`` and ``B h`` in float32 in another order may land from it: where float32's ``h`` lies near a bf16 rounding
+    boundary it may round to the neighbouring value (``|B| @ |h|`` times 2^-7 covers one step of every ``h``), and
+    then ``B h`` and the sum may each round one step the other way (2^-7 of each, relative)."""
+    ups, slack = [], []
     for a_s, b_s in zip(a, b):
         h = (x.double() @ a_s[0, 0].double().t()) * scale
         h = torch.where((slots == 0)[:, None], h, 0.0).to(torch.bfloat16).double()
-        ups.append((h @ b_s[0, 0].double().t()).to(torch.bfloat16).double())
-    return (base.double() + torch.cat(ups, dim=-1)).to(torch.bfloat16)
-
-
-def _ulps(got, ref):  # noqa: ANN001, ANN202
-    """bf16 steps between ``got`` and ``ref`` (same sign and finite: the int16 patterns' distance)."""
-    gi, ri = got.view(torch.int16).int(), ref.view(torch.int16).int()
-    gi = torch.where(gi < 0, -32768 - gi, gi)
-    ri = torch.where(ri < 0, -32768 - ri, ri)
-    return (gi - ri).abs()
+        up = (h @ b_s[0, 0].double().t()).to(torch.bfloat16).double()
+        ups.append(up)
+        slack.append((h.abs() @ b_s[0, 0].double().abs().t()) * 2.0**-7 + up.abs() * 2.0**-7)
+    ref = (base.double() + torch.cat(ups, dim=-1)).to(torch.bfloat16)
+    return ref, torch.cat(slack, dim=-1) + ref.double().abs() * 2.0**-7
 
 
 @pytest.mark.gpu
@@ -171,8 +168,10 @@ def _ulps(got, ref):  # noqa: ANN001, ANN202
                                            ((18944, 18944), 3584, 32), ((3584,), 18944, 64), ((256, 128), 1024, 32)])
 def test_gpu_matches_the_gemm_plus_punica_in_float64(rows, slices, k, rank):
     """The 7B q/k/v, o, gate/up and down shapes and a small two-slice one, at each token count and the default tiles
-    (split-K 8, 2, 4, 1, ...): within 2 bf16 ulps of the Gluon GEMM's own bits plus punica's update in float64,
-    tokens without the adapter equal to the GEMM alone bit for bit, and the same bits on a second call."""
+    (split-K 8, 2, 4, 1, ...): within the rounding bound of the Gluon GEMM's own bits plus punica's update in
+    float64 (:func:`_punica_f64`) and equal to it in at least 99 % of the outputs, tokens without the adapter equal
+    to the GEMM alone bit for bit, and the same bits on a second call. (A first run checked 2 bf16 ulps: outputs
+    near zero, where the base and the update cancel, were up to 64 ulps away, within this bound.)"""
     served = [i % 3 != 1 for i in range(rows)] if rows > 1 else [True]
     q, a, b, x, slots = _case(slices, k, rank, rows, seed=rows + k + rank, served=served)
     n = sum(slices)
@@ -180,9 +179,11 @@ def test_gpu_matches_the_gemm_plus_punica_in_float64(rows, slices, k, rank):
     base = ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, block_k=block_k, warps=warps, nrep=nrep,
                                split_k=split_k, wgmma=True)
     got = gl_lora.gluon_lora_gemm(x, q.packed, q.scale, q.global_scale, a, b, 0.5, slices, slots)
-    ref = _punica_f64(base, x, a, b, 0.5, slots)
+    ref, bound = _punica_f64(base, x, a, b, 0.5, slots)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
-    assert _ulps(got, ref).max().item() <= 2
+    err = (got.double() - ref.double()).abs()
+    assert (err <= bound).all(), f"worst {(err / bound).max().item():.2f} of the bound"
+    assert (got == ref).double().mean().item() >= 0.99  # nearly every output equal: only near-boundary cases differ
     off = ~torch.tensor(served, device="cuda")
     assert torch.equal(got[off], base[off])
     assert torch.equal(got, gl_lora.gluon_lora_gemm(x, q.packed, q.scale, q.global_scale, a, b, 0.5, slices, slots))
