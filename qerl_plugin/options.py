@@ -46,6 +46,8 @@ __all__ = [
     "LORA_DEFAULT",
     "LORA_MODES",
     "LORA_SPLIT_ADD_ENV",
+    "FEW_ROW_LORA_ENV",
+    "FEW_ROW_LORA_MAX_TOKENS",
     "METHOD",
     "NVFP4_BACKENDS",
     "NVFP4_BACKEND_ENV",
@@ -97,6 +99,12 @@ LORA_DEFAULT = "overlap"
 # torch.compile fuses the add into the next kernel (1, the default: +2.6 / +2.2 / +2.1 % decode at b1 / b8 / b64 in
 # one 7B H200 run, §4ah) instead of one add kernel per linear (0)
 LORA_SPLIT_ADD_ENV = "QERL_LORA_SPLIT_ADD"
+# overlap mode, experimental (a bool, default off): calls of 2 to FEW_ROW_LORA_MAX_TOKENS tokens of layers with
+# decode_gemv's copy of the checkpoint layout (decode_gemv "all" or "small") run the Gluon GEMM with the LoRA's expand
+# in its epilogue (vllm_ext.nvfp4_gluon_lora; 0.25 ms per 7B step under Marlin with the LoRA beside it at 8 rows on an
+# H200, §4au) instead of Marlin and the LoRA kernel. Read per call, when the op runs (not traced)
+FEW_ROW_LORA_ENV = "QERL_FEW_ROW_LORA"
+FEW_ROW_LORA_MAX_TOKENS = 8  # §4au: faster than the default at 8 rows, slower at 16
 # qerl's environment variables that change what vLLM traces and compiles (which op a layer calls, the arguments baked
 # into the graph). vLLM keys its compile cache by its own variables only, so an engine started with another value
 # of one of these would load the graph compiled for the first (it happened in §4ag); vllm_ext registers them as

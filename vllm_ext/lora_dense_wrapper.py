@@ -52,13 +52,13 @@ from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 from vllm.model_executor.layers.linear import QKVParallelLinear
 
 from qerl_plugin import notices
-from qerl_plugin.options import LORA_SPLIT_ADD_ENV, parse_bool
-from vllm_ext import lora_fused, nvfp4_gemv_lora
+from qerl_plugin.options import FEW_ROW_LORA_ENV, FEW_ROW_LORA_MAX_TOKENS, LORA_SPLIT_ADD_ENV, parse_bool
+from vllm_ext import lora_fused, nvfp4_gemv_lora, nvfp4_gluon_lora
 from vllm_ext.lora_dense import dense_lora_linear, requested_mode
 from vllm_ext.triton_support import interpreting as _interpreting
 
 __all__ = ["FUSED_OP", "LINEAR_APPLY_TARGET", "MERGED_APPLY_TARGET", "OVERLAP_OP", "OVERLAP_SPLIT_OP",
-           "SET_MAPPING_TARGET", "QerlPunicaWrapper", "route_merged_layers", "split_add"]
+           "SET_MAPPING_TARGET", "QerlPunicaWrapper", "few_row_lora", "route_merged_layers", "split_add"]
 
 logger = logging.getLogger("qerl.vllm.lora_dense")
 
@@ -66,6 +66,7 @@ FUSED_OP = "qerl::lora_linear_fused"
 _WRAPPERS: "weakref.WeakValueDictionary[int, QerlPunicaWrapper]" = weakref.WeakValueDictionary()
 _LOGGED: set[tuple[str, int]] = set()
 ROW_REFUSAL_KEY = "lora/row refusal/"  # qerl_plugin.notices: why a one-row call could not take row+lora, once each
+GLUON_REFUSAL_KEY = "lora/gluon refusal/"  # the same for gluon+lora
 MERGED_APPLY_TARGET = "vllm.lora.layers.column_parallel_linear:_mcp_apply"  # what route_merged_layers wraps
 # ... and, for the overlap path, o_proj/down_proj's apply and the method that hands a layer its wrapper
 LINEAR_APPLY_TARGET = "vllm.lora.layers.base_linear:BaseLinearLayerWithLoRA.apply"
@@ -74,6 +75,7 @@ OVERLAP_OP = "qerl::linear_lora_overlap"
 OVERLAP_SPLIT_OP = "qerl::linear_lora_overlap_split"  # the same, returning the base output and the update apart
 OVERLAP_MODE = "overlap"
 ROW_PATH = "row+lora"  # the overlap op's path for one-row calls of decode_gemv engines (vllm_ext.nvfp4_gemv_lora)
+GLUON_PATH = "gluon+lora"  # its path for calls of 2-8 tokens with QERL_FEW_ROW_LORA on (vllm_ext.nvfp4_gluon_lora)
 # name -> the live LoRA layers registered under it: one per engine that this process builds
 _LAYERS: "dict[str, weakref.WeakSet[torch.nn.Module]]" = {}
 _PUNICA_SIZES_LOGGED = 4  # eager engines see every prefill length: name the first few, then say so once
@@ -265,6 +267,11 @@ def _linear_lora_overlap_split_fake(x, bias, lora_a0, layer_name, out_features):
     return x.new_empty(shape), x.new_empty(shape)
 
 
+def few_row_lora() -> bool:
+    """Whether calls of 2 to 8 tokens try the gluon+lora path: ``QERL_FEW_ROW_LORA`` (a bool, default off)."""
+    return parse_bool(os.environ.get(FEW_ROW_LORA_ENV, "0") or "0", FEW_ROW_LORA_ENV)
+
+
 def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, split: bool = False):
     wrapper = layer.punica_wrapper
     a, b = tuple(layer.lora_a_stacked), tuple(layer.lora_b_stacked)
@@ -287,6 +294,19 @@ def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
             notices.warn_once(logger, ROW_REFUSAL_KEY + why, "qerl: a one-row LoRA call of %s stays off the row+lora "
                               "path (%s); it runs the base GEMM and the LoRA kernel",  # once per reason
                               _prefix(layer) or type(layer).__name__, why)
+    if 2 <= tokens <= FEW_ROW_LORA_MAX_TOKENS and x.is_cuda and few_row_lora():
+        # experimental (§4au): the Gluon GEMM on decode_gemv's copy with the LoRA expand in its epilogue
+        backend = getattr(base, "backend", None)
+        row = backend.row_weights(layer.base_layer, bias) if backend is not None else None
+        why = ("the layer has no copy of the checkpoint layout (decode_gemv \"all\" or \"small\" keeps one)"
+               if row is None else nvfp4_gluon_lora.supports(x2, row[0], a, b, slices))
+        if why is None:
+            _log_path(GLUON_PATH, tokens, None)
+            return nvfp4_gluon_lora.gluon_lora_gemm(x, *row[:3], a, b, 1.0, slices, wrapper._token_lora_indices,
+                                                    bias=row[3], zeros=split)
+        notices.warn_once(logger, GLUON_REFUSAL_KEY + why, "qerl: a LoRA call of %s stays off the gluon+lora path "
+                          "(%s); it runs the base GEMM and the LoRA kernel", _prefix(layer) or type(layer).__name__,
+                          why)
     if not x.is_cuda or lora_fused.supports(x2, a, b, slices) is not None:
         # in order, on this stream, as the fused mode runs: the base GEMM, then vLLM's own step that has the wrapper
         # add the update (the one-launch kernel where it takes the call, punica for more than 64 tokens)

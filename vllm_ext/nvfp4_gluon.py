@@ -253,9 +253,10 @@ if gluon is not None:
         zero for a token whose slot is not 0, rounded to ``out_ty``; then ``B_s h`` summed in float32 on the tensor
         cores (mma.sync) and rounded. ``lora`` = ``(hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale)``: the partials
         ``[slices, KS_PAD, HP_M, R]``, the tokens' slots, each slice's ``B`` ``[n_s, R]``, the first two slice sizes
-        and the partials per slice. A block never straddles two slices (the launch checks). ``PDL``: wait for the
-        shrink's grid before reading its partials."""
-        hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale = lora
+        and the partials per slice (then the bias and the zeros' output, used by :func:`_finish` and
+        :func:`_epilogue`). A block never straddles two slices (the launch checks). ``PDL``: wait for the shrink's
+        grid before reading its partials."""
+        hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale, _bias, _z = lora
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
         # k_width 2, mma.sync's own operand layout for 16-bit values (with 8, as the GEMM's loop uses, a rank of 16,
         # half of the 32 K that 8 per thread span, gave wrong sums on an H200: §4au)
@@ -296,10 +297,16 @@ if gluon is not None:
     @gluon.jit
     def _finish(tot, gmul, pid, M, N, lora, acc_l: gl.constexpr, out_ty: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_M: gl.constexpr, LORA: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
-                R: gl.constexpr, HP_M: gl.constexpr, KS_PAD: gl.constexpr, PDL: gl.constexpr):
-        """The output block: ``tot * gmul`` rounded to ``out_ty``; with ``LORA`` the adapter's rounded update
-        (:func:`_lora_update`) added in float32 and rounded again, as a base GEMM followed by punica's expand."""
-        base = (tot * gmul).to(out_ty)
+                R: gl.constexpr, HP_M: gl.constexpr, KS_PAD: gl.constexpr, PDL: gl.constexpr,
+                HAS_BIAS: gl.constexpr):
+        """The output block: ``tot * gmul`` (plus the bias in float32 with ``HAS_BIAS``, the ``lora`` tuple's) rounded
+        to ``out_ty``; with ``LORA`` the adapter's rounded update (:func:`_lora_update`) added in float32 and rounded
+        again, as a base GEMM followed by punica's expand."""
+        base = tot * gmul
+        if HAS_BIAS:
+            rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
+            base = base + gl.load(lora[9] + rn, mask=rn < N, other=0.0).to(gl.float32)[:, None]
+        base = base.to(out_ty)
         if LORA:
             up = _lora_update(pid, M, N, lora, out_ty, BLOCK_N, BLOCK_M, WARPS, NREP, R, HP_M, KS_PAD, PDL)
             base = (base.to(gl.float32) + gl.convert_layout(up, acc_l).to(gl.float32)).to(out_ty)
@@ -309,11 +316,14 @@ if gluon is not None:
     def _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr, lora=None, LORA: gl.constexpr = False,
                   WARPS: gl.constexpr = 4, NREP: gl.constexpr = 1, R: gl.constexpr = 16, HP_M: gl.constexpr = 16,
-                  KS_PAD: gl.constexpr = 16, PDL: gl.constexpr = False):
+                  KS_PAD: gl.constexpr = 16, PDL: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
+                  ZEROS: gl.constexpr = False):
         """``y^T`` block ``pid`` = ``acc * gmul`` in ``y``'s dtype (with ``LORA``, plus the adapter's update:
-        :func:`_finish`). With split-K each program stores its float32 partial in the workspace ``[SPLIT_K,
-        BLOCK_M, N]`` and counts itself in at ``cnt_ptr[pid]``; the last to arrive sums the partials in a fixed
-        order (bit-reproducible), stores the output and resets the counter."""
+        :func:`_finish`). ``ZEROS``: the block of the ``lora`` tuple's last tensor (shaped like ``y``) is set to zero
+        too (the overlap op's split add, whose model adds it: no launch of its own). With split-K each program stores
+        its float32 partial in the workspace ``[SPLIT_K, BLOCK_M, N]`` and counts itself in at ``cnt_ptr[pid]``; the
+        last to arrive sums the partials in a fixed order (bit-reproducible), stores the output and resets the
+        counter."""
         out_ty: gl.constexpr = y_ptr.dtype.element_ty
         rn_o = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
         rm_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
@@ -321,7 +331,10 @@ if gluon is not None:
         y_ptrs = y_ptr + rm_o[None, :] * sym + rn_o[:, None]
         if SPLIT_K == 1:
             gl.store(y_ptrs, _finish(acc, gmul, pid, M, N, lora, acc_l, out_ty, BLOCK_N, BLOCK_M, LORA, WARPS, NREP, R,
-                                     HP_M, KS_PAD, PDL), mask=ok)
+                                     HP_M, KS_PAD, PDL, HAS_BIAS), mask=ok)
+            if ZEROS:
+                gl.store(lora[10] + rm_o[None, :] * sym + rn_o[:, None], gl.zeros([BLOCK_N, BLOCK_M], out_ty, acc_l),
+                         mask=ok)
         else:
             ws_ptrs = ws_ptr + rm_o[None, :] * N + rn_o[:, None]
             gl.store(ws_ptrs + pid_k * (BLOCK_M * N), acc, mask=ok)
@@ -332,7 +345,10 @@ if gluon is not None:
                 for s in gl.static_range(SPLIT_K):  # a fixed order, whatever order the programs arrived in
                     tot += gl.load(ws_ptrs + s * (BLOCK_M * N), mask=ok, other=0.0, cache_modifier=".cg")
                 gl.store(y_ptrs, _finish(tot, gmul, pid, M, N, lora, acc_l, out_ty, BLOCK_N, BLOCK_M, LORA, WARPS,
-                                         NREP, R, HP_M, KS_PAD, PDL), mask=ok)
+                                         NREP, R, HP_M, KS_PAD, PDL, HAS_BIAS), mask=ok)
+                if ZEROS:
+                    gl.store(lora[10] + rm_o[None, :] * sym + rn_o[:, None],
+                             gl.zeros([BLOCK_N, BLOCK_M], out_ty, acc_l), mask=ok)
                 gl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next call (and the next CUDA-graph replay)
 
     @gluon.jit
@@ -481,21 +497,23 @@ if gluon is not None:
 
     @gluon.jit
     def _wgmma_lora_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
-                           hp_ptr, idx_ptr, b0, b1, b2, n0, n1, LKS, lscale,
+                           hp_ptr, idx_ptr, b0, b1, b2, n0, n1, LKS, lscale, bias_ptr, z_ptr,
                            BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
                            SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, R: gl.constexpr, HP_M: gl.constexpr,
-                           KS_PAD: gl.constexpr, PDL: gl.constexpr):
+                           KS_PAD: gl.constexpr, PDL: gl.constexpr, HAS_BIAS: gl.constexpr, ZEROS: gl.constexpr):
         """:func:`_wgmma_kernel` with one adapter's expand in the epilogue of each output block's finishing program
-        (:func:`_lora_update`; ``hp_ptr`` ... ``lscale`` as there, ``LKS`` its partials per slice)."""
+        (:func:`_lora_update`; ``hp_ptr`` ... ``lscale`` as there, ``LKS`` its partials per slice), the bias
+        ``[N]`` added in float32 before the base is rounded (``HAS_BIAS``), and ``z`` (like ``y``) zeroed
+        (``ZEROS``)."""
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
         pid = gl.program_id(0)
         pid_k = gl.program_id(1)
         acc = _wgmma_acc(x_ptr, sxm, w_ptr, s_ptr, M, N, K, KB, KS, pid, pid_k, acc_l, BLOCK_M, BLOCK_K, WARPS, NREP,
                          SPLIT_K, EVEN_N)
+        lora = (hp_ptr, idx_ptr, b0, b1, b2, n0, n1, LKS, lscale, bias_ptr, z_ptr)
         _epilogue(acc, _EPILOGUE_UP / gl.load(g_ptr), y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l,
-                  16 * WARPS * NREP, BLOCK_M, SPLIT_K, (hp_ptr, idx_ptr, b0, b1, b2, n0, n1, LKS, lscale), True, WARPS,
-                  NREP, R, HP_M, KS_PAD, PDL)
+                  16 * WARPS * NREP, BLOCK_M, SPLIT_K, lora, True, WARPS, NREP, R, HP_M, KS_PAD, PDL, HAS_BIAS, ZEROS)
 
 
 def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,

@@ -158,7 +158,8 @@ def gluon_lora_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
                     lora_a: tuple[torch.Tensor, ...], lora_b: tuple[torch.Tensor, ...], lora_scale: float,
                     output_slices: tuple[int, ...], token_lora_indices: torch.Tensor,
                     tile: tuple[int, int, int, int] | None = None, pdl: bool | None = None,
-                    pdl_first: bool | None = None) -> torch.Tensor:
+                    pdl_first: bool | None = None, bias: torch.Tensor | None = None,
+                    zeros: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ W.T + B_s @ (lora_scale * A_s @ x)`` per slice for the tokens of ``x`` ``[..., K]`` (at most
     :data:`MAX_TOKENS`) whose slot in ``token_lora_indices`` is 0 (any other slot: no update); returns ``[..., N]``
     in bfloat16. ``W``: the NVFP4 triple in the checkpoint layout (``packed`` uint8 ``[N, K/2]``, ``scale``
@@ -166,7 +167,9 @@ def gluon_lora_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     ``lora_b[s]`` ``[1, 1, n_s, R]``. ``tile``: ``(block_k, warps, nrep, split_k)``, default :func:`tile_for`.
     ``pdl`` (default where :func:`~vllm_ext.nvfp4_gemv.pdl_supported`): the GEMM as a programmatic dependent launch;
     ``pdl_first`` (default ``pdl`` and :func:`~vllm_ext.nvfp4_gemv.pdl_first_allowed`): the shrink too. Raises
-    :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported` where :func:`supports` says no."""
+    :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported` where :func:`supports` says no. ``bias`` ``[N]``: added to
+    the base in float32 before it is rounded. ``zeros``: returns ``(output, zeros)``, the second a tensor like the
+    output that the kernel fills with zeros (the overlap op's split add: no launch of its own for the zeros)."""
     from vllm_ext.nvfp4_gemv import _counters
     from vllm_ext.nvfp4_gluon import _wgmma_lora_kernel
 
@@ -181,6 +184,8 @@ def gluon_lora_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     m, n = x2.shape[0], packed.shape[0]
     if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, k // 16):
         raise ValueError(f"scale {scale.dtype} {tuple(scale.shape)}, expected float8_e4m3fn ({n}, {k // 16})")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)}, expected ({n},)")
     block_k, warps, nrep, split_k = tile or tile_for(n, k, m)
     split_k = max(1, min(split_k, k // block_k))
     if pdl is None:
@@ -192,6 +197,7 @@ def gluon_lora_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     _, b = lora_fused.slice_operands(lora_a, lora_b, rank, k)
     n_first = list(slices[:2]) + [n] * (2 - min(2, len(slices)))  # slices past the last start beyond N: never taken
     out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
+    z = torch.empty_like(out) if zeros else out  # every element gets written
     block_m = max(8, triton.next_power_of_2(m))
     blocks = triton.cdiv(n, 16 * warps * nrep)
     if split_k > 1:  # float32 partials [split_k, block_m, N] and the blocks' arrival counters
@@ -202,8 +208,11 @@ def gluon_lora_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     _wgmma_lora_kernel[(blocks, split_k)](
         x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
         out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, hp, token_lora_indices, *b, n_first[0], n_first[1],
-        chunking(k)[1], float(lora_scale), BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=nrep, SPLIT_K=split_k,
-        EVEN_N=n % (16 * warps * nrep) == 0, R=rank, HP_M=hp.shape[2], KS_PAD=MAX_CHUNKS, PDL=pdl, num_warps=warps,
+        chunking(k)[1], float(lora_scale), out if bias is None else bias.contiguous(), z, BLOCK_M=block_m,
+        BLOCK_K=block_k, WARPS=warps, NREP=nrep, SPLIT_K=split_k, EVEN_N=n % (16 * warps * nrep) == 0, R=rank,
+        HP_M=hp.shape[2], KS_PAD=MAX_CHUNKS, PDL=pdl, HAS_BIAS=bias is not None, ZEROS=zeros, num_warps=warps,
         launch_pdl=pdl,
     )  # fmt: skip
+    if zeros:
+        return out.reshape(*x.shape[:-1], n), z.reshape(*x.shape[:-1], n)
     return out.reshape(*x.shape[:-1], n)

@@ -273,6 +273,16 @@ run_step() {
         for i in $(seq "${FIRST:-1}" "${REPEATS:-3}"); do
             step "kernels_gluon_$i" 200 python3 scripts/gpu/bench_rollout.py kernels --shape 7B --batches 1,8,16,64
         done ;;
+    bench_gluon_lora)  # §4av: 7B decode at b8 (random weights, 3 repeats): ours with the default (shared), ours with
+        # gluon-lora (decode_gemv's copy and QERL_FEW_ROW_LORA=1), ours without LoRA, BF16 + punica. In the background
+        # into $work/bench-gluon (`TAG=-gluon bench_watch`)
+        TAG=-gluon BENCH_ARGS="--shape 7B --configs nvfp4-lora,nvfp4,bf16-lora \
+--variants default,gluon-lora,punica-lora --batches 8 --repeats 3 \
+--runs nvfp4-lora@default,nvfp4-lora@gluon-lora,nvfp4@default,bf16-lora@punica-lora" run_step bench_bg ;;
+    lora_r32_gluon)  # §4av: §2's engine check with the gluon+lora path: decode_gemv's copy, QERL_FEW_ROW_LORA=1;
+        # its four greedy prompts decode together (steps of 4 tokens take the path)
+        step lora_r32_gluon 420 env QERL_FEW_ROW_LORA=1 QERL_NVFP4_DECODE_GEMV=1 \
+            python3 scripts/gpu/check_lora_correctness.py --skip-stock --ranks 32 ;;
     ncu_launch)  # §4at: marlin_smem's Nsight Compute part alone, at ROWS rows (default 64)
         ncu_launch_step ncu_launch "${ROWS:-64}" ;;
     ncu_kernels)  # the dequant kernel, Marlin and the one-row W4A16 kernel under Nsight Compute (scripts/gpu/profile_kernels.py)

@@ -75,23 +75,24 @@ def test_shrink_matches_float64_sums_per_chunk_under_the_interpreter():
 _SIGNATURE = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "y_ptr": "*bf16",
               "sym": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "KB": "i32",
               "KS": "i32", "hp_ptr": "*fp32", "idx_ptr": "*i64", "b0": "*bf16", "b1": "*bf16", "b2": "*bf16",
-              "n0": "i32", "n1": "i32", "LKS": "i32", "lscale": "fp32"}
+              "n0": "i32", "n1": "i32", "LKS": "i32", "lscale": "fp32", "bias_ptr": "*bf16", "z_ptr": "*bf16"}
 
 
-@pytest.mark.parametrize("block_m,block_k,warps,split_k,rank,pdl", [
-    (8, 256, 4, 8, 32, True), (8, 256, 4, 2, 16, True), (64, 128, 8, 8, 64, False), (16, 64, 4, 1, 32, True)])
-def test_gemm_with_the_expand_compiles_for_sm90(block_m, block_k, warps, split_k, rank, pdl):
+@pytest.mark.parametrize("block_m,block_k,warps,split_k,rank,pdl,extras", [
+    (8, 256, 4, 8, 32, True, True), (8, 256, 4, 2, 16, True, False), (64, 128, 8, 8, 64, False, True),
+    (16, 64, 4, 1, 32, True, True)])
+def test_gemm_with_the_expand_compiles_for_sm90(block_m, block_k, warps, split_k, rank, pdl, extras):
     """``_wgmma_lora_kernel`` compiled for sm_90 (Triton's front end and bundled ptxas, no GPU): the main loop's
     warpgroup MMAs as in the GEMM alone (block_k / 16 per tile), the expand on the tensor cores (mma.sync, rank / 16
     per 16 weight rows of a warp and 8 tokens), ``griddepcontrol.wait`` exactly once with ``PDL`` (before the
     partials are read) and not at all without, and shared memory for the ``x`` tile only, which the epilogue's layout
-    conversions reuse."""
+    conversions reuse. ``extras``: with the bias and the split add's zeros."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     consts = dict(BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=1, SPLIT_K=split_k, EVEN_N=True, R=rank,
-                  HP_M=max(16, block_m), KS_PAD=16, PDL=pdl)
+                  HP_M=max(16, block_m), KS_PAD=16, PDL=pdl, HAS_BIAS=extras, ZEROS=extras)
     src = GluonASTSource(fn=ng._wgmma_lora_kernel, signature={**_SIGNATURE, **{k: "constexpr" for k in consts}},
                          constexprs=consts)
     try:
@@ -210,3 +211,24 @@ def test_gpu_same_bits_without_pdl_and_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("rows", [2, 8])
+def test_gpu_bias_and_the_split_adds_zeros(rows):
+    """With a bias (q/k/v's): within the bf16 output's rounding of the float64 product with the exact weight plus the
+    bias, plus the bound of :func:`_punica_f64` for the update. With ``zeros``: the same output bits, and a second
+    tensor of zeros (the overlap op's split add)."""
+    slices, k = (3584, 512, 512), 3584
+    q, a, b, x, slots = _case(slices, k, 32, rows, seed=11 + rows)
+    bias = torch.randn(sum(slices), device="cuda").to(torch.bfloat16)
+    got = gl_lora.gluon_lora_gemm(x, q.packed, q.scale, q.global_scale, a, b, 1.0, slices, slots, bias=bias)
+    exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
+    exact = exact + bias.double()
+    update, bound = _punica_f64(torch.zeros_like(got), x, a, b, 1.0, slots)
+    err = (got.double() - (exact + update.double())).abs()
+    assert (err <= bound + 2.0**-8 * exact.abs() + 1e-4 * exact.abs().max()).all()
+    out, z = gl_lora.gluon_lora_gemm(x, q.packed, q.scale, q.global_scale, a, b, 1.0, slices, slots, bias=bias,
+                                     zeros=True)
+    assert torch.equal(out, got) and z.shape == got.shape and not z.any()

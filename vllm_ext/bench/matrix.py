@@ -86,6 +86,10 @@ VARIANTS: dict[str, Variant] = {
     "decode-gemv-shared": Variant("decode-gemv on every layer with the kernel that reads Marlin's own tensors "
                                   "(vllm_ext.nvfp4_marlin_row; no second copy; the default on Hopper since §4al)",
                                   nvfp4={"decode_gemv": "shared"}, only="nvfp4"),
+    "gluon-lora": Variant("decode-gemv's copy on every layer and, with an adapter, calls of 2-8 tokens on the Gluon "
+                          "GEMM with the LoRA's expand in its epilogue (vllm_ext.nvfp4_gluon_lora, "
+                          "QERL_FEW_ROW_LORA=1; experimental, §4au)", env={"QERL_FEW_ROW_LORA": "1"}, nvfp4={"decode_gemv": True},
+                          only="nvfp4"),
     "decode-gemv-off": Variant("every GEMM on Marlin, one-row calls too (the default before §4al, and on GPUs other "
                                "than Hopper)", nvfp4={"decode_gemv": "off"}, only="nvfp4"),
     "pdl-first-off": Variant("decode_gemv's first launch per linear (the row kernel alone, or row+lora's shrink) as a "
