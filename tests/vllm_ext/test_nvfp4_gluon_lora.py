@@ -228,7 +228,7 @@ def test_gpu_bias_and_the_split_adds_zeros(rows):
     exact = exact + bias.double()
     update, bound = _punica_f64(torch.zeros_like(got), x, a, b, 1.0, slots)
     err = (got.double() - (exact + update.double())).abs()
-    assert (err <= bound + 2.0**-8 * exact.abs() + 1e-4 * exact.abs().max()).all()
+    assert (err <= bound + 2.0**-7 * exact.abs() + 1e-4 * exact.abs().max()).all()  # two roundings: base, sum
     out, z = gl_lora.gluon_lora_gemm(x, q.packed, q.scale, q.global_scale, a, b, 1.0, slices, slots, bias=bias,
                                      zeros=True)
     assert torch.equal(out, got) and z.shape == got.shape and not z.any()
