@@ -562,3 +562,17 @@ def test_gpu_kernel_overwrite_mode_equals_adding_to_zero():
     assert torch.equal(written[idx[:m] == -1], torch.zeros_like(written[idx[:m] == -1]))
     assert (written.float() - added.float()).abs().max().item() <= 2 ** -6 * added.float().abs().max().item()
     assert lora_fused.ready(sync)
+
+
+def test_few_row_lora_switch_reads_its_variable(monkeypatch):
+    """``QERL_FEW_ROW_LORA``: off unless set to a true value; a bad value is refused with the variable's name (the
+    op reads it per call, so an engine that sets it wrongly fails at its first decode step, not silently)."""
+    monkeypatch.delenv(options.FEW_ROW_LORA_ENV, raising=False)
+    assert ldw.few_row_lora() is False
+    for value, want in (("1", True), ("on", True), ("0", False), ("", False)):
+        monkeypatch.setenv(options.FEW_ROW_LORA_ENV, value)
+        assert ldw.few_row_lora() is want
+    monkeypatch.setenv(options.FEW_ROW_LORA_ENV, "gluon")
+    with pytest.raises(ValueError, match="QERL_FEW_ROW_LORA: expected true or false, got 'gluon'"):
+        ldw.few_row_lora()
+    assert options.FEW_ROW_LORA_MAX_TOKENS == 8
