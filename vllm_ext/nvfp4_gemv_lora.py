@@ -69,6 +69,24 @@ if triton is not None:
     from vllm_ext.nvfp4_marlin_row import _marlin_row_dot, _marlin_rows
 
     @triton.jit
+    def _shrink_program(a0, a1, a2, PDL: tl.constexpr, WAIT: tl.constexpr):
+        """A shrink program's start, ``(chunk, slice, that slice's A)``: with ``WAIT`` (the grid is itself a
+        programmatic dependent launch) it first waits for the kernel before it, which wrote ``x``; with ``PDL`` it
+        then lets the GEMM that follows start (that GEMM waits for this grid before it reads the partials). Used by
+        :func:`_shrink_kernel` and :mod:`vllm_ext.nvfp4_gluon_lora`'s shrink."""
+        if WAIT:
+            gdc_wait()
+        if PDL:
+            gdc_launch_dependents()
+        s = tl.program_id(1)
+        a_ptr = a0
+        if s == 1:
+            a_ptr = a1
+        elif s == 2:
+            a_ptr = a2
+        return tl.program_id(0), s, a_ptr
+
+    @triton.jit
     def _shrink_kernel(x_ptr, a0, a1, a2, hp_ptr, K, CH, R: tl.constexpr, SUB: tl.constexpr, KS_PAD: tl.constexpr,
                        PDL: tl.constexpr, WAIT: tl.constexpr):
         """``hp[s, c, :] = A_s[:, c*CH : (c+1)*CH] @ x[c*CH : (c+1)*CH]`` in float32 (products of 16-bit values,
@@ -76,17 +94,7 @@ if triton is not None:
         previous kernel (which wrote ``x``) before anything else, and only then let the row kernel start, so the row
         kernel never reads ``x`` early. ``PDL``: let the row kernel start now (it waits for this grid before reading
         ``hp``)."""
-        if WAIT:
-            gdc_wait()
-        if PDL:
-            gdc_launch_dependents()
-        c = tl.program_id(0)
-        s = tl.program_id(1)
-        a_ptr = a0
-        if s == 1:
-            a_ptr = a1
-        elif s == 2:
-            a_ptr = a2
+        c, s, a_ptr = _shrink_program(a0, a1, a2, PDL, WAIT)
         offs_r = tl.arange(0, R)
         acc = tl.zeros((R, SUB), dtype=tl.float32)
         for k0 in range(c * CH, tl.minimum(c * CH + CH, K), SUB):

@@ -482,29 +482,16 @@ if gluon is not None:
 
     @gluon.jit
     def _wgmma_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
+                      hp_ptr, idx_ptr, b0, b1, b2, n0, n1, LKS, lscale, bias_ptr, z_ptr,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
-                      SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr):
-        """The Hopper version (:func:`_wgmma_acc`'s loop), then split-K and the epilogue as in
-        :func:`_gluon_kernel`."""
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-        pid = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        acc = _wgmma_acc(x_ptr, sxm, w_ptr, s_ptr, M, N, K, KB, KS, pid, pid_k, acc_l, BLOCK_M, BLOCK_K, WARPS, NREP,
-                         SPLIT_K, EVEN_N)
-        _epilogue(acc, _EPILOGUE_UP / gl.load(g_ptr), y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l,
-                  16 * WARPS * NREP, BLOCK_M, SPLIT_K)
-
-    @gluon.jit
-    def _wgmma_lora_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
-                           hp_ptr, idx_ptr, b0, b1, b2, n0, n1, LKS, lscale, bias_ptr, z_ptr,
-                           BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
-                           SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, R: gl.constexpr, HP_M: gl.constexpr,
-                           KS_PAD: gl.constexpr, PDL: gl.constexpr, HAS_BIAS: gl.constexpr, ZEROS: gl.constexpr):
-        """:func:`_wgmma_kernel` with one adapter's expand in the epilogue of each output block's finishing program
-        (:func:`_lora_update`; ``hp_ptr`` ... ``lscale`` as there, ``LKS`` its partials per slice), the bias
-        ``[N]`` added in float32 before the base is rounded (``HAS_BIAS``), and ``z`` (like ``y``) zeroed
-        (``ZEROS``)."""
+                      SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, LORA: gl.constexpr, R: gl.constexpr,
+                      HP_M: gl.constexpr, KS_PAD: gl.constexpr, PDL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      ZEROS: gl.constexpr):
+        """The Hopper version (:func:`_wgmma_acc`'s loop), then split-K and the epilogue as in :func:`_gluon_kernel`.
+        With ``LORA`` (:mod:`vllm_ext.nvfp4_gluon_lora`) one adapter's expand runs in the epilogue of each output
+        block's finishing program (:func:`_lora_update`; ``hp_ptr`` ... ``lscale`` as there, ``LKS`` its partials per
+        slice), the bias ``[N]`` is added in float32 before the base is rounded (``HAS_BIAS``), and ``z`` (like
+        ``y``) is zeroed (``ZEROS``); without it those arguments are not read."""
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
         pid = gl.program_id(0)
@@ -513,7 +500,7 @@ if gluon is not None:
                          SPLIT_K, EVEN_N)
         lora = (hp_ptr, idx_ptr, b0, b1, b2, n0, n1, LKS, lscale, bias_ptr, z_ptr)
         _epilogue(acc, _EPILOGUE_UP / gl.load(g_ptr), y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l,
-                  16 * WARPS * NREP, BLOCK_M, SPLIT_K, lora, True, WARPS, NREP, R, HP_M, KS_PAD, PDL, HAS_BIAS, ZEROS)
+                  16 * WARPS * NREP, BLOCK_M, SPLIT_K, lora, LORA, WARPS, NREP, R, HP_M, KS_PAD, PDL, HAS_BIAS, ZEROS)
 
 
 def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
@@ -575,7 +562,9 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         cnt = _counters(x.device, blocks)
     else:
         ws = cnt = out  # not read
-    kernel, options = ((_wgmma_kernel, {}) if wgmma else
+    kernel, options = ((_wgmma_kernel, dict(  # no adapter: the LoRA's arguments are not read
+        hp_ptr=ws, idx_ptr=cnt, b0=x2, b1=x2, b2=x2, n0=0, n1=0, LKS=0, lscale=0.0, bias_ptr=out, z_ptr=out,
+        LORA=False, R=16, HP_M=16, KS_PAD=16, PDL=False, HAS_BIAS=False, ZEROS=False)) if wgmma else
                        (_gluon_kernel, dict(PREFETCH=bool(prefetch), WIDE=bool(wide), BITS=bool(bits))))
     kernel[(blocks, split_k)](
         x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,

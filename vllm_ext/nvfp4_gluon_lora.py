@@ -1,6 +1,6 @@
 """A few-row NVFP4 linear and its single adapter's LoRA in two launches, as :mod:`vllm_ext.nvfp4_gemv_lora` does for
 one row: a shrink kernel for up to 64 tokens, then the Gluon kernel's Hopper version
-(:func:`vllm_ext.nvfp4_gluon._wgmma_lora_kernel`) with the LoRA's expand in its epilogue. Experimental: nothing in
+(:func:`vllm_ext.nvfp4_gluon._wgmma_kernel`) with the LoRA's expand in its epilogue. Experimental: nothing in
 the engines uses it; ``qerl bench kernels`` times it (column ``gluon_lora``) against Marlin with qerl's LoRA kernel
 beside it (``overlap_fused``, the default at batch 8).
 
@@ -56,7 +56,7 @@ def tile_for(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
 
 
 if triton is not None:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from vllm_ext.nvfp4_gemv_lora import _shrink_program
 
     @triton.jit
     def _shrink_rows_kernel(x_ptr, sxm, a0, a1, a2, hp_ptr, M, K, CH, R: tl.constexpr, SUB: tl.constexpr,
@@ -67,17 +67,7 @@ if triton is not None:
         and waits for the kernel before it (which wrote ``x``) before anything else, and only then lets the GEMM
         start. ``PDL``: let the GEMM start now (it waits for this grid before reading ``hp``). ``F32_DOT``: the dot on
         float32 copies of the tiles (the interpreter's bf16 ``tl.dot`` is wrong: :func:`interpreting`)."""
-        if WAIT:
-            gdc_wait()
-        if PDL:
-            gdc_launch_dependents()
-        c = tl.program_id(0)
-        s = tl.program_id(1)
-        a_ptr = a0
-        if s == 1:
-            a_ptr = a1
-        elif s == 2:
-            a_ptr = a2
+        c, s, a_ptr = _shrink_program(a0, a1, a2, PDL, WAIT)
         offs_m = tl.arange(0, BLOCK_M)
         offs_r = tl.arange(0, R)
         m_ok = offs_m < M
@@ -171,7 +161,7 @@ def gluon_lora_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     the base in float32 before it is rounded. ``zeros``: returns ``(output, zeros)``, the second a tensor like the
     output that the kernel fills with zeros (the overlap op's split add: no launch of its own for the zeros)."""
     from vllm_ext.nvfp4_gemv import _counters
-    from vllm_ext.nvfp4_gluon import _wgmma_lora_kernel
+    from vllm_ext.nvfp4_gluon import _wgmma_kernel
 
     slices = tuple(output_slices)
     why = supports(x, packed, lora_a, lora_b, slices, tile)
@@ -205,12 +195,12 @@ def gluon_lora_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
         cnt = _counters(x.device, blocks)
     else:
         ws = cnt = out  # not read
-    _wgmma_lora_kernel[(blocks, split_k)](
+    _wgmma_kernel[(blocks, split_k)](
         x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
         out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, hp, token_lora_indices, *b, n_first[0], n_first[1],
         chunking(k)[1], float(lora_scale), out if bias is None else bias.contiguous(), z, BLOCK_M=block_m,
-        BLOCK_K=block_k, WARPS=warps, NREP=nrep, SPLIT_K=split_k, EVEN_N=n % (16 * warps * nrep) == 0, R=rank,
-        HP_M=hp.shape[2], KS_PAD=MAX_CHUNKS, PDL=pdl, HAS_BIAS=bias is not None, ZEROS=zeros, num_warps=warps,
+        BLOCK_K=block_k, WARPS=warps, NREP=nrep, SPLIT_K=split_k, EVEN_N=n % (16 * warps * nrep) == 0, LORA=True,
+        R=rank, HP_M=hp.shape[2], KS_PAD=MAX_CHUNKS, PDL=pdl, HAS_BIAS=bias is not None, ZEROS=zeros, num_warps=warps,
         launch_pdl=pdl,
     )  # fmt: skip
     if zeros:

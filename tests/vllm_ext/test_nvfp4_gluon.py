@@ -49,8 +49,9 @@ def test_refusals_name_the_bad_input():
 def test_wgmma_version_compiles_to_wgmma_with_only_x_in_shared_memory(block_m, block_k, warps, nrep, split_k):
     """``wgmma``, compiled for sm_90: warpgroup MMAs (HGMMA, block_k / 16 per tile and row block), no spills, and the
     only shared memory is the ``x`` tile (plus split-K's 4-byte arrival broadcast): the weight stays in registers."""
-    consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k, "EVEN_N": True}
-    ck = _compile_or_skip(ng._wgmma_kernel, consts, warps)
+    consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k, "EVEN_N": True,
+              "LORA": False, "R": 16, "HP_M": 16, "KS_PAD": 16, "PDL": False, "HAS_BIAS": False, "ZEROS": False}
+    ck = _compile_or_skip(ng._wgmma_kernel, consts, warps, _LORA_SIGNATURE)
     assert block_m * block_k * 2 <= ck.metadata.shared <= block_m * block_k * 2 + 16
     usage, ops = _sass(ck)
     assert re.search(r"LOCAL:0\b", usage), usage
@@ -81,21 +82,25 @@ _SIGNATURE = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv
 _DIVISIBLE = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 11, 12, 13)}  # as at the 7B shapes
 
 
-def _compile(fn, consts: dict, warps: int):  # noqa: ANN001, ANN202
+_LORA_SIGNATURE = {**_SIGNATURE, "hp_ptr": "*fp32", "idx_ptr": "*i32", "b0": "*bf16", "b1": "*bf16", "b2": "*bf16",
+                   "n0": "i32", "n1": "i32", "LKS": "i32", "lscale": "fp32", "bias_ptr": "*bf16", "z_ptr": "*bf16"}
+
+
+def _compile(fn, consts: dict, warps: int, signature: dict | None = None):  # noqa: ANN001, ANN202
     """``fn`` (one of the module's kernels) compiled for sm_90 with Triton's own ptxas, its arguments specialised as at
-    the 7B shapes."""
+    the 7B shapes (``signature``: its non-constexpr arguments' types, default those of the kernels without LoRA)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    src = GluonASTSource(fn=fn, signature={**_SIGNATURE, **{name: "constexpr" for name in consts}}, constexprs=consts,
-                         attrs=_DIVISIBLE)
+    src = GluonASTSource(fn=fn, signature={**(signature or _SIGNATURE), **{name: "constexpr" for name in consts}},
+                         constexprs=consts, attrs=_DIVISIBLE)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def _compile_or_skip(fn, consts: dict, warps: int):  # noqa: ANN001, ANN202
+def _compile_or_skip(fn, consts: dict, warps: int, signature: dict | None = None):  # noqa: ANN001, ANN202
     try:
-        return _compile(fn, consts, warps)
+        return _compile(fn, consts, warps, signature)
     except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
         pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
 

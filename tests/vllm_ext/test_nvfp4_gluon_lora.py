@@ -82,18 +82,19 @@ _SIGNATURE = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*fp8e4nv
     (8, 256, 4, 8, 32, True, True), (8, 256, 4, 2, 16, True, False), (64, 128, 8, 8, 64, False, True),
     (16, 64, 4, 1, 32, True, True)])
 def test_gemm_with_the_expand_compiles_for_sm90(block_m, block_k, warps, split_k, rank, pdl, extras):
-    """``_wgmma_lora_kernel`` compiled for sm_90 (Triton's front end and bundled ptxas, no GPU): the main loop's
-    warpgroup MMAs as in the GEMM alone (block_k / 16 per tile), the expand on the tensor cores (mma.sync, rank / 16
-    per 16 weight rows of a warp and 8 tokens), ``griddepcontrol.wait`` exactly once with ``PDL`` (before the
+    """``_wgmma_kernel`` with ``LORA``, compiled for sm_90 (Triton's front end and bundled ptxas, no GPU): the main
+    loop's warpgroup MMAs as in the GEMM alone (block_k / 16 per tile), the expand on the tensor cores (mma.sync, rank /
+    16 per 16 weight rows of a warp and 8 tokens), ``griddepcontrol.wait`` exactly once with ``PDL`` (before the
     partials are read) and not at all without, and shared memory for the ``x`` tile only, which the epilogue's layout
     conversions reuse. ``extras``: with the bias and the split add's zeros."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    consts = dict(BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=1, SPLIT_K=split_k, EVEN_N=True, R=rank,
+    consts = dict(BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=1, SPLIT_K=split_k, EVEN_N=True, LORA=True,
+                  R=rank,
                   HP_M=max(16, block_m), KS_PAD=16, PDL=pdl, HAS_BIAS=extras, ZEROS=extras)
-    src = GluonASTSource(fn=ng._wgmma_lora_kernel, signature={**_SIGNATURE, **{k: "constexpr" for k in consts}},
+    src = GluonASTSource(fn=ng._wgmma_kernel, signature={**_SIGNATURE, **{k: "constexpr" for k in consts}},
                          constexprs=consts)
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": pdl})
