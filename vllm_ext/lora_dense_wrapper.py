@@ -272,6 +272,13 @@ def few_row_lora() -> bool:
     return parse_bool(os.environ.get(FEW_ROW_LORA_ENV, "0") or "0", FEW_ROW_LORA_ENV)
 
 
+def _row_weights(layer: torch.nn.Module, base, bias: torch.Tensor | None) -> tuple | None:  # noqa: ANN001
+    """The layer's weight in the one-row kernel's layout (its backend's ``row_weights``: decode_gemv's copy, or
+    Marlin's own tensors with ``shared``), or None."""
+    backend = getattr(base, "backend", None)
+    return backend.row_weights(layer.base_layer, bias) if backend is not None else None
+
+
 def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, split: bool = False):
     wrapper = layer.punica_wrapper
     a, b = tuple(layer.lora_a_stacked), tuple(layer.lora_b_stacked)
@@ -282,8 +289,7 @@ def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
     if tokens == 1 and (x.is_cuda or _interpreting()):
         # decode_gemv's one-row kernel with the LoRA expand in its epilogue, after a small shrink kernel
         # (vllm_ext.nvfp4_gemv_lora): faster than the LoRA kernel after or beside the row kernel (§4m)
-        backend = getattr(base, "backend", None)
-        row = backend.row_weights(layer.base_layer, bias) if backend is not None else None
+        row = _row_weights(layer, base, bias)
         if row is not None:
             why = nvfp4_gemv_lora.supports(x2, row[0], a, b, slices)
             if why is None:
@@ -294,12 +300,12 @@ def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
             notices.warn_once(logger, ROW_REFUSAL_KEY + why, "qerl: a one-row LoRA call of %s stays off the row+lora "
                               "path (%s); it runs the base GEMM and the LoRA kernel",  # once per reason
                               _prefix(layer) or type(layer).__name__, why)
-    if 2 <= tokens <= FEW_ROW_LORA_MAX_TOKENS and x.is_cuda and few_row_lora():
-        # experimental (§4au): the Gluon GEMM on decode_gemv's copy with the LoRA expand in its epilogue
-        backend = getattr(base, "backend", None)
-        row = backend.row_weights(layer.base_layer, bias) if backend is not None else None
+    if 2 <= tokens <= FEW_ROW_LORA_MAX_TOKENS and few_row_lora():
+        # experimental (§4au, §4av): the Gluon GEMM on decode_gemv's copy with the LoRA expand in its epilogue
+        row = _row_weights(layer, base, bias)
+        no_copy = row is None or row[0].dtype != torch.uint8  # none, or Marlin's own tensors (decode_gemv "shared")
         why = ("the layer has no copy of the checkpoint layout (decode_gemv \"all\" or \"small\" keeps one)"
-               if row is None else nvfp4_gluon_lora.supports(x2, row[0], a, b, slices))
+               if no_copy else nvfp4_gluon_lora.supports(x2, row[0], a, b, slices))
         if why is None:
             _log_path(GLUON_PATH, tokens, None)
             return nvfp4_gluon_lora.gluon_lora_gemm(x, *row[:3], a, b, 1.0, slices, wrapper._token_lora_indices,

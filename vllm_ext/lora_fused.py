@@ -253,14 +253,19 @@ def fused_lora_linear(
     launch(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, token_lora_indices, sync, add_inputs)
 
 
+def slice_a(lora_a_stacked: tuple[torch.Tensor, ...], rank: int, k: int) -> list[torch.Tensor]:
+    """Each slice's ``A`` ``[rank, k]`` as the kernels take them: :data:`MAX_SLICES` of them, the missing ones aliasing
+    the first (never read)."""
+    pad = MAX_SLICES - len(lora_a_stacked)
+    return [t.view(rank, k) for t in lora_a_stacked] + [lora_a_stacked[0].view(rank, k)] * pad
+
+
 def slice_operands(lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...], rank: int,
                    k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each slice's ``A`` ``[rank, k]`` and ``B`` ``[n_s, rank]`` as the kernels take them: :data:`MAX_SLICES` of each,
-    the missing ones aliasing the first (never read)."""
-    pad = MAX_SLICES - len(lora_a_stacked)
-    a = [t.view(rank, k) for t in lora_a_stacked] + [lora_a_stacked[0].view(rank, k)] * pad
+    """:func:`slice_a`'s ``A`` and each slice's ``B`` ``[n_s, rank]`` alike."""
+    pad = MAX_SLICES - len(lora_b_stacked)
     b = [t.view(t.shape[-2], rank) for t in lora_b_stacked] + [lora_b_stacked[0].view(-1, rank)] * pad
-    return a, b
+    return slice_a(lora_a_stacked, rank, k), b
 
 
 def launch(

@@ -47,8 +47,8 @@ from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
-__all__ = ["MAX_CHUNKS", "NO_PDL_ENV", "chunking", "launch", "launch_supported", "pdl_supported", "row_tile",
-           "supports"]
+__all__ = ["MAX_CHUNKS", "NO_PDL_ENV", "chunking", "first_slice_sizes", "launch", "launch_supported", "pdl_choice",
+           "pdl_supported", "ragged_slices", "row_tile", "supports"]
 
 SUB_K = 256  # input features per step of a shrink program
 MAX_CHUNKS = 16  # shrink programs per slice: the partials a finishing program sums
@@ -221,7 +221,7 @@ def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, 
     if tile is None:
         return (f"Marlin's layout of this weight is padded (N={n}, K={k})" if marlin
                 else f"K={k} is not a multiple of 128")
-    ragged = _ragged(output_slices, _block_outputs(tile, marlin))
+    ragged = ragged_slices(output_slices, _block_outputs(tile, marlin))
     if ragged:
         rows = (f"{_block_outputs(tile, marlin)}-output chunks of Marlin's layout" if marlin
                 else f"{tile['block_n']} rows per block")
@@ -255,13 +255,30 @@ def row_tile(n: int, k: int, marlin: bool = False, slices: tuple[int, ...] = ())
     if t is None:
         return None
     block_n = 8 * t["hb"]
-    while block_n > CHUNK and _ragged(slices, block_n):
+    while block_n > CHUNK and ragged_slices(slices, block_n):
         block_n //= 2
     return dict(block_n=block_n, block_k=16 * t["t"], split_k=t["split_k"], num_warps=t["num_warps"],
                 stages=t["stages"], asum=t.get("asum", 0))
 
 
-def _ragged(output_slices: tuple[int, ...], block_n: int) -> list[int]:
+def first_slice_sizes(output_slices: tuple[int, ...], n: int) -> list[int]:
+    """The first two slice sizes as the epilogues take them (``n0``, ``n1``): a block's slice is the first whose end
+    lies past its first row; missing slices count as ``n`` (their start lies beyond the outputs: never taken)."""
+    return list(output_slices[:2]) + [n] * (2 - min(2, len(output_slices)))
+
+
+def pdl_choice(device: torch.device, pdl: bool | None, pdl_first: bool | None) -> tuple[bool, bool]:
+    """``(pdl, pdl_first)`` of a two-launch linear: the GEMM as a programmatic dependent launch where
+    :func:`pdl_supported` (unless ``pdl`` says), and the shrink too where also
+    :func:`~vllm_ext.nvfp4_gemv.pdl_first_allowed` (unless ``pdl_first`` says)."""
+    if pdl is None:
+        pdl = pdl_supported(device)
+    if pdl_first is None:
+        pdl_first = pdl and pdl_first_allowed()
+    return pdl, pdl_first
+
+
+def ragged_slices(output_slices: tuple[int, ...], block_n: int) -> list[int]:
     """The slices (all but the last) that would make an output block straddle two slices: sizes not a multiple of
     ``block_n`` (the kernel finds a block's slice from its first row)."""
     return [size for size in output_slices[:-1] if size % block_n]
@@ -315,7 +332,7 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                      or tile["block_k"] % 16 or n % tile["block_n"]):
         raise ValueError(f"tile {tile}: on Marlin's layout block_n is 8 ... 512 (a power of two dividing N={n}) and "
                          f"block_k 16 T dividing K={k}")
-    elif _ragged(slices, _block_outputs(tile, marlin)):
+    elif ragged_slices(slices, _block_outputs(tile, marlin)):
         raise ValueError(f"slices {slices} are not multiples of the given tile's {_block_outputs(tile, marlin)} rows "
                          "per block")
     block_n, split_k = tile["block_n"], min(tile["split_k"], k // tile["block_k"])
@@ -325,13 +342,10 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     z = torch.empty_like(out) if zeros else out  # every element gets written
     s_count = len(slices)
     a, b = lora_fused.slice_operands(lora_a, lora_b, rank, k)
-    n_first = list(slices[:2]) + [n] * (2 - min(2, s_count))  # slices past the last start beyond N: never taken
+    n_first = first_slice_sizes(slices, n)
     per, ks = chunking(k)
     hp = torch.empty(s_count, MAX_CHUNKS, rank, device=x.device, dtype=torch.float32)  # every read row is written
-    if pdl is None:
-        pdl = pdl_supported(x.device)
-    if pdl_first is None:
-        pdl_first = pdl and pdl_first_allowed()
+    pdl, pdl_first = pdl_choice(x.device, pdl, pdl_first)
     _shrink_kernel[(ks, s_count)](x2, *a, hp, k, per, R=rank, SUB=SUB_K, KS_PAD=MAX_CHUNKS, PDL=pdl, WAIT=pdl_first,
                                   num_warps=4, launch_pdl=pdl_first)
     g = global_scale.reshape(-1)[:1].to(torch.float32)

@@ -34,7 +34,7 @@ import torch
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import triton
 
-__all__ = ["GLUON_IMPORT_ERROR", "MAX_TOKENS", "nvfp4_gluon_gemm"]
+__all__ = ["GLUON_IMPORT_ERROR", "MAX_TOKENS", "nvfp4_gluon_gemm", "split_k_buffers", "tile_problems"]
 
 MAX_TOKENS = 64
 
@@ -270,6 +270,8 @@ if gluon is not None:
         rn = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, bl))
         rr = gl.arange(0, R, layout=gl.SliceLayout(0, bl))
         n_ok = (rn < N)[:, None]
+        # the slice of the block's first row, as nvfp4_gemv_lora._lora_rows finds it (a Gluon kernel cannot call a
+        # triton.jit function, so the few lines are repeated here)
         if row0 >= n0 + n1:
             bt = gl.load(b2 + (rn - n0 - n1)[:, None] * R + rr[None, :], mask=n_ok, other=0.0)
             hs = 2
@@ -503,6 +505,34 @@ if gluon is not None:
                   16 * WARPS * NREP, BLOCK_M, SPLIT_K, lora, LORA, WARPS, NREP, R, HP_M, KS_PAD, PDL, HAS_BIAS, ZEROS)
 
 
+def tile_problems(k: int, block_k: int, warps: int, nrep: int, split_k: int, wgmma: bool) -> list[str]:
+    """What is wrong with a tile for input size ``k`` (empty: nothing), each a phrase naming the value and the rule."""
+    problems = []
+    if block_k % 64 or k % block_k:
+        problems.append(f"K={k} and block_k={block_k}: block_k must be a multiple of 64 that divides K")
+    if warps not in ((4, 8) if wgmma else (1, 2, 4, 8)):
+        problems.append(f"warps={warps} (4 or 8 with wgmma: one or two warpgroups)" if wgmma
+                        else f"warps={warps} (1, 2, 4 or 8)")
+    if nrep not in (1, 2, 4):
+        problems.append(f"nrep={nrep} (1, 2 or 4)")
+    if not 1 <= split_k <= 16:
+        problems.append(f"split_k={split_k} (1 to 16)")
+    return problems
+
+
+def split_k_buffers(x: torch.Tensor, m: int, n: int, blocks: int, split_k: int,
+                    out: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``(block_m, workspace, counters)`` for a launch over ``m`` tokens and ``n`` outputs in ``blocks`` output
+    blocks: with split-K the float32 partials ``[split_k, block_m, N]`` and the blocks' arrival counters, else
+    ``out`` for both (not read)."""
+    block_m = max(8, triton.next_power_of_2(m))
+    if split_k == 1:
+        return block_m, out, out
+    from vllm_ext.nvfp4_gemv import _counters
+
+    return block_m, torch.empty(split_k, block_m, n, device=x.device, dtype=torch.float32), _counters(x.device, blocks)
+
+
 def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                      block_k: int = 128, warps: int = 1, nrep: int = 1, split_k: int = 1,
                      prefetch: bool = False, wide: bool = False, bits: bool = False,
@@ -527,15 +557,7 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"activations in {x.dtype} (bfloat16 supported)")
     if not 1 <= m <= MAX_TOKENS:
         problems.append(f"{m} rows (1 to {MAX_TOKENS})")
-    if block_k % 64 or k % block_k:
-        problems.append(f"K={k} and block_k={block_k}: block_k must be a multiple of 64 that divides K")
-    if warps not in ((4, 8) if wgmma else (1, 2, 4, 8)):
-        problems.append(f"warps={warps} (4 or 8 with wgmma: one or two warpgroups)" if wgmma
-                        else f"warps={warps} (1, 2, 4 or 8)")
-    if nrep not in (1, 2, 4):
-        problems.append(f"nrep={nrep} (1, 2 or 4)")
-    if not 1 <= split_k <= 16:
-        problems.append(f"split_k={split_k} (1 to 16)")
+    problems += tile_problems(k, block_k, warps, nrep, split_k, wgmma)
     if tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8:
         problems.append(f"packed {packed.dtype} {tuple(packed.shape)}, expected uint8 ({n}, {k // 2})")
     if tuple(scale.shape) != (n, k // 16) or scale.dtype != torch.float8_e4m3fn:
@@ -552,16 +574,9 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
-    block_m = max(8, triton.next_power_of_2(m))
     blocks = triton.cdiv(n, 16 * warps * nrep)
     split_k = min(split_k, k // block_k)
-    if split_k > 1:  # float32 partials [split_k, block_m, N] and the blocks' arrival counters
-        from vllm_ext.nvfp4_gemv import _counters
-
-        ws = torch.empty(split_k, block_m, n, device=x.device, dtype=torch.float32)
-        cnt = _counters(x.device, blocks)
-    else:
-        ws = cnt = out  # not read
+    block_m, ws, cnt = split_k_buffers(x, m, n, blocks, split_k, out)
     kernel, options = ((_wgmma_kernel, dict(  # no adapter: the LoRA's arguments are not read
         hp_ptr=ws, idx_ptr=cnt, b0=x2, b1=x2, b2=x2, n0=0, n1=0, LKS=0, lscale=0.0, bias_ptr=out, z_ptr=out,
         LORA=False, R=16, HP_M=16, KS_PAD=16, PDL=False, HAS_BIAS=False, ZEROS=False)) if wgmma else

@@ -1,8 +1,10 @@
 """A few-row NVFP4 linear and its single adapter's LoRA in two launches, as :mod:`vllm_ext.nvfp4_gemv_lora` does for
 one row: a shrink kernel for up to 64 tokens, then the Gluon kernel's Hopper version
-(:func:`vllm_ext.nvfp4_gluon._wgmma_kernel`) with the LoRA's expand in its epilogue. Experimental: nothing in
-the engines uses it; ``qerl bench kernels`` times it (column ``gluon_lora``) against Marlin with qerl's LoRA kernel
-beside it (``overlap_fused``, the default at batch 8).
+(:func:`vllm_ext.nvfp4_gluon._wgmma_kernel` with ``LORA``) with the LoRA's expand in its epilogue. Experimental and
+opt-in: the overlap LoRA mode sends calls of 2 to 8 tokens here when ``QERL_FEW_ROW_LORA=1`` and the layer has
+decode_gemv's copy of the checkpoint layout (:mod:`vllm_ext.lora_dense_wrapper`'s ``gluon+lora`` path;
+docs/benchmarks.md §4av). ``qerl bench kernels`` times it (column ``gluon_lora``) against Marlin with qerl's LoRA
+kernel beside it (``overlap_fused``, the default at batch 8).
 
 Why: at 8 rows the LoRA costs a 7B decode step about as much beside Marlin as after it (docs/benchmarks.md §4ar:
 0.555 ms over Marlin on an H200), because Marlin's blocks hold each SM's whole shared memory. In the one-row path
@@ -28,9 +30,8 @@ from __future__ import annotations
 import torch
 
 from vllm_ext import lora_fused
-from vllm_ext.nvfp4_gemv import pdl_first_allowed, pdl_supported
-from vllm_ext.nvfp4_gemv_lora import MAX_CHUNKS, SUB_K, chunking
-from vllm_ext.nvfp4_gluon import GLUON_IMPORT_ERROR, MAX_TOKENS
+from vllm_ext.nvfp4_gemv_lora import MAX_CHUNKS, SUB_K, chunking, first_slice_sizes, pdl_choice, ragged_slices
+from vllm_ext.nvfp4_gluon import GLUON_IMPORT_ERROR, MAX_TOKENS, split_k_buffers, tile_problems
 from vllm_ext.triton_support import interpreting, tl, triton
 
 __all__ = ["MAX_TOKENS", "TILES_7B", "gluon_lora_gemm", "shrink_rows", "supports", "tile_for"]
@@ -101,26 +102,24 @@ def shrink_rows(x: torch.Tensor, lora_a: tuple[torch.Tensor, ...], pdl: bool = F
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows, rank = x2.shape[0], lora_a[0].shape[-2]
-    a = [t.view(rank, k) for t in lora_a] + [lora_a[0].view(rank, k)] * (3 - len(lora_a))  # unused pointers: slice 0
     per, ks = chunking(k)
     block_m = _shrink_block_m(rows)
     hp = torch.empty(len(lora_a), MAX_CHUNKS, block_m, rank, device=x.device, dtype=torch.float32)
-    _shrink_rows_kernel[(ks, len(lora_a))](x2, x2.stride(0), *a, hp, rows, k, per, R=rank, SUB=SUB_K, BLOCK_M=block_m,
-                                           KS_PAD=MAX_CHUNKS, PDL=pdl, WAIT=wait, F32_DOT=interpreting(), num_warps=4,
-                                           launch_pdl=wait)
+    _shrink_rows_kernel[(ks, len(lora_a))](x2, x2.stride(0), *lora_fused.slice_a(lora_a, rank, k), hp, rows, k, per,
+                                           R=rank, SUB=SUB_K, BLOCK_M=block_m, KS_PAD=MAX_CHUNKS, PDL=pdl, WAIT=wait,
+                                           F32_DOT=interpreting(), num_warps=4, launch_pdl=wait)
     return hp
 
 
 def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, ...],
              lora_b: tuple[torch.Tensor, ...], output_slices: tuple[int, ...],
              tile: tuple[int, int, int, int] | None = None) -> str | None:
-    """``None`` when :func:`gluon_lora_gemm` runs this call, else why not (a sentence)."""
+    """``None`` when :func:`gluon_lora_gemm` runs this call, else why not (a sentence). The call's shapes are judged
+    first and the device last, so that a refusal names what no GPU would change."""
     if GLUON_IMPORT_ERROR is not None:
         return f"Triton's Gluon is not importable ({GLUON_IMPORT_ERROR})"
     k = x.shape[-1]
     rows = x.numel() // k
-    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
-        return f"x on {x.device}: the kernel needs a Hopper GPU (wgmma; Gluon has no interpreter)"
     if not 1 <= rows <= MAX_TOKENS:
         return f"{rows} rows (1 to {MAX_TOKENS})"
     why = lora_fused.weights_supported(x.dtype, k, lora_a, lora_b, output_slices)
@@ -135,12 +134,15 @@ def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, 
     if packed.dtype != torch.uint8 or tuple(packed.shape) != (sum(output_slices), k // 2):
         return (f"weight {packed.dtype} {tuple(packed.shape)} is not the checkpoint layout for input {k} and slices "
                 f"{tuple(output_slices)}")
-    block_k, warps, nrep, _ = tile or tile_for(n, k, rows)
-    if k % block_k:
-        return f"K={k} is not a multiple of block_k={block_k}"
-    ragged = [size for size in output_slices[:-1] if size % (16 * warps * nrep)]
+    block_k, warps, nrep, split_k = tile or tile_for(n, k, rows)
+    problems = tile_problems(k, block_k, warps, nrep, split_k, wgmma=True)
+    if problems:
+        return "tile " + "; ".join(problems)
+    ragged = ragged_slices(tuple(output_slices), 16 * warps * nrep)
     if ragged:
         return f"slice sizes {ragged} are not multiples of the kernel's {16 * warps * nrep} rows per block"
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return f"x on {x.device}: the kernel needs a Hopper GPU (wgmma; Gluon has no interpreter)"
     return None
 
 
@@ -155,12 +157,11 @@ def gluon_lora_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     in bfloat16. ``W``: the NVFP4 triple in the checkpoint layout (``packed`` uint8 ``[N, K/2]``, ``scale``
     float8_e4m3fn ``[N, K/16]``, ``global_scale`` the float32 divisor); ``lora_a[s]`` ``[1, 1, R, K]``,
     ``lora_b[s]`` ``[1, 1, n_s, R]``. ``tile``: ``(block_k, warps, nrep, split_k)``, default :func:`tile_for`.
-    ``pdl`` (default where :func:`~vllm_ext.nvfp4_gemv.pdl_supported`): the GEMM as a programmatic dependent launch;
-    ``pdl_first`` (default ``pdl`` and :func:`~vllm_ext.nvfp4_gemv.pdl_first_allowed`): the shrink too. Raises
-    :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported` where :func:`supports` says no. ``bias`` ``[N]``: added to
-    the base in float32 before it is rounded. ``zeros``: returns ``(output, zeros)``, the second a tensor like the
-    output that the kernel fills with zeros (the overlap op's split add: no launch of its own for the zeros)."""
-    from vllm_ext.nvfp4_gemv import _counters
+    ``pdl``, ``pdl_first``: :func:`~vllm_ext.nvfp4_gemv_lora.pdl_choice` (the GEMM, and the shrink, as programmatic
+    dependent launches). Raises :class:`~vllm_ext.lora_fused.FusedLoRAUnsupported` where :func:`supports` says no.
+    ``bias`` ``[N]``: added to the base in float32 before it is rounded. ``zeros``: returns ``(output, zeros)``, the
+    second a tensor like the output that the kernel fills with zeros (the overlap op's split add: no launch of its
+    own for the zeros)."""
     from vllm_ext.nvfp4_gluon import _wgmma_kernel
 
     slices = tuple(output_slices)
@@ -176,25 +177,19 @@ def gluon_lora_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
         raise ValueError(f"scale {scale.dtype} {tuple(scale.shape)}, expected float8_e4m3fn ({n}, {k // 16})")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias {tuple(bias.shape)}, expected ({n},)")
+    if global_scale.numel() != 1:
+        raise ValueError(f"global_scale has {global_scale.numel()} values, expected 1")
     block_k, warps, nrep, split_k = tile or tile_for(n, k, m)
-    split_k = max(1, min(split_k, k // block_k))
-    if pdl is None:
-        pdl = pdl_supported(x.device)
-    if pdl_first is None:
-        pdl_first = pdl and pdl_first_allowed()
+    split_k = min(split_k, k // block_k)
+    pdl, pdl_first = pdl_choice(x.device, pdl, pdl_first)
     rank = lora_a[0].shape[-2]
     hp = shrink_rows(x2, lora_a, pdl=pdl, wait=pdl_first)
     _, b = lora_fused.slice_operands(lora_a, lora_b, rank, k)
-    n_first = list(slices[:2]) + [n] * (2 - min(2, len(slices)))  # slices past the last start beyond N: never taken
+    n_first = first_slice_sizes(slices, n)
     out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
     z = torch.empty_like(out) if zeros else out  # every element gets written
-    block_m = max(8, triton.next_power_of_2(m))
     blocks = triton.cdiv(n, 16 * warps * nrep)
-    if split_k > 1:  # float32 partials [split_k, block_m, N] and the blocks' arrival counters
-        ws = torch.empty(split_k, block_m, n, device=x.device, dtype=torch.float32)
-        cnt = _counters(x.device, blocks)
-    else:
-        ws = cnt = out  # not read
+    block_m, ws, cnt = split_k_buffers(x2, m, n, blocks, split_k, out)
     _wgmma_kernel[(blocks, split_k)](
         x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
         out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, hp, token_lora_indices, *b, n_first[0], n_first[1],

@@ -266,10 +266,10 @@ run_step() {
         ncu_launch_step ncu_marlin_smem 8 ;;
     gluon_lora_test)  # §4au: the GPU tests of the few-row Gluon GEMM with the LoRA's expand in its epilogue
         # (vllm_ext.nvfp4_gluon_lora) and of the wgmma GEMM under it
-        step gluon_lora_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/vllm_ext/test_nvfp4_gluon_lora.py \
-            tests/vllm_ext/test_nvfp4_gluon.py -k "gluon_lora or wgmma" ;;
-    kernels_gluon)  # §4au: the per-layer kernel bench with the gluon and gluon_lora columns at 1, 8, 16 and 64 rows, runs
-        # FIRST ... REPEATS (default 1 ... 3), each in its own folder
+        step gluon_lora_test 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/vllm_ext/test_nvfp4_gluon_lora.py tests/vllm_ext/test_nvfp4_gluon.py -k "gluon_lora or wgmma" ;;
+    kernels_gluon)  # §4au: the per-layer kernel bench with the gluon and gluon_lora columns at 1, 8, 16 and 64 rows,
+        # runs FIRST ... REPEATS (default 1 ... 3), each in its own folder
         for i in $(seq "${FIRST:-1}" "${REPEATS:-3}"); do
             step "kernels_gluon_$i" 200 python3 scripts/gpu/bench_rollout.py kernels --shape 7B --batches 1,8,16,64
         done ;;

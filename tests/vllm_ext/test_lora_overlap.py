@@ -576,3 +576,63 @@ def test_few_row_lora_switch_reads_its_variable(monkeypatch):
     with pytest.raises(ValueError, match="QERL_FEW_ROW_LORA: expected true or false, got 'gluon'"):
         ldw.few_row_lora()
     assert options.FEW_ROW_LORA_MAX_TOKENS == 8
+
+
+@pytest.mark.parametrize("kind", ["qkv", "gate_up", "o"])
+def test_few_token_calls_take_the_gluon_path_only_when_asked(cpu_config, monkeypatch, caplog, kind):
+    """``QERL_FEW_ROW_LORA=1`` and decode_gemv's copy: a 4-token call goes to vllm_ext.nvfp4_gluon_lora with the
+    copy's tensors, the natural-order bias and, for the split add's layers, the zeros asked for. Gluon cannot run on
+    a CPU, so its support check and launcher are replaced here by a recorder (the kernel's numerics are the GPU tests
+    of tests/vllm_ext/test_nvfp4_gluon_lora.py). Without the switch nothing goes there; without the copy (decode_gemv
+    off, or "shared", whose tensors are Marlin's) the call logs why once and runs in order."""
+    import logging
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+
+    from qerl_plugin import nvfp4
+    from vllm_ext import nvfp4_gluon_lora
+    from vllm_ext.nvfp4_backends import MarlinBackend
+
+    notices.forget(ldw.GLUON_REFUSAL_KEY)
+    monkeypatch.setattr(ldw, "_LOGGED", set())
+    caplog.set_level(logging.WARNING, logger="qerl.vllm.lora_dense")
+    seen = []
+
+    def launcher(x, packed, scale, gscale, a, b, lora_scale, slices, slots, bias=None, zeros=False):  # noqa: ANN001
+        seen.append(dict(packed=packed, bias=bias, zeros=zeros, slices=slices, tokens=x.shape[0]))
+        y = torch.full((x.shape[0], sum(slices)), 7.0, dtype=x.dtype)
+        return (y, torch.zeros_like(y)) if zeros else y
+
+    monkeypatch.setattr(nvfp4_gluon_lora, "supports", lambda *args, **kwargs: None)
+    monkeypatch.setattr(nvfp4_gluon_lora, "gluon_lora_gemm", launcher)
+    with set_current_vllm_config(cpu_config):
+        layer, base, a, b = _layer(kind, "overlap", prefix=f"gluon.{kind}", sizes=ROW_SIZES, dtype=torch.float16)
+        calls = _torch_update(layer.punica_wrapper)
+        q = nvfp4.quantize(base.weight.data.to(torch.bfloat16))
+        for name, t in (("qerl_gemv_packed", q.packed), ("qerl_gemv_scale", q.scale),
+                        ("qerl_gemv_gscale", q.global_scale.reshape(1).float())):
+            base.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+        backend = MarlinBackend.__new__(MarlinBackend)
+        backend.decode_gemv = "all"
+        base.quant_method = SimpleNamespace(backend=backend, apply=base.quant_method.apply)
+        x = torch.randn(4, ROW_SIZES[0]).half()
+        monkeypatch.delenv(options.FEW_ROW_LORA_ENV, raising=False)
+        _call(layer, x)
+        assert not seen and len(calls) == 1  # the switch is off: in order
+        monkeypatch.setenv(options.FEW_ROW_LORA_ENV, "1")
+        out = _call(layer, x)
+        assert "LoRA call with 4 tokens on the gluon+lora path" in caplog.text
+        assert len(seen) == 1 and seen[0]["packed"] is base.qerl_gemv_packed and seen[0]["tokens"] == 4
+        assert seen[0]["zeros"] is ldw.split_add(layer) and seen[0]["slices"] == tuple(layer.output_slices)
+        bias = getattr(base, "bias", None)
+        assert (seen[0]["bias"] is None) if bias is None else torch.equal(seen[0]["bias"], bias)
+        assert torch.equal(out, torch.full_like(out, 7.0))
+        backend.decode_gemv = "off"  # no copy offered
+        for _ in range(2):
+            _call(layer, x)
+    refusals = [r.getMessage() for r in caplog.records if "stays off the gluon+lora path" in r.getMessage()]
+    assert refusals == [f"qerl: a LoRA call of gluon.{kind} stays off the gluon+lora path (the layer has no copy of "
+                        "the checkpoint layout (decode_gemv \"all\" or \"small\" keeps one)); it runs the base GEMM "
+                        "and the LoRA kernel"]
+    assert len(seen) == 1 and len(calls) == 3

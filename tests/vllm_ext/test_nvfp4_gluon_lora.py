@@ -96,10 +96,13 @@ def test_gemm_with_the_expand_compiles_for_sm90(block_m, block_k, warps, split_k
                   HP_M=max(16, block_m), KS_PAD=16, PDL=pdl, HAS_BIAS=extras, ZEROS=extras)
     src = GluonASTSource(fn=ng._wgmma_kernel, signature={**_SIGNATURE, **{k: "constexpr" for k in consts}},
                          constexprs=consts)
+    from triton.backends.nvidia.compiler import get_ptxas
+
     try:
-        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": pdl})
-    except Exception as exc:  # noqa: BLE001 (no ptxas for sm_90 in this Triton build)
-        pytest.skip(f"cannot compile for sm_90 here: {type(exc).__name__}: {exc}"[:200])
+        get_ptxas(90)
+    except Exception as exc:  # noqa: BLE001 (a Triton build without its ptxas: nothing to compile sm_90 with)
+        pytest.skip(f"no ptxas for sm_90 here: {type(exc).__name__}: {exc}"[:200])
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": pdl})
     ptx = ck.asm["ptx"]
     assert ptx.count("wgmma.mma_async") == block_k // 16  # per warpgroup (one or two run the same code)
     assert ptx.count("mma.sync") == (rank // 16) * (block_m // 8)
@@ -109,20 +112,37 @@ def test_gemm_with_the_expand_compiles_for_sm90(block_m, block_k, warps, split_k
 
 def test_tiles_and_refusals_name_the_bad_input():
     """The 7B tiles are §4r's (8-row tile up to 16 tokens, 64-row tile above); other shapes get a block_k that
-    divides K. On a machine without a Hopper GPU every call is refused with the reason."""
+    divides K. Each refusal names the bad input (the call's shapes are judged before the device, so all of them are
+    checked here, on CPU tensors); a call that fits is refused on the CPU for want of a Hopper GPU."""
     assert gl_lora.tile_for(4608, 3584, 8) == (256, 4, 1, 8)
     assert gl_lora.tile_for(37888, 3584, 16) == (256, 4, 1, 2)
     assert gl_lora.tile_for(3584, 18944, 64) == (128, 8, 1, 8)
     assert gl_lora.tile_for(100, 640, 8) == (128, 4, 1, 8)
-    q = nvfp4.quantize(torch.randn(64, 256).to(torch.bfloat16))
+    q = nvfp4.quantize(torch.randn(192, 256).to(torch.bfloat16))
     x = torch.randn(2, 256).to(torch.bfloat16)
-    a = (torch.zeros(1, 1, 16, 256, dtype=torch.bfloat16),)
-    b = (torch.zeros(1, 1, 64, 16, dtype=torch.bfloat16),)
-    why = gl_lora.supports(x, q.packed, a, b, (64,))
+
+    def adapter(rank, slices):  # noqa: ANN001, ANN202
+        return (tuple(torch.zeros(1, 1, rank, 256, dtype=torch.bfloat16) for _ in slices),
+                tuple(torch.zeros(1, 1, s, rank, dtype=torch.bfloat16) for s in slices))
+
+    a, b = adapter(16, (128, 64))
+    assert gl_lora.supports(torch.randn(65, 256).to(torch.bfloat16), q.packed, a, b, (128, 64)) == "65 rows (1 to 64)"
+    assert gl_lora.supports(x.half(), q.packed, *adapter(16, (128, 64)), (128, 64)) == (
+        "weights in torch.bfloat16/torch.bfloat16 for input torch.float16")
+    assert gl_lora.supports(x, q.packed, *adapter(256, (128, 64)), (128, 64)) == "rank 256 (at most 128)"
+    marlin_like = torch.zeros(16, 384, dtype=torch.int32)
+    assert gl_lora.supports(x, marlin_like, a, b, (128, 64)) == (
+        "weight torch.int32 (16, 384) is not the checkpoint layout for input 256 and slices (128, 64)")
+    assert gl_lora.supports(x, q.packed, *adapter(16, (96, 96)), (96, 96)) == (
+        "slice sizes [96] are not multiples of the kernel's 64 rows per block")
+    assert gl_lora.supports(x, q.packed, a, b, (128, 64), tile=(96, 3, 1, 0)) == (
+        "tile K=256 and block_k=96: block_k must be a multiple of 64 that divides K; warps=3 (4 or 8 with wgmma: one "
+        "or two warpgroups); split_k=0 (1 to 16)")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        assert why == "x on cpu: the kernel needs a Hopper GPU (wgmma; Gluon has no interpreter)"
+        assert gl_lora.supports(x, q.packed, a, b, (128, 64)) == (
+            "x on cpu: the kernel needs a Hopper GPU (wgmma; Gluon has no interpreter)")
         with pytest.raises(Exception, match="needs a Hopper GPU"):
-            gl_lora.gluon_lora_gemm(x, q.packed, q.scale, q.global_scale, a, b, 1.0, (64,), torch.zeros(2).long())
+            gl_lora.gluon_lora_gemm(x, q.packed, q.scale, q.global_scale, a, b, 1.0, (128, 64), torch.zeros(2).long())
 
 
 def _hopper() -> bool:
@@ -195,7 +215,8 @@ def test_gpu_matches_the_gemm_plus_punica_in_float64(rows, slices, k, rank):
 @needs_hopper
 def test_gpu_same_bits_without_pdl_and_in_a_cuda_graph():
     """The programmatic dependent launches change nothing but when the programs start: the same bits with ``pdl``
-    off, and replayed from a CUDA graph (where the next replay also needs split-K's counters reset)."""
+    off, and replayed from a CUDA graph (where the next replay also needs split-K's counters reset), also after new
+    inputs and slots are copied into the captured tensors."""
     slices, k = (3584, 512, 512), 3584
     q, a, b, x, slots = _case(slices, k, 32, 8, seed=5)
     want = gl_lora.gluon_lora_gemm(x, q.packed, q.scale, q.global_scale, a, b, 2.0, slices, slots)
@@ -212,6 +233,14 @@ def test_gpu_same_bits_without_pdl_and_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+    _, _, _, x2, _ = _case(slices, k, 32, 8, seed=6, served=[i % 2 == 0 for i in range(8)])
+    slots2 = torch.tensor([0, -1] * 4, device="cuda", dtype=torch.long)
+    want2 = gl_lora.gluon_lora_gemm(x2, q.packed, q.scale, q.global_scale, a, b, 2.0, slices, slots2)
+    x.copy_(x2)
+    slots.copy_(slots2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want2) and not torch.equal(want2, want)
 
 
 @pytest.mark.gpu

@@ -88,8 +88,8 @@ VARIANTS: dict[str, Variant] = {
                                   nvfp4={"decode_gemv": "shared"}, only="nvfp4"),
     "gluon-lora": Variant("decode-gemv's copy on every layer and, with an adapter, calls of 2-8 tokens on the Gluon "
                           "GEMM with the LoRA's expand in its epilogue (vllm_ext.nvfp4_gluon_lora, "
-                          "QERL_FEW_ROW_LORA=1; experimental, §4au)", env={"QERL_FEW_ROW_LORA": "1"}, nvfp4={"decode_gemv": True},
-                          only="nvfp4"),
+                          "QERL_FEW_ROW_LORA=1; experimental, §4au)", env={"QERL_FEW_ROW_LORA": "1"},
+                          nvfp4={"decode_gemv": True}, only="nvfp4"),
     "decode-gemv-off": Variant("every GEMM on Marlin, one-row calls too (the default before §4al, and on GPUs other "
                                "than Hopper)", nvfp4={"decode_gemv": "off"}, only="nvfp4"),
     "pdl-first-off": Variant("decode_gemv's first launch per linear (the row kernel alone, or row+lora's shrink) as a "
