@@ -2002,8 +2002,8 @@ def test_thirty_ninth_sessions_gluon_lora_kernel_gate():
 def test_thirty_ninth_sessions_gluon_lora_engine_run():
     """§4av, recomputed from the committed raw files: with the gluon+lora path 7B b8 decode is faster than the
     default beyond both spreads (every repeat above every repeat), the logs name the path at 8 tokens (bench) and at
-    2, 4 and 8 (the check), §2's check passed 11/11, and the two bias tests that failed under a one-rounding bound
-    passed under the corrected one."""
+    2, 4 and 8 (the check), §2's check passed 11/11, the two bias tests that failed under a one-rounding bound
+    passed under the corrected one, and the final kernel code passed its 54 GPU tests."""
     run = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "thirty-ninth" / "third"
     res = {f"{r['config']}@{r['variant']}": r["batches"]["8"] for r in
            json.loads((run / "work" / "bench-gluon" / "a" / "bench_rollout.json").read_text())["results"]}
@@ -2025,6 +2025,8 @@ def test_thirty_ninth_sessions_gluon_lora_engine_run():
     tests = (run / "work" / "gluon_lora_test" / "stdout.log").read_text()
     assert "2 failed, 42 passed" in tests and tests.count("FAILED") == 2 and "test_gpu_bias_and_the_split" in tests
     assert "2 passed" in (run / "call32_bias_test.log").read_text()
+    final = (run.parent / "fourth" / "final_gpu_tests.log").read_text()  # the kernel code after the review's refactor
+    assert "54 passed" in final and "failed" not in final
 
 
 def _eval_shared_paths() -> list[str]:
