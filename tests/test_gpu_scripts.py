@@ -1784,9 +1784,10 @@ def test_vllms_lora_shrink_splits_k_with_atomic_adds_for_the_bench_prefill():
     assert "tl.atomic_add(c_ptr, accumulator" in inspect.getsource(kernel_utils)
 
 
-def _eval_shared_step() -> str:
+def _eval_shared_step(name: str = "eval_shared") -> str:
+    """session.sh's step ``name`` (a real-model check: eval_shared, eval_gluon)."""
     text = (GPU / "session.sh").read_text()
-    start = text.index("    eval_shared)")
+    start = text.index(f"    {name})")
     return text[start:text.index(";;", start)]
 
 
@@ -1806,6 +1807,24 @@ def test_eval_shared_runs_qerls_method_and_checks_its_log_for_it():
                      "3072 x 576 weights run on qerl's row kernel"]
     line = kernels_line(SimpleNamespace(quantization="nvfp4a16"), {"quantization": "nvfp4"})
     assert paths[0] in line and paths[0] not in kernels_line(SimpleNamespace(quantization="nvfp4a16"), {})
+    assert '[ -f "$d/$m.summary.json" ]' in step
+
+
+def test_eval_gluon_runs_the_path_in_batches_and_checks_its_log_for_it():
+    """§4aw's real-model check of the gluon+lora path: qerl's method, eight sequences at a time (so decode steps of 2
+    to 8 tokens), the candidate with decode_gemv's copy and the switch, void unless its log names the method and the
+    path in the words the code logs (vllm_ext.evaluate.kernels_line, lora_dense_wrapper's path line)."""
+    from qerl_plugin import options
+
+    step = _eval_shared_step("eval_gluon")
+    run = step[step.index("qerl_plugin.cli eval "):step.index('--out "$d/$m.jsonl"')]
+    assert "--quantization nvfp4" in run and "--max-num-seqs 8" in run
+    assert options.FEW_ROW_LORA_MAX_TOKENS == 8
+    assert f"QERL_NVFP4_DECODE_GEMV=all {options.FEW_ROW_LORA_ENV}=1" in step and "QERL_NVFP4_DECODE_GEMV=shared" in step
+    paths = _eval_shared_paths("eval_gluon")
+    assert paths == ["qerl's nvfp4 method on the NVFP4A16", "on the gluon+lora path"]
+    wrapper = (ROOT / "vllm_ext" / "lora_dense_wrapper.py").read_text()
+    assert 'GLUON_PATH = "gluon+lora"' in wrapper and '"qerl: LoRA call with %d tokens on the %s path%s"' in wrapper
     assert '[ -f "$d/$m.summary.json" ]' in step
 
 
@@ -2029,11 +2048,11 @@ def test_thirty_ninth_sessions_gluon_lora_engine_run():
     assert "54 passed" in final and "failed" not in final
 
 
-def _eval_shared_paths() -> list[str]:
-    """The ``--path`` texts that session.sh's eval_shared step hands compare_evals.py."""
+def _eval_shared_paths(name: str = "eval_shared") -> list[str]:
+    """The ``--path`` texts that session.sh's eval_shared step (or ``name``) hands compare_evals.py."""
     import shlex
 
-    step = _eval_shared_step()
+    step = _eval_shared_step(name)
     start = step.index("python3 scripts/gpu/compare_evals.py")
     compare = step[start:step.index("--out", start)].replace("'\"'\"'", "'")  # the shell's quote inside bash -c '...'
     words = shlex.split(compare.replace("\\\n", " "))

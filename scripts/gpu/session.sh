@@ -210,6 +210,22 @@ run_step() {
             python3 scripts/gpu/compare_evals.py --reference "$d/off.jsonl" --floor "$d/off2.jsonl" --candidate "$d/shared.jsonl" \
                 --candidate-log "$d/shared.log" --path "qerl'"'"'s nvfp4 method on the NVFP4A16" --path "on the row+lora path" --path "3072 x 576 weights run on qerl'"'"'s row kernel" \
                 --out "$d/compare.json"' _ "$work/eval_shared" ;;
+    eval_gluon)  # §4aw: the gluon+lora path on a real model, as eval_shared checks shared: SmolLM2's NVFP4 checkpoint
+        # (`smol` first) on qerl's nvfp4 method with the published adapter (r8, served at max_lora_rank 16), eight
+        # sequences at a time (--max-num-seqs 8: decode steps of 2 to 8 tokens take the path), greedy on 200 test
+        # problems: the default (shared) twice, the run-to-run floor, then decode_gemv all with QERL_FEW_ROW_LORA=1;
+        # scripts/gpu/compare_evals.py judges by §4ao's criteria, void unless the candidate's log names the path. Into
+        # $work/eval_gluon; a run whose summary exists is skipped, FRESH=1 starts over
+        step eval_gluon 540 bash -c 'd=$1; [ -z "${FRESH:-}" ] || rm -rf "$d"; mkdir -p "$d" && for m in shared shared2 gluon; do
+            [ -f "$d/$m.summary.json" ] && { echo "$m: done in an earlier call"; continue; }
+            opts="QERL_NVFP4_DECODE_GEMV=shared"; [ $m = gluon ] && opts="QERL_NVFP4_DECODE_GEMV=all QERL_FEW_ROW_LORA=1"
+            env $opts python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --adapter docs/learning/smollm2-nvfp4-lora-aqn \
+                --quantization nvfp4 --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --max-num-seqs 8 --max-lora-rank 16 --max-new-tokens 64 \
+                --limit 200 --gpu-memory-utilization 0.2 --quiet --overwrite --out "$d/$m.jsonl" > "$d/$m.log" 2>&1 || { tail -n 30 "$d/$m.log"; exit 1; }
+            tail -n 4 "$d/$m.log"; done
+            python3 scripts/gpu/compare_evals.py --reference "$d/shared.jsonl" --floor "$d/shared2.jsonl" --candidate "$d/gluon.jsonl" \
+                --candidate-log "$d/gluon.log" --path "qerl'"'"'s nvfp4 method on the NVFP4A16" --path "on the gluon+lora path" \
+                --out "$d/compare.json"' _ "$work/eval_gluon" ;;
     steptime_bf16)  # the demo's settings on the BF16 base, alone on the GPU, 12 steps without validation
         step steptime_bf16 420 python3 scripts/gpu/learning.py launch --runs bf16:0 --work "$work/steptime" --override trainer.total_training_steps=12 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 && python3 scripts/gpu/learning.py wait --work "$work/steptime" --timeout 400 --every 20 ;;
     steptime_big)  # the demo's config (decoupled mode) alone, 20 steps, no validation, one micro-batch per phase (64k tokens
@@ -279,6 +295,11 @@ run_step() {
         TAG=-gluon BENCH_ARGS="--shape 7B --configs nvfp4-lora,nvfp4,bf16-lora \
 --variants default,gluon-lora,punica-lora --batches 8 --repeats 3 \
 --runs nvfp4-lora@default,nvfp4-lora@gluon-lora,nvfp4@default,bf16-lora@punica-lora" run_step bench_bg ;;
+    bench_gluon_ctl)  # §4aw: bench_gluon_lora with the exact control added (decode_gemv all without the switch), for an
+        # H100; into $work/bench-gluonctl (`TAG=-gluonctl bench_watch`)
+        TAG=-gluonctl BENCH_ARGS="--shape 7B --configs nvfp4-lora,nvfp4,bf16-lora \
+--variants default,decode-gemv,gluon-lora,punica-lora --batches 8 --repeats 3 --runs nvfp4-lora@default,\
+nvfp4-lora@decode-gemv,nvfp4-lora@gluon-lora,nvfp4@default,bf16-lora@punica-lora" run_step bench_bg ;;
     lora_r32_gluon)  # §4av: §2's engine check with the gluon+lora path: decode_gemv's copy, QERL_FEW_ROW_LORA=1;
         # its four greedy prompts decode together (steps of 4 tokens take the path)
         step lora_r32_gluon 420 env QERL_FEW_ROW_LORA=1 QERL_NVFP4_DECODE_GEMV=1 \
