@@ -1820,7 +1820,8 @@ def test_eval_gluon_runs_the_path_in_batches_and_checks_its_log_for_it():
     run = step[step.index("qerl_plugin.cli eval "):step.index('--out "$d/$m.jsonl"')]
     assert "--quantization nvfp4" in run and "--max-num-seqs 8" in run
     assert options.FEW_ROW_LORA_MAX_TOKENS == 8
-    assert f"QERL_NVFP4_DECODE_GEMV=all {options.FEW_ROW_LORA_ENV}=1" in step and "QERL_NVFP4_DECODE_GEMV=shared" in step
+    assert f"QERL_NVFP4_DECODE_GEMV=all {options.FEW_ROW_LORA_ENV}=1" in step
+    assert "QERL_NVFP4_DECODE_GEMV=shared" in step
     paths = _eval_shared_paths("eval_gluon")
     assert paths == ["qerl's nvfp4 method on the NVFP4A16", "on the gluon+lora path"]
     wrapper = (ROOT / "vllm_ext" / "lora_dense_wrapper.py").read_text()
