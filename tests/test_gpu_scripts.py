@@ -2124,3 +2124,26 @@ def test_the_smollm2_shapes_gpu_tests_passed_in_the_thirty_sixth_sessions_second
     log = (runs / "thirty-sixth-b" / "marlin_row_test" / "stdout.log").read_text()
     assert "19 passed" in log and "failed" not in log
     assert "17 passed" in (runs / "thirty-sixth" / "work" / "marlin_row_test" / "stdout.log").read_text()
+
+
+@pytest.mark.parametrize("name", ["bench_gluon_lora", "bench_gluon_ctl"])
+def test_gluon_bench_steps_name_configs_and_variants_that_exist(name):
+    """§4av's and §4aw's engine benches: their BENCH_ARGS parse with bench_rollout's own parser, every config and
+    variant exists, and every ``--runs`` entry is one of the config × variant pairs asked for."""
+    import shlex
+
+    from vllm_ext.bench import CONFIGS, VARIANTS, add_arguments
+
+    text = (GPU / "session.sh").read_text()
+    start = text.index(f"    {name})")
+    step = text[start:text.index(";;", start)]
+    bench_args = step[step.index('BENCH_ARGS="') + len('BENCH_ARGS="'):]
+    bench_args = bench_args[:bench_args.index('"')].replace("\\\n", "")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["rollout", *shlex.split(bench_args)])  # bench_rollout.py's default subcommand
+    assert set(args.configs) <= set(CONFIGS) and set(args.variants) <= set(VARIANTS)
+    assert args.batches == [8] and args.repeats == 3
+    for run in args.runs:
+        config, variant = run.split("@")
+        assert config in args.configs and variant in args.variants, run

@@ -215,7 +215,9 @@ run_step() {
         # sequences at a time (--max-num-seqs 8: decode steps of 2 to 8 tokens take the path), greedy on 200 test
         # problems: the default (shared) twice, the run-to-run floor, then decode_gemv all with QERL_FEW_ROW_LORA=1;
         # scripts/gpu/compare_evals.py judges by §4ao's criteria, void unless the candidate's log names the path. Into
-        # $work/eval_gluon; a run whose summary exists is skipped, FRESH=1 starts over
+        # $work/eval_gluon; a run whose summary exists is skipped, FRESH=1 starts over. On SmolLM2 (hidden 576) only
+        # down_proj (K 1536) gets decode_gemv's copy, which needs K a multiple of 128: the path runs on one linear of
+        # four
         step eval_gluon 540 bash -c 'd=$1; [ -z "${FRESH:-}" ] || rm -rf "$d"; mkdir -p "$d" && for m in shared shared2 gluon; do
             [ -f "$d/$m.summary.json" ] && { echo "$m: done in an earlier call"; continue; }
             opts="QERL_NVFP4_DECODE_GEMV=shared"; [ $m = gluon ] && opts="QERL_NVFP4_DECODE_GEMV=all QERL_FEW_ROW_LORA=1"
