@@ -299,6 +299,25 @@ def test_other_modes_keep_their_paths_and_register_nothing(cpu_config, monkeypat
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
 
 
+def _give_row_copy(base):  # noqa: ANN001, ANN202
+    """``base`` (a LoRA layer's base layer) given decode_gemv's copy of its weight in the checkpoint layout and a real
+    MarlinBackend (decode_gemv "all") that offers it through ``row_weights``; returns ``(the NVFP4 weight,
+    backend)``."""
+    from types import SimpleNamespace
+
+    from qerl_plugin import nvfp4
+    from vllm_ext.nvfp4_backends import MarlinBackend
+
+    q = nvfp4.quantize(base.weight.data.to(torch.bfloat16))
+    for name, t in (("qerl_gemv_packed", q.packed), ("qerl_gemv_scale", q.scale),
+                    ("qerl_gemv_gscale", q.global_scale.reshape(1).float())):
+        base.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+    backend = MarlinBackend.__new__(MarlinBackend)  # its __init__ refuses a machine without CUDA
+    backend.decode_gemv = "all"
+    base.quant_method = SimpleNamespace(backend=backend, apply=base.quant_method.apply)
+    return q, backend
+
+
 ROW_SIZES = (256, [48, 80], (16, 4, 2), 96)  # in features a multiple of 128: the one-row kernel's tiles take them
 ROW_ENV = "QERL_TEST_ROW_PATH"  # set by test_row_path_under_the_interpreter for its subprocess
 
@@ -312,12 +331,10 @@ def test_decode_gemv_one_row_calls_take_the_row_lora_path(cpu_config, monkeypatc
     (the dequantized weight's GEMM, then the adapter in torch) within float16 rounding; five rows run in order. The
     split op's one-row call returns the same output and the kernel's zeros."""
     import logging
-    from types import SimpleNamespace
 
     from vllm.config import set_current_vllm_config
 
     from qerl_plugin import nvfp4
-    from vllm_ext.nvfp4_backends import MarlinBackend
 
     monkeypatch.setattr(ldw, "_LOGGED", set())
     caplog.set_level(logging.WARNING, logger="qerl.vllm.lora_dense")
@@ -326,14 +343,8 @@ def test_decode_gemv_one_row_calls_take_the_row_lora_path(cpu_config, monkeypatc
     with set_current_vllm_config(cpu_config):
         layer, base, a, b = _layer(kind, "overlap", prefix=f"row.{kind}", sizes=ROW_SIZES, dtype=torch.float16)
         _torch_update(layer.punica_wrapper)
-        q = nvfp4.quantize(base.weight.data.to(torch.bfloat16))
+        q, backend = _give_row_copy(base)
         base.weight.data.copy_(nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).half())
-        for name, t in (("qerl_gemv_packed", q.packed), ("qerl_gemv_scale", q.scale),
-                        ("qerl_gemv_gscale", q.global_scale.reshape(1).float())):
-            base.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-        backend = MarlinBackend.__new__(MarlinBackend)  # its __init__ refuses a machine without CUDA
-        backend.decode_gemv = "all"
-        base.quant_method = SimpleNamespace(backend=backend, apply=base.quant_method.apply)
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)).half()
         one = _call(layer, x)
         assert "LoRA call with 1 tokens on the row+lora path" in caplog.text
@@ -361,12 +372,9 @@ def test_a_row_call_the_kernel_refuses_says_why_and_runs_in_order(cpu_config, mo
     would straddle the two slices): one warning naming the layer and the reason, and the in-order result. No kernel
     runs, so no interpreter."""
     import logging
-    from types import SimpleNamespace
 
     from vllm.config import set_current_vllm_config
 
-    from qerl_plugin import nvfp4
-    from vllm_ext.nvfp4_backends import MarlinBackend
 
     notices.forget(ldw.ROW_REFUSAL_KEY)
     monkeypatch.setattr(ldw, "_interpreting", lambda: True)  # reach the one-row branch on the CPU
@@ -375,13 +383,7 @@ def test_a_row_call_the_kernel_refuses_says_why_and_runs_in_order(cpu_config, mo
         layer, base, a, b = _layer("gate_up", "overlap", prefix="refused.gate_up_proj",
                                    sizes=(256, [50, 78], (16, 4, 2), 96), dtype=torch.float16)
         calls = _torch_update(layer.punica_wrapper)
-        q = nvfp4.quantize(base.weight.data.to(torch.bfloat16))
-        for name, t in (("qerl_gemv_packed", q.packed), ("qerl_gemv_scale", q.scale),
-                        ("qerl_gemv_gscale", q.global_scale.reshape(1).float())):
-            base.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-        backend = MarlinBackend.__new__(MarlinBackend)
-        backend.decode_gemv = "all"
-        base.quant_method = SimpleNamespace(backend=backend, apply=base.quant_method.apply)
+        _, backend = _give_row_copy(base)
         assert ldw.split_add(layer)  # a layer with decode_gemv's copy splits too (§4ai)
         x = torch.randn(1, ROW_SIZES[0]).half()
         outs = [_call(layer, x) for _ in range(2)]
@@ -586,13 +588,10 @@ def test_few_token_calls_take_the_gluon_path_only_when_asked(cpu_config, monkeyp
     of tests/vllm_ext/test_nvfp4_gluon_lora.py). Without the switch nothing goes there; without the copy (decode_gemv
     off, or "shared", whose tensors are Marlin's) the call logs why once and runs in order."""
     import logging
-    from types import SimpleNamespace
 
     from vllm.config import set_current_vllm_config
 
-    from qerl_plugin import nvfp4
     from vllm_ext import nvfp4_gluon_lora
-    from vllm_ext.nvfp4_backends import MarlinBackend
 
     notices.forget(ldw.GLUON_REFUSAL_KEY)
     monkeypatch.setattr(ldw, "_LOGGED", set())
@@ -609,13 +608,7 @@ def test_few_token_calls_take_the_gluon_path_only_when_asked(cpu_config, monkeyp
     with set_current_vllm_config(cpu_config):
         layer, base, a, b = _layer(kind, "overlap", prefix=f"gluon.{kind}", sizes=ROW_SIZES, dtype=torch.float16)
         calls = _torch_update(layer.punica_wrapper)
-        q = nvfp4.quantize(base.weight.data.to(torch.bfloat16))
-        for name, t in (("qerl_gemv_packed", q.packed), ("qerl_gemv_scale", q.scale),
-                        ("qerl_gemv_gscale", q.global_scale.reshape(1).float())):
-            base.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-        backend = MarlinBackend.__new__(MarlinBackend)
-        backend.decode_gemv = "all"
-        base.quant_method = SimpleNamespace(backend=backend, apply=base.quant_method.apply)
+        _, backend = _give_row_copy(base)
         x = torch.randn(4, ROW_SIZES[0]).half()
         monkeypatch.delenv(options.FEW_ROW_LORA_ENV, raising=False)
         _call(layer, x)
