@@ -33,6 +33,9 @@ In an engine with ``decode_gemv`` on, one-row calls take neither: :mod:`vllm_ext
 shrink kernel, then the one-row NVFP4 kernel with the LoRA expand in its epilogue, as a programmatic dependent
 launch on Hopper (the ``row+lora`` path; §4m on an H200: 2.229 against 2.774 ms per 7B step for the LoRA kernel
 after the row kernel, which is itself faster than beside it; +16.2 % batch-1 decode in the engine).
+With ``QERL_FEW_ROW_LORA=1`` (experimental, default off), calls of 2 to 8 tokens of layers with decode_gemv's copy run
+the ``gluon+lora`` path instead: :mod:`vllm_ext.nvfp4_gluon_lora`, the Gluon few-row GEMM with the expand in its
+epilogue (+2.5 % at 7B batch 8 on an H200, docs/benchmarks.md §4av).
 The op finds its layer by the layer's name (``base_layer.prefix``), registered when the LoRA manager hands the
 layer its wrapper (:func:`route_merged_layers` wraps ``BaseLayerWithLoRA.set_mapping``): a name, unlike an
 ``id()``, means the same layer in the process that loads vLLM's AOT-compiled graph from its cache. Two engines in
