@@ -246,8 +246,8 @@ if gluon is not None:
 
     @gluon.jit
     def _lora_update(pid, M, N, lora, out_ty: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                     WARPS: gl.constexpr, NREP: gl.constexpr, R: gl.constexpr, HP_M: gl.constexpr,
-                     KS_PAD: gl.constexpr, PDL: gl.constexpr):
+                     WARPS: gl.constexpr, R: gl.constexpr, HP_M: gl.constexpr, KS_PAD: gl.constexpr,
+                     PDL: gl.constexpr):
         """The adapter's update for output block ``pid``, ``[BLOCK_N, BLOCK_M]`` in ``out_ty``, as punica computes
         it: ``h`` = the shrink's float32 partials of this block's slice summed in a fixed order, times ``lscale``,
         zero for a token whose slot is not 0, rounded to ``out_ty``; then ``B_s h`` summed in float32 on the tensor
@@ -262,8 +262,7 @@ if gluon is not None:
         # half of the 32 K that 8 per thread span, gave wrong sums on an H200: §4au)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        bl: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8) if R < 256 else 1, R // 8 if R < 256 else 32],
-                                            [WARPS, 1], [1, 0])
+        bl: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [WARPS, 1], [1, 0])  # R: 16 ... 128
         hl: gl.constexpr = gl.BlockedLayout([1, 1], [32 // BLOCK_M if BLOCK_M < 32 else 1,
                                                      BLOCK_M if BLOCK_M < 32 else 32], [WARPS, 1], [1, 0])
         row0 = pid * BLOCK_N
@@ -297,46 +296,44 @@ if gluon is not None:
         return up.to(out_ty)
 
     @gluon.jit
-    def _finish(tot, gmul, pid, M, N, lora, acc_l: gl.constexpr, out_ty: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_M: gl.constexpr, LORA: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
-                R: gl.constexpr, HP_M: gl.constexpr, KS_PAD: gl.constexpr, PDL: gl.constexpr,
-                HAS_BIAS: gl.constexpr):
-        """The output block: ``tot * gmul`` (plus the bias in float32 with ``HAS_BIAS``, the ``lora`` tuple's) rounded
-        to ``out_ty``; with ``LORA`` the adapter's rounded update (:func:`_lora_update`) added in float32 and rounded
-        again, as a base GEMM followed by punica's expand."""
+    def _finish(tot, gmul, pid, M, N, y_ptrs, sym, rm_o, rn_o, ok, lora, acc_l: gl.constexpr, BLOCK_N: gl.constexpr,
+                BLOCK_M: gl.constexpr, LORA: gl.constexpr, WARPS: gl.constexpr, R: gl.constexpr, HP_M: gl.constexpr,
+                KS_PAD: gl.constexpr, PDL: gl.constexpr, HAS_BIAS: gl.constexpr, ZEROS: gl.constexpr):
+        """Stores the output block at ``y_ptrs`` (rows ``rm_o`` of ``y``, columns ``rn_o``, where ``ok``): ``tot *
+        gmul`` (plus the bias in float32 with ``HAS_BIAS``, the ``lora`` tuple's) rounded to ``y``'s dtype; with
+        ``LORA`` the adapter's rounded update (:func:`_lora_update`) added in float32 and rounded again, as a base GEMM
+        followed by punica's expand. ``ZEROS``: the same block of the ``lora`` tuple's last tensor (shaped like ``y``)
+        is set to zero too (the overlap op's split add, whose model adds it: no launch of its own)."""
+        out_ty: gl.constexpr = y_ptrs.dtype.element_ty
         base = tot * gmul
         if HAS_BIAS:
             rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
             base = base + gl.load(lora[9] + rn, mask=rn < N, other=0.0).to(gl.float32)[:, None]
         base = base.to(out_ty)
         if LORA:
-            up = _lora_update(pid, M, N, lora, out_ty, BLOCK_N, BLOCK_M, WARPS, NREP, R, HP_M, KS_PAD, PDL)
+            up = _lora_update(pid, M, N, lora, out_ty, BLOCK_N, BLOCK_M, WARPS, R, HP_M, KS_PAD, PDL)
             base = (base.to(gl.float32) + gl.convert_layout(up, acc_l).to(gl.float32)).to(out_ty)
-        return base
+        gl.store(y_ptrs, base, mask=ok)
+        if ZEROS:
+            gl.store(lora[10] + rm_o[None, :] * sym + rn_o[:, None], gl.zeros([BLOCK_N, BLOCK_M], out_ty, acc_l),
+                     mask=ok)
 
     @gluon.jit
     def _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr, lora=None, LORA: gl.constexpr = False,
-                  WARPS: gl.constexpr = 4, NREP: gl.constexpr = 1, R: gl.constexpr = 16, HP_M: gl.constexpr = 16,
-                  KS_PAD: gl.constexpr = 16, PDL: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
-                  ZEROS: gl.constexpr = False):
-        """``y^T`` block ``pid`` = ``acc * gmul`` in ``y``'s dtype (with ``LORA``, plus the adapter's update:
-        :func:`_finish`). ``ZEROS``: the block of the ``lora`` tuple's last tensor (shaped like ``y``) is set to zero
-        too (the overlap op's split add, whose model adds it: no launch of its own). With split-K each program stores
-        its float32 partial in the workspace ``[SPLIT_K, BLOCK_M, N]`` and counts itself in at ``cnt_ptr[pid]``; the
-        last to arrive sums the partials in a fixed order (bit-reproducible), stores the output and resets the
-        counter."""
-        out_ty: gl.constexpr = y_ptr.dtype.element_ty
+                  WARPS: gl.constexpr = 4, R: gl.constexpr = 16, HP_M: gl.constexpr = 16, KS_PAD: gl.constexpr = 16,
+                  PDL: gl.constexpr = False, HAS_BIAS: gl.constexpr = False, ZEROS: gl.constexpr = False):
+        """``y^T`` block ``pid`` = ``acc * gmul`` in ``y``'s dtype (with ``LORA``, ``HAS_BIAS`` and ``ZEROS``, as
+        :func:`_finish` says). With split-K each program stores its float32 partial in the workspace ``[SPLIT_K,
+        BLOCK_M, N]`` and counts itself in at ``cnt_ptr[pid]``; the last to arrive sums the partials in a fixed order
+        (bit-reproducible), stores the output and resets the counter."""
         rn_o = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
         rm_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
         ok = (rn_o < N)[:, None] & (rm_o < M)[None, :]
         y_ptrs = y_ptr + rm_o[None, :] * sym + rn_o[:, None]
         if SPLIT_K == 1:
-            gl.store(y_ptrs, _finish(acc, gmul, pid, M, N, lora, acc_l, out_ty, BLOCK_N, BLOCK_M, LORA, WARPS, NREP, R,
-                                     HP_M, KS_PAD, PDL, HAS_BIAS), mask=ok)
-            if ZEROS:
-                gl.store(lora[10] + rm_o[None, :] * sym + rn_o[:, None], gl.zeros([BLOCK_N, BLOCK_M], out_ty, acc_l),
-                         mask=ok)
+            _finish(acc, gmul, pid, M, N, y_ptrs, sym, rm_o, rn_o, ok, lora, acc_l, BLOCK_N, BLOCK_M, LORA, WARPS, R,
+                    HP_M, KS_PAD, PDL, HAS_BIAS, ZEROS)
         else:
             ws_ptrs = ws_ptr + rm_o[None, :] * N + rn_o[:, None]
             gl.store(ws_ptrs + pid_k * (BLOCK_M * N), acc, mask=ok)
@@ -346,11 +343,8 @@ if gluon is not None:
                 tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
                 for s in gl.static_range(SPLIT_K):  # a fixed order, whatever order the programs arrived in
                     tot += gl.load(ws_ptrs + s * (BLOCK_M * N), mask=ok, other=0.0, cache_modifier=".cg")
-                gl.store(y_ptrs, _finish(tot, gmul, pid, M, N, lora, acc_l, out_ty, BLOCK_N, BLOCK_M, LORA, WARPS,
-                                         NREP, R, HP_M, KS_PAD, PDL, HAS_BIAS), mask=ok)
-                if ZEROS:
-                    gl.store(lora[10] + rm_o[None, :] * sym + rn_o[:, None],
-                             gl.zeros([BLOCK_N, BLOCK_M], out_ty, acc_l), mask=ok)
+                _finish(tot, gmul, pid, M, N, y_ptrs, sym, rm_o, rn_o, ok, lora, acc_l, BLOCK_N, BLOCK_M, LORA, WARPS,
+                        R, HP_M, KS_PAD, PDL, HAS_BIAS, ZEROS)
                 gl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next call (and the next CUDA-graph replay)
 
     @gluon.jit
@@ -502,7 +496,7 @@ if gluon is not None:
                          SPLIT_K, EVEN_N)
         lora = (hp_ptr, idx_ptr, b0, b1, b2, n0, n1, LKS, lscale, bias_ptr, z_ptr)
         _epilogue(acc, _EPILOGUE_UP / gl.load(g_ptr), y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l,
-                  16 * WARPS * NREP, BLOCK_M, SPLIT_K, lora, LORA, WARPS, NREP, R, HP_M, KS_PAD, PDL, HAS_BIAS, ZEROS)
+                  16 * WARPS * NREP, BLOCK_M, SPLIT_K, lora, LORA, WARPS, R, HP_M, KS_PAD, PDL, HAS_BIAS, ZEROS)
 
 
 def tile_problems(k: int, block_k: int, warps: int, nrep: int, split_k: int, wgmma: bool) -> list[str]:
