@@ -311,8 +311,8 @@ def _apply_overlapped(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tenso
                if no_copy else nvfp4_gluon_lora.supports(x2, row[0], a, b, slices))
         if why is None:
             _log_path(GLUON_PATH, tokens, None)
-            return nvfp4_gluon_lora.gluon_lora_gemm(x, *row[:3], a, b, 1.0, slices, wrapper._token_lora_indices,
-                                                    bias=row[3], zeros=split)
+            return nvfp4_gluon_lora.launch_supported(x, *row[:3], a, b, 1.0, slices, wrapper._token_lora_indices,
+                                                     bias=row[3], zeros=split)
         notices.warn_once(logger, GLUON_REFUSAL_KEY + why, "qerl: a LoRA call of %s stays off the gluon+lora path "
                           "(%s); it runs the base GEMM and the LoRA kernel", _prefix(layer) or type(layer).__name__,
                           why)

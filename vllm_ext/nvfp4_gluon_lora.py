@@ -34,7 +34,7 @@ from vllm_ext.nvfp4_gemv_lora import MAX_CHUNKS, SUB_K, chunking, first_slice_si
 from vllm_ext.nvfp4_gluon import GLUON_IMPORT_ERROR, MAX_TOKENS, split_k_buffers, tile_problems
 from vllm_ext.triton_support import interpreting, tl, triton
 
-__all__ = ["MAX_TOKENS", "TILES_7B", "gluon_lora_gemm", "shrink_rows", "supports", "tile_for"]
+__all__ = ["MAX_TOKENS", "TILES_7B", "gluon_lora_gemm", "launch_supported", "shrink_rows", "supports", "tile_for"]
 
 # The wgmma version's best tiles on the 7B linears from §4r's sweeps (H100; calls 6 and 7 agree): (n, k) -> rows ->
 # (block_k, warps, nrep, split_k). Other shapes get the 8-row tile of q/k/v.
@@ -162,12 +162,24 @@ def gluon_lora_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, 
     ``bias`` ``[N]``: added to the base in float32 before it is rounded. ``zeros``: returns ``(output, zeros)``, the
     second a tensor like the output that the kernel fills with zeros (the overlap op's split add: no launch of its
     own for the zeros)."""
+    why = supports(x, packed, lora_a, lora_b, tuple(output_slices), tile)
+    if why is not None:
+        raise lora_fused.FusedLoRAUnsupported(why)
+    return launch_supported(x, packed, scale, global_scale, lora_a, lora_b, lora_scale, output_slices,
+                            token_lora_indices, tile, pdl, pdl_first, bias, zeros)
+
+
+def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                     lora_a: tuple[torch.Tensor, ...], lora_b: tuple[torch.Tensor, ...], lora_scale: float,
+                     output_slices: tuple[int, ...], token_lora_indices: torch.Tensor,
+                     tile: tuple[int, int, int, int] | None = None, pdl: bool | None = None,
+                     pdl_first: bool | None = None, bias: torch.Tensor | None = None,
+                     zeros: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gluon_lora_gemm` for a caller that has already had ``None`` from :func:`supports` for this call (the
+    overlap op asks it to choose its path); still refuses a scale, bias or global scale of the wrong shape."""
     from vllm_ext.nvfp4_gluon import _wgmma_kernel
 
     slices = tuple(output_slices)
-    why = supports(x, packed, lora_a, lora_b, slices, tile)
-    if why is not None:
-        raise lora_fused.FusedLoRAUnsupported(why)
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:

@@ -604,7 +604,7 @@ def test_few_token_calls_take_the_gluon_path_only_when_asked(cpu_config, monkeyp
         return (y, torch.zeros_like(y)) if zeros else y
 
     monkeypatch.setattr(nvfp4_gluon_lora, "supports", lambda *args, **kwargs: None)
-    monkeypatch.setattr(nvfp4_gluon_lora, "gluon_lora_gemm", launcher)
+    monkeypatch.setattr(nvfp4_gluon_lora, "launch_supported", launcher)
     with set_current_vllm_config(cpu_config):
         layer, base, a, b = _layer(kind, "overlap", prefix=f"gluon.{kind}", sizes=ROW_SIZES, dtype=torch.float16)
         calls = _torch_update(layer.punica_wrapper)
