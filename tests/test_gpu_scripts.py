@@ -1784,49 +1784,92 @@ def test_vllms_lora_shrink_splits_k_with_atomic_adds_for_the_bench_prefill():
     assert "tl.atomic_add(c_ptr, accumulator" in inspect.getsource(kernel_utils)
 
 
-def _eval_shared_step(name: str = "eval_shared") -> str:
-    """session.sh's step ``name`` (a real-model check: eval_shared, eval_gluon)."""
+def _eval_check_call(name: str) -> list[str]:
+    """The arguments that session.sh's step ``name`` (eval_shared, eval_gluon) hands its ``eval_check`` function:
+    ``[step, seqs, ref, cand, cand_env, *paths]``."""
+    import shlex
+
     text = (GPU / "session.sh").read_text()
     start = text.index(f"    {name})")
-    return text[start:text.index(";;", start)]
+    step = text[start:text.index(";;", start)]
+    call = step[step.index("eval_check "):].replace("\\\n", " ")
+    return shlex.split(call)[1:]
 
 
-def test_eval_shared_runs_qerls_method_and_checks_its_log_for_it():
+def _run_eval_check(name: str, tmp_path: Path, done: tuple[str, ...] = ()) -> list[list[str]]:
+    """session.sh's step ``name`` run with ``step`` stubbed to run its command and a fake ``python3`` that records
+    each call: ``[QERL_NVFP4_DECODE_GEMV, QERL_FEW_ROW_LORA, *argv]`` per call, in order. ``done``: runs whose summary
+    is already there (finished in an earlier call)."""
+    import shlex
+    import subprocess
+
+    text = (GPU / "session.sh").read_text()
+    fn = text[text.index("eval_check() {"):text.index("\n}\n", text.index("eval_check() {")) + 3]
+    bin_dir, record = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python3").write_text('#!/bin/sh\nprintf "%s\\0" "${QERL_NVFP4_DECODE_GEMV-}" "${QERL_FEW_ROW_LORA-}" '
+                                     f'"$@" >> {record}\necho >> {record}\n')
+    (bin_dir / "python3").chmod(0o755)
+    for m in done:
+        (tmp_path / "work" / name).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "work" / name / f"{m}.summary.json").write_text("{}")
+    call = " ".join(shlex.quote(a) for a in _eval_check_call(name))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("FRESH", None)
+    subprocess.run(["bash", "-c", f'work={tmp_path}/work\nstep() {{ shift 2; "$@"; }}\n{fn}eval_check {call}'],
+                   capture_output=True, text=True, env=env, check=True)
+    return [line.split("\0") for line in record.read_text().split("\0\n") if line]  # each arg ends in NUL, a call in LF
+
+
+def test_eval_shared_runs_qerls_method_and_checks_its_log_for_it(tmp_path):
     """§4ap: the real-model check runs SmolLM2's NVFP4A16 checkpoint with --quantization nvfp4 (vLLM's stock
-    compressed-tensors path has no decode_gemv), and is void unless the candidate's log names that method in the words
-    ``qerl eval`` logs (vllm_ext.evaluate.kernels_line); a run finished in an earlier call is not run again."""
+    compressed-tensors path has no decode_gemv), off twice and then shared, one sequence at a time, and is void unless
+    the candidate's log names that method in the words ``qerl eval`` logs (vllm_ext.evaluate.kernels_line); a run
+    finished in an earlier call is not run again. Run with a fake ``python3`` that records its calls."""
     from types import SimpleNamespace
 
     from vllm_ext.evaluate import kernels_line
 
-    step = _eval_shared_step()
-    run = step[step.index("qerl_plugin.cli eval "):step.index('--out "$d/$m.jsonl"')]  # the command, not the comments
-    assert step.count("qerl_plugin.cli eval ") == 1 and "--quantization nvfp4" in run
+    calls = _run_eval_check("eval_shared", tmp_path)
+    evals, compare = calls[:3], calls[3]
+    d = f"{tmp_path}/work/eval_shared"
+    for (gemv, few, *argv), m in zip(evals, ("off", "off2", "shared")):
+        assert (gemv, few) == (m.rstrip("2"), "")
+        assert argv[:3] == ["-m", "qerl_plugin.cli", "eval"] and "--quantization" in argv
+        assert argv[argv.index("--quantization") + 1] == "nvfp4" and argv[argv.index("--max-num-seqs") + 1] == "1"
+        assert argv[argv.index("--out") + 1] == f"{d}/{m}.jsonl"
     paths = _eval_shared_paths()
     assert paths == ["qerl's nvfp4 method on the NVFP4A16", "on the row+lora path",
                      "3072 x 576 weights run on qerl's row kernel"]
+    assert compare[2:] == ["scripts/gpu/compare_evals.py", "--reference", f"{d}/off.jsonl", "--floor",
+                           f"{d}/off2.jsonl", "--candidate", f"{d}/shared.jsonl", "--candidate-log", f"{d}/shared.log",
+                           *[w for p in paths for w in ("--path", p)], "--out", f"{d}/compare.json"]
     line = kernels_line(SimpleNamespace(quantization="nvfp4a16"), {"quantization": "nvfp4"})
     assert paths[0] in line and paths[0] not in kernels_line(SimpleNamespace(quantization="nvfp4a16"), {})
-    assert '[ -f "$d/$m.summary.json" ]' in step
+    again = _run_eval_check("eval_shared", tmp_path / "again", done=("off", "off2"))
+    assert len(again) == 2 and again[0][0] == "shared"  # only the run not finished before, then the comparison
 
 
-def test_eval_gluon_runs_the_path_in_batches_and_checks_its_log_for_it():
+def test_eval_gluon_runs_the_path_in_batches_and_checks_its_log_for_it(tmp_path):
     """§4aw's real-model check of the gluon+lora path: qerl's method, eight sequences at a time (so decode steps of 2
-    to 8 tokens), the candidate with decode_gemv's copy and the switch, void unless its log names the method and the
-    path in the words the code logs (vllm_ext.evaluate.kernels_line, lora_dense_wrapper's path line)."""
+    to 8 tokens), the default twice, then the candidate with decode_gemv's copy and the switch, void unless its log
+    names the method and the path in the words the code logs (vllm_ext.evaluate.kernels_line, lora_dense_wrapper's
+    path line). Run with a fake ``python3`` that records its calls."""
     from qerl_plugin import options
 
-    step = _eval_shared_step("eval_gluon")
-    run = step[step.index("qerl_plugin.cli eval "):step.index('--out "$d/$m.jsonl"')]
-    assert "--quantization nvfp4" in run and "--max-num-seqs 8" in run
+    calls = _run_eval_check("eval_gluon", tmp_path)
     assert options.FEW_ROW_LORA_MAX_TOKENS == 8
-    assert f"QERL_NVFP4_DECODE_GEMV=all {options.FEW_ROW_LORA_ENV}=1" in step
-    assert "QERL_NVFP4_DECODE_GEMV=shared" in step
+    assert [c[:2] for c in calls[:3]] == [["shared", ""], ["shared", ""], ["all", "1"]]
+    for (_, _, *argv), m in zip(calls[:3], ("shared", "shared2", "gluon")):
+        assert argv[argv.index("--quantization") + 1] == "nvfp4" and argv[argv.index("--max-num-seqs") + 1] == "8"
+        assert argv[argv.index("--out") + 1] == f"{tmp_path}/work/eval_gluon/{m}.jsonl"
+    assert _eval_check_call("eval_gluon")[4] == f"QERL_NVFP4_DECODE_GEMV=all {options.FEW_ROW_LORA_ENV}=1"
     paths = _eval_shared_paths("eval_gluon")
     assert paths == ["qerl's nvfp4 method on the NVFP4A16", "on the gluon+lora path"]
+    assert calls[3][calls[3].index("--candidate") + 1].endswith("eval_gluon/gluon.jsonl")
+    assert [calls[3][i + 1] for i, w in enumerate(calls[3]) if w == "--path"] == paths
     wrapper = (ROOT / "vllm_ext" / "lora_dense_wrapper.py").read_text()
     assert 'GLUON_PATH = "gluon+lora"' in wrapper and '"qerl: LoRA call with %d tokens on the %s path%s"' in wrapper
-    assert '[ -f "$d/$m.summary.json" ]' in step
 
 
 def test_thirty_seventh_sessions_raw_results():
@@ -2050,14 +2093,9 @@ def test_thirty_ninth_sessions_gluon_lora_engine_run():
 
 
 def _eval_shared_paths(name: str = "eval_shared") -> list[str]:
-    """The ``--path`` texts that session.sh's eval_shared step (or ``name``) hands compare_evals.py."""
-    import shlex
-
-    step = _eval_shared_step(name)
-    start = step.index("python3 scripts/gpu/compare_evals.py")
-    compare = step[start:step.index("--out", start)].replace("'\"'\"'", "'")  # the shell's quote inside bash -c '...'
-    words = shlex.split(compare.replace("\\\n", " "))
-    return [words[i + 1] for i, w in enumerate(words) if w == "--path"]
+    """The ``--path`` texts that session.sh's eval_shared step (or ``name``) hands compare_evals.py through
+    ``eval_check``."""
+    return _eval_check_call(name)[5:]
 
 
 def _eval_lines(path: Path, answers: list[tuple[str, bool]]) -> Path:

@@ -87,6 +87,32 @@ ncu_launch_step() {  # ncu_launch_step NAME ROWS: Nsight Compute's launch statis
         --batches '"$2"' --iters 2 > "$OUT/ncu_$k.log" 2>&1 || exit 1; grep -E "Grid Size|Block Size|Shared Memory|Block Limit|Registers Per|Theoretical Occ" "$OUT/ncu_$k.log" | sort | uniq -c; done'
 }
 
+eval_check() {  # eval_check STEP SEQS REF CAND CAND_ENV PATH...: a real-model check of one engine option by §4ao's
+    # criteria: SmolLM2's NVFP4 checkpoint (`smol` first) on qerl's nvfp4 method (--quantization nvfp4: without it vLLM
+    # runs its stock compressed-tensors path, and §4ap's first run was void for that reason) with the published adapter
+    # (r8, served at max_lora_rank 16: qerl's fused LoRA kernels take 16 and more), SEQS sequences at a time, greedy on
+    # 200 test problems: decode_gemv REF twice (the run-to-run floor), then CAND with the environment CAND_ENV;
+    # scripts/gpu/compare_evals.py judges, void unless CAND's log holds every PATH. Into $work/STEP. A run whose summary
+    # exists is skipped, so a call cut at the step's limit is finished by calling the step again; FRESH=1 starts over
+    # (after a code change on a warm machine)
+    local name=$1 seqs=$2 ref=$3 cand=$4 cand_env=$5 paths=()
+    shift 5
+    for p in "$@"; do paths+=(--path "$p"); done
+    step "$name" 540 bash -c 'd=$1 seqs=$2 ref=$3 cand=$4 cand_env=$5; shift 5
+        [ -z "${FRESH:-}" ] || rm -rf "$d"; mkdir -p "$d" && for m in $ref ${ref}2 $cand; do
+            [ -f "$d/$m.summary.json" ] && { echo "$m: done in an earlier call"; continue; }
+            opts="QERL_NVFP4_DECODE_GEMV=$ref"; [ "$m" = "$cand" ] && opts=$cand_env
+            env $opts python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 \
+                --adapter docs/learning/smollm2-nvfp4-lora-aqn --quantization nvfp4 \
+                --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --max-num-seqs "$seqs" --max-lora-rank 16 \
+                --max-new-tokens 64 --limit 200 --gpu-memory-utilization 0.2 --quiet --overwrite \
+                --out "$d/$m.jsonl" > "$d/$m.log" 2>&1 || { tail -n 30 "$d/$m.log"; exit 1; }
+            tail -n 4 "$d/$m.log"; done
+        python3 scripts/gpu/compare_evals.py --reference "$d/$ref.jsonl" --floor "$d/${ref}2.jsonl" \
+            --candidate "$d/$cand.jsonl" --candidate-log "$d/$cand.log" "$@" --out "$d/compare.json"' \
+        _ "$work/$name" "$seqs" "$ref" "$cand" "$cand_env" "${paths[@]}"
+}
+
 run_step() {
     case "$1" in
     project)  # the project only (code changed since install); the wheels stay
@@ -190,44 +216,18 @@ run_step() {
         # `split -b 27M -d FILE gguf.part` into .gpu/smol0 (part00, part01) and .gpu/smol1 (part02, part03); each
         # call copies its folder's parts to /tmp/stage_smol. SMOL_MD5: the GGUF's md5 (checked when set)
         step smol 300 bash -c 'cat /tmp/stage_smol/gguf.part* > /tmp/smol.gguf && { [ -z "${SMOL_MD5:-}" ] || echo "$SMOL_MD5  /tmp/smol.gguf" | md5sum -c --quiet; } && python3 examples/smollm2/prepare.py /tmp/qerl_smollm2 --gguf /tmp/smol.gguf --nvfp4 --overwrite --no-sample' ;;
-    eval_shared)  # §4ao/§4ap: decode_gemv shared on a real model. SmolLM2's NVFP4 checkpoint (`smol` first), on qerl's nvfp4
-        # method (--quantization nvfp4: without it vLLM runs its stock compressed-tensors path, and §4ap's first run was
-        # void for that reason), with the published
-        # adapter (r8, served at max_lora_rank 16: qerl's fused LoRA kernels take 16 and more), one sequence at a time
-        # (--max-num-seqs 1: every decode step one row, so the row+lora path runs on the layers whose Marlin layout is
-        # unpadded: gate/up and down; the check is void unless the shared run's log says gate/up took it), greedy on 200
-        # test problems: off twice (the run-to-run floor),
-        # then shared; scripts/gpu/compare_evals.py judges by §4ao's criteria. Into $work/eval_shared. The three runs took
-        # ~263 + ~95 + ~156 s of wall time in §4ap (off and shared each compiled, 62 and 67 s: shared got a new compile
-        # cache entry): a run whose summary exists is skipped, so a call cut at the step's limit is finished by
-        # calling eval_shared again; FRESH=1 starts over (after a code change on a warm machine)
-        step eval_shared 540 bash -c 'd=$1; [ -z "${FRESH:-}" ] || rm -rf "$d"; mkdir -p "$d" && for m in off off2 shared; do
-            [ -f "$d/$m.summary.json" ] && { echo "$m: done in an earlier call"; continue; }
-            QERL_NVFP4_DECODE_GEMV=${m%2} python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --adapter docs/learning/smollm2-nvfp4-lora-aqn \
-                --quantization nvfp4 --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --max-num-seqs 1 --max-lora-rank 16 --max-new-tokens 64 \
-                --limit 200 --gpu-memory-utilization 0.2 --quiet --overwrite --out "$d/$m.jsonl" > "$d/$m.log" 2>&1 || { tail -n 30 "$d/$m.log"; exit 1; }
-            tail -n 4 "$d/$m.log"; done
-            python3 scripts/gpu/compare_evals.py --reference "$d/off.jsonl" --floor "$d/off2.jsonl" --candidate "$d/shared.jsonl" \
-                --candidate-log "$d/shared.log" --path "qerl'"'"'s nvfp4 method on the NVFP4A16" --path "on the row+lora path" --path "3072 x 576 weights run on qerl'"'"'s row kernel" \
-                --out "$d/compare.json"' _ "$work/eval_shared" ;;
-    eval_gluon)  # §4aw: the gluon+lora path on a real model, as eval_shared checks shared: SmolLM2's NVFP4 checkpoint
-        # (`smol` first) on qerl's nvfp4 method with the published adapter (r8, served at max_lora_rank 16), eight
-        # sequences at a time (--max-num-seqs 8: decode steps of 2 to 8 tokens take the path), greedy on 200 test
-        # problems: the default (shared) twice, the run-to-run floor, then decode_gemv all with QERL_FEW_ROW_LORA=1;
-        # scripts/gpu/compare_evals.py judges by §4ao's criteria, void unless the candidate's log names the path. Into
-        # $work/eval_gluon; a run whose summary exists is skipped, FRESH=1 starts over. On SmolLM2 (hidden 576) only
-        # down_proj (K 1536) gets decode_gemv's copy, which needs K a multiple of 128: the path runs on one linear of
-        # four
-        step eval_gluon 540 bash -c 'd=$1; [ -z "${FRESH:-}" ] || rm -rf "$d"; mkdir -p "$d" && for m in shared shared2 gluon; do
-            [ -f "$d/$m.summary.json" ] && { echo "$m: done in an earlier call"; continue; }
-            opts="QERL_NVFP4_DECODE_GEMV=shared"; [ $m = gluon ] && opts="QERL_NVFP4_DECODE_GEMV=all QERL_FEW_ROW_LORA=1"
-            env $opts python3 -m qerl_plugin.cli eval /tmp/qerl_smollm2/nvfp4 --adapter docs/learning/smollm2-nvfp4-lora-aqn \
-                --quantization nvfp4 --data /tmp/qerl_smollm2/data/test.parquet --backend vllm --max-num-seqs 8 --max-lora-rank 16 --max-new-tokens 64 \
-                --limit 200 --gpu-memory-utilization 0.2 --quiet --overwrite --out "$d/$m.jsonl" > "$d/$m.log" 2>&1 || { tail -n 30 "$d/$m.log"; exit 1; }
-            tail -n 4 "$d/$m.log"; done
-            python3 scripts/gpu/compare_evals.py --reference "$d/shared.jsonl" --floor "$d/shared2.jsonl" --candidate "$d/gluon.jsonl" \
-                --candidate-log "$d/gluon.log" --path "qerl'"'"'s nvfp4 method on the NVFP4A16" --path "on the gluon+lora path" \
-                --out "$d/compare.json"' _ "$work/eval_gluon" ;;
+    eval_shared)  # §4ao/§4ap: decode_gemv shared on a real model (eval_check), one sequence at a time (every decode
+        # step one row, so the row+lora path runs on the layers whose Marlin layout is unpadded: gate/up and down; void
+        # unless the shared run's log says gate/up took it): off twice, then shared. The three runs took ~263 + ~95 +
+        # ~156 s of wall time in §4ap (off and shared each compiled, 62 and 67 s: shared got a new compile cache entry)
+        eval_check eval_shared 1 off shared "QERL_NVFP4_DECODE_GEMV=shared" "qerl's nvfp4 method on the NVFP4A16" \
+            "on the row+lora path" "3072 x 576 weights run on qerl's row kernel" ;;
+    eval_gluon)  # §4aw: the gluon+lora path on a real model (eval_check), eight sequences at a time (decode steps of 2
+        # to 8 tokens take the path): the default (shared) twice, then decode_gemv all with QERL_FEW_ROW_LORA=1. On
+        # SmolLM2 (hidden 576) only down_proj (K 1536) gets decode_gemv's copy, which needs K a multiple of 128: the
+        # path runs on one linear of four
+        eval_check eval_gluon 8 shared gluon "QERL_NVFP4_DECODE_GEMV=all QERL_FEW_ROW_LORA=1" \
+            "qerl's nvfp4 method on the NVFP4A16" "on the gluon+lora path" ;;
     steptime_bf16)  # the demo's settings on the BF16 base, alone on the GPU, 12 steps without validation
         step steptime_bf16 420 python3 scripts/gpu/learning.py launch --runs bf16:0 --work "$work/steptime" --override trainer.total_training_steps=12 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 && python3 scripts/gpu/learning.py wait --work "$work/steptime" --timeout 400 --every 20 ;;
     steptime_big)  # the demo's config (decoupled mode) alone, 20 steps, no validation, one micro-batch per phase (64k tokens
