@@ -2092,6 +2092,58 @@ def test_thirty_ninth_sessions_gluon_lora_engine_run():
     assert "54 passed" in final and "failed" not in final
 
 
+def test_fortieth_sessions_raw_results():
+    """§4ax, recomputed from the committed raw files: the GPU tests passed 44/44; at 7B b8 the gluon+lora path is faster
+    than its exact control (decode_gemv all without the switch) beyond both spreads, and only its log names the path;
+    the real-model check passes §4ao's rule with the path on down_proj only; and at 16 and 32 rows the wgmma GEMM's
+    best tiles are slower than Marlin per 7B step beyond the larger spread (the 16/32-row item closed). The two calls
+    sent before the machine was ready failed as lease.txt says."""
+    root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "fortieth"
+    runs = root / "work"
+    assert "44 passed, 85 deselected" in (runs / "gluon_lora_test" / "stdout.log").read_text()
+
+    bench = runs / "bench-gluonctl" / "a"
+    res = {f"{r['config']}@{r['variant']}": r["batches"]["8"]
+           for r in json.loads((bench / "bench_rollout.json").read_text())["results"]}
+    gluon, ctl = res["nvfp4-lora@gluon-lora"], res["nvfp4-lora@decode-gemv"]
+    spreads = [max(r["decode_runs_tok_s"]) - min(r["decode_runs_tok_s"]) for r in (gluon, ctl)]
+    assert gluon["decode_tok_s"] - ctl["decode_tok_s"] > max(spreads)
+    assert min(gluon["decode_runs_tok_s"]) > max(ctl["decode_runs_tok_s"])
+    assert round(100 * (gluon["decode_tok_s"] / ctl["decode_tok_s"] - 1), 1) == 2.2
+    bf16, bare = res["bf16-lora@punica-lora"]["decode_tok_s"], res["nvfp4@default"]["decode_tok_s"]
+    got = {k: (round(res[k]["decode_tok_s"] / bf16, 3), round(1 - res[k]["decode_tok_s"] / bare, 3))
+           for k in ("nvfp4-lora@default", "nvfp4-lora@decode-gemv", "nvfp4-lora@gluon-lora")}
+    assert got == {"nvfp4-lora@default": (1.601, 0.125), "nvfp4-lora@decode-gemv": (1.592, 0.13),
+                   "nvfp4-lora@gluon-lora": (1.627, 0.111)}
+    assert "LoRA call with 8 tokens on the gluon+lora path" in (bench / "logs" / "nvfp4-lora--gluon-lora.log").read_text()
+    assert "gluon+lora" not in (bench / "logs" / "nvfp4-lora--decode-gemv.log").read_text()
+
+    ev, ce = runs / "eval_gluon", _import_script("compare_evals")
+    ref, floor, cand = (ce.load(ev / f"{m}.jsonl") for m in ("shared", "shared2", "gluon"))
+    log = (ev / "gluon.log").read_text()
+    verdict = ce.compare(ref, floor, cand, log_text=log, paths=_eval_shared_paths("eval_gluon"))
+    assert verdict["verdict"] == "pass" and verdict["accuracy"] == {"reference": 0.78, "floor": 0.78, "candidate": 0.77}
+    assert (verdict["differ_reference_floor"], verdict["rows_differing"]) == (0, [17, 84, 112])
+    assert json.loads((ev / "compare.json").read_text())["verdict"] == "pass"
+    for tokens in (2, 4, 8):
+        assert f"LoRA call with {tokens} tokens on the gluon+lora path" in log
+    assert "one-row calls of 3072 x 576 weights stay on Marlin" in log  # gate/up's 1-token steps: not as in shared
+    assert "qkv_proj stays off the gluon+lora path (the layer has no copy" in log
+
+    sweep = [json.loads(line) for line in (runs / "sweep_wgmma" / "sweep_wgmma.jsonl").read_text().splitlines()]
+    step = {r["rows"]: r for r in sweep if r["what"] == "per_step_ms"}
+    for rows, (mma, marlin) in {16: (2.539, 2.477), 32: (3.062, 2.765)}.items():
+        med, spread = step[rows]["median"], step[rows]["spread"]
+        assert (med["mma"], med["marlin"]) == (mma, marlin)
+        assert med["mma"] - med["marlin"] > max(spread["mma"], spread["marlin"]), rows
+    assert "tiles refused (error beyond the bf16 rounding, or not the same bits twice): 0" in (
+        runs / "sweep_wgmma" / "stdout.log").read_text()
+
+    calls = root / "calls"
+    assert "checksum did NOT match" in (calls / "call12_smol.log").read_text()
+    assert (calls / "call13_bench_bg.log").read_text().count("No module named 'vllm'") >= 5
+
+
 def _eval_shared_paths(name: str = "eval_shared") -> list[str]:
     """The ``--path`` texts that session.sh's eval_shared step (or ``name``) hands compare_evals.py through
     ``eval_check``."""
