@@ -2115,8 +2115,9 @@ def test_fortieth_sessions_raw_results():
            for k in ("nvfp4-lora@default", "nvfp4-lora@decode-gemv", "nvfp4-lora@gluon-lora")}
     assert got == {"nvfp4-lora@default": (1.601, 0.125), "nvfp4-lora@decode-gemv": (1.592, 0.13),
                    "nvfp4-lora@gluon-lora": (1.627, 0.111)}
-    assert "LoRA call with 8 tokens on the gluon+lora path" in (bench / "logs" / "nvfp4-lora--gluon-lora.log").read_text()
-    assert "gluon+lora" not in (bench / "logs" / "nvfp4-lora--decode-gemv.log").read_text()
+    logs = bench / "logs"
+    assert "LoRA call with 8 tokens on the gluon+lora path" in (logs / "nvfp4-lora--gluon-lora.log").read_text()
+    assert "gluon+lora" not in (logs / "nvfp4-lora--decode-gemv.log").read_text()
 
     ev, ce = runs / "eval_gluon", _import_script("compare_evals")
     ref, floor, cand = (ce.load(ev / f"{m}.jsonl") for m in ("shared", "shared2", "gluon"))
