@@ -225,7 +225,7 @@ run_step() {
     eval_gluon)  # §4aw: the gluon+lora path on a real model (eval_check), eight sequences at a time (decode steps of 2
         # to 8 tokens take the path): the default (shared) twice, then decode_gemv all with QERL_FEW_ROW_LORA=1. On
         # SmolLM2 (hidden 576) only down_proj (K 1536) gets decode_gemv's copy, which needs K a multiple of 128: the
-        # path runs on one linear of four. In §4ax a call of its own did not finish it: shared took ~296 s (cold
+        # path runs on one linear of four. In §4ax one call (after smol) did not finish it: shared took ~296 s (cold
         # caches), shared2 81 s, and gluon was cut off after ~136 s (its own torch.compile, 54 s); the step skips
         # finished runs, and a second call finished gluon in 52 s
         eval_check eval_gluon 8 shared gluon "QERL_NVFP4_DECODE_GEMV=all QERL_FEW_ROW_LORA=1" \
