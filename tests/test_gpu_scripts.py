@@ -1215,6 +1215,25 @@ def test_sweep_mma_gluon_tiles_and_their_call():
                                              q.global_scale, dict(tiles[0]))
 
 
+def test_sweep_mma_marlin_tiles_go_to_the_marlin_version():
+    """--kernel wgmma-marlin: the wgmma tiles with ``marlin`` set (names ending in HQ), which run_tile sends to
+    nvfp4_gluon_marlin_gemm with Marlin's tensors (the call reaches its refusal of a CPU tensor, naming it)."""
+    import pytest
+    import torch
+
+    from qerl_plugin import nvfp4
+    from vllm_ext.bench.marlin_pack import marlin_pack
+
+    sweep_mma = _import_script("sweep_mma")
+    tiles = sweep_mma.gluon_tiles([128, 256], [4], [1, 2, 4], [2, 4, 8], wgmma=True, marlin=True)
+    assert len(tiles) == 18 and all(t["marlin"] and t["wgmma"] for t in tiles)
+    assert sweep_mma.tile_name(tiles[-1]) == "n256k256s8w4LHQ"
+    q = nvfp4.quantize(torch.randn(64, 256).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="nvfp4_gluon_marlin_gemm: x on cpu"):
+        _import_script("sweep_row").run_tile(torch.randn(2, 256).to(torch.bfloat16),
+                                             *marlin_pack(q.packed, q.scale, q.global_scale), dict(tiles[0]))
+
+
 def test_per_step_ms_sums_medians_and_spreads_over_linears_times_layers():
     """check_gemv.per_step_ms, used by check_gemv.py, sweep_row.py and sweep_mma.py: a decode step's ms is the sum of
     the four linears' µs per call times the layer count, for the medians and the spreads alike."""

@@ -101,6 +101,7 @@ def tile_name(t: dict[str, Any]) -> str:
     name += "V" if t.get("wide") else ""  # vllm_ext.nvfp4_gluon's wide (16-byte) loads
     name += "B" if t.get("bits") else ""  # vllm_ext.nvfp4_gluon's E2M1 decode by moving bits
     name += "H" if t.get("wgmma") else ""  # vllm_ext.nvfp4_gluon's warpgroup-MMA (Hopper) version
+    name += "Q" if t.get("marlin") else ""  # ... on Marlin's own tensors (nvfp4_gluon_marlin_gemm)
     return name + (f"S{t['stages']}" if t.get("stages") else "")  # a software-pipelined loop
 
 

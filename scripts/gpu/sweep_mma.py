@@ -2,7 +2,9 @@
 """GPU sweep of a few-row NVFP4 tensor-core kernel against vLLM's Marlin FP4 GEMM and BF16 cuBLAS, at the batch
 sizes of the issue's b8 / b64 decode rows: ``--kernel mma`` (default), ``vllm_ext.nvfp4_gemv``'s ``mma=True`` (the
 weight read as int32 words, eight dots per K tile); ``--kernel gluon``, ``vllm_ext.nvfp4_gluon`` (operands laid out
-in registers as mma.sync takes them); ``--kernel wgmma``, its warpgroup-MMA version. On the linears of the 7B (and
+in registers as mma.sync takes them); ``--kernel wgmma``, its warpgroup-MMA version; ``--kernel wgmma-marlin``, that
+version on Marlin's own tensors (built by vllm_ext.bench.marlin_pack, so no vLLM is needed), timed beside the
+checkpoint-layout version at ``nvfp4_gluon_lora.tile_for``'s tile (column ``ckpt``). On the linears of the 7B (and
 32B) decode step, with the weights streamed from HBM.
 Run from the repository root on the GPU machine (Marlin needs the installed vLLM; without it the Marlin column is
 left out and said so):
@@ -39,6 +41,8 @@ from check_gemv import (  # noqa: E402
     LAYERS, LINEARS, bf16_copies, bf16_graph, jsonl_recorder, per_step_ms, streamed_weight, tile_name,
     timed_interleaved, verdict)
 from sweep_row import add_sweep_args, ints, precompile, run_tile, try_tiles  # noqa: E402
+from vllm_ext.bench.marlin_pack import marlin_pack  # noqa: E402
+from vllm_ext.nvfp4_gluon_lora import tile_for  # noqa: E402
 
 
 def sweep_tiles(block_ns: list[int], block_ks: list[int], splits: list[int], stages: list[int],
@@ -50,12 +54,14 @@ def sweep_tiles(block_ns: list[int], block_ks: list[int], splits: list[int], sta
 
 def gluon_tiles(block_ks: list[int], warps: list[int], nreps: list[int] = (1,), splits: list[int] = (1,),
                 prefetch: list[int] = (0,), wide: list[int] = (0,), bits: list[int] = (0,),
-                wgmma: bool = False) -> list[dict[str, Any]]:
+                wgmma: bool = False, marlin: bool = False) -> list[dict[str, Any]]:
     """vllm_ext.nvfp4_gluon's tiles tried: ``16 * warps * nrep`` output features per program, ``split_k`` programs
     per output block, the next K tile loaded ahead or not, wide loads or not, the bit decode or Triton's; with
-    ``wgmma``, the warpgroup-MMA version (4 or 8 warps; always wide and bit-decoded, no prefetch)."""
+    ``wgmma``, the warpgroup-MMA version (4 or 8 warps; always wide and bit-decoded, no prefetch); with ``marlin``
+    too, that version on Marlin's tensors."""
     if wgmma:
-        return [dict(block_n=16 * w * r, block_k=bk, split_k=sk, num_warps=w, gluon=True, wgmma=True)
+        return [dict(block_n=16 * w * r, block_k=bk, split_k=sk, num_warps=w, gluon=True, wgmma=True,
+                     **({"marlin": True} if marlin else {}))
                 for bk, w, r, sk in itertools.product(block_ks, warps, nreps, splits)]
     return [dict(block_n=16 * w * r, block_k=bk, split_k=sk, num_warps=w, gluon=True, prefetch=bool(pf),
                  wide=bool(wd), bits=bool(bt))
@@ -65,10 +71,10 @@ def gluon_tiles(block_ks: list[int], warps: list[int], nreps: list[int] = (1,), 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="8,64", help="rows of x per call (default 8,64)")
-    p.add_argument("--kernel", choices=("mma", "gluon", "wgmma"), default="mma",
+    p.add_argument("--kernel", choices=("mma", "gluon", "wgmma", "wgmma-marlin"), default="mma",
                    help="mma: nvfp4_small_gemm(mma=True) over --block-n/--split-k/--stages/--warps (default); gluon: "
                    "vllm_ext.nvfp4_gluon over --block-k and --gluon-*; wgmma: its warpgroup-MMA version (--gluon-warps "
-                   "4,8, --gluon-nrep, --gluon-split-k)")
+                   "4,8, --gluon-nrep, --gluon-split-k); wgmma-marlin: that on Marlin's tensors")
     p.add_argument("--gluon-warps", default="1,2,4,8", help="warps per program for --kernel gluon (default 1,2,4,8)")
     p.add_argument("--gluon-nrep", default="1", help="16-feature row blocks per warp for --kernel gluon (default 1)")
     p.add_argument("--gluon-split-k", default="1", help="programs per output block for --kernel gluon (default 1)")
@@ -98,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001
         marlin_linear, marlin_why = None, f"{type(exc).__name__}: {exc}"[:300]
 
-    if args.kernel == "wgmma":
+    marlin_layout = args.kernel == "wgmma-marlin"
+    if args.kernel in ("wgmma", "wgmma-marlin"):
         tiles = gluon_tiles(ints(args.block_k), ints(args.gluon_warps), ints(args.gluon_nrep), ints(args.gluon_split_k),
-                            wgmma=True)
+                            wgmma=True, marlin=marlin_layout)
     elif args.kernel == "gluon":
         tiles = gluon_tiles(ints(args.block_k), ints(args.gluon_warps), ints(args.gluon_nrep),
                             ints(args.gluon_split_k), ints(args.gluon_prefetch), ints(args.gluon_wide),
@@ -126,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
             w_exact = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double()
             copies = len(raws)
             marlins = [] if marlin_linear is None else [marlin_linear(p_, s_, q.global_scale, bf16) for p_, s_ in raws]
+            ckpts, gscale = raws, q.global_scale
+            if marlin_layout:  # the swept kernel reads Marlin's tensors; the checkpoint's copies time column ckpt
+                packs = [marlin_pack(p_, s_, q.global_scale) for p_, s_ in raws]
+                raws, gscale = [(qw, sb) for qw, sb, _ in packs], packs[0][2]
+                del packs
             bf16s = bf16_copies(w, args.cold_mib)
             iters = max(args.iters, copies)
             record({"what": "linear", "shape": shape, "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes,
@@ -134,12 +146,12 @@ def main(argv: list[str] | None = None) -> int:
                 x = torch.randn(rows, k, device=dev, dtype=bf16)
                 exact = x.double() @ w_exact.t()
 
-                def graph_of(t: dict[str, Any]):  # noqa: ANN202
-                    return capture_graph([(lambda p_=p_, s_=s_: run_tile(x, p_, s_, q.global_scale, t))
-                                          for p_, s_ in raws], iters)
+                def graph_of(t: dict[str, Any], copies_=raws, gs_=gscale):  # noqa: ANN202
+                    return capture_graph([(lambda p_=p_, s_=s_: run_tile(x, p_, s_, gs_, t))
+                                          for p_, s_ in copies_], iters)
 
                 swept, refused = try_tiles(
-                    tiles, lambda t: run_tile(x, q.packed, q.scale, q.global_scale, t), exact,
+                    tiles, lambda t: run_tile(x, *raws[0], gscale, t), exact,
                     lambda t: replay_us(graph_of(t), iters), record, {"shape": shape, "linear": lname, "rows": rows})
                 bad += refused
                 if not swept:
@@ -150,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
                 best = swept[0][1]
                 graphs = {"mma": (graph_of(best), iters),
                           "bf16": bf16_graph(x, bf16s, args.iters)}
+                if marlin_layout:
+                    bk_, w_, r_, sk_ = tile_for(n, k, rows)
+                    ckpt_tile = dict(block_n=16 * w_ * r_, block_k=bk_, split_k=sk_, num_warps=w_, gluon=True,
+                                     wgmma=True)
+                    graphs["ckpt"] = (graph_of(ckpt_tile, ckpts, q.global_scale), iters)
                 if marlins:
                     marlin_err = ((marlins[0](x).double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
                     graphs["marlin"] = (capture_graph([(lambda r_=r_: r_(x)) for r_ in marlins], iters), iters)
@@ -158,16 +175,19 @@ def main(argv: list[str] | None = None) -> int:
                 fin = {"what": "final", "shape": shape, "linear": lname, "rows": rows, "tile": tile_name(best), **res,
                        "mma_gb_s": round(raw_bytes / res["mma"]["median_us"] / 1e3, 1),
                        "mma_vs_bf16": verdict(res["mma"], res["bf16"])}
+                if "ckpt" in res:
+                    fin.update(ckpt_tile=tile_name(ckpt_tile), mma_vs_ckpt=verdict(res["mma"], res["ckpt"]))
                 if "marlin" in res:
                     fin.update(marlin_excess=marlin_err, mma_vs_marlin=verdict(res["mma"], res["marlin"]),
                                marlin_gb_s=round(raw_bytes / res["marlin"]["median_us"] / 1e3, 1),
                                marlin_over_mma=round(res["marlin"]["median_us"] / res["mma"]["median_us"], 3))
                 record(fin)
                 finals.append(fin)
-            del raws, marlins, bf16s, w_exact
+            del raws, ckpts, marlins, bf16s, w_exact
             torch.cuda.empty_cache()
 
-    keys = ("mma", "marlin", "bf16") if marlin_linear is not None else ("mma", "bf16")
+    keys = (("mma",) + (("ckpt",) if marlin_layout else ()) + (("marlin",) if marlin_linear is not None else ())
+            + ("bf16",))
     lines = ["", f"few-row NVFP4 tensor-core kernel ({args.kernel}), weights streamed from HBM: us per call, median of "
              f"{args.reps} (spread); GB/s = NVFP4 bytes (codes + FP8 scales) / time"
              + ("" if marlin_linear is not None else f"; Marlin not run ({marlin_why})"),
@@ -177,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         cell = lambda r: f"{r['median_us']:>9.2f} ±{r['spread_us']:<5.2f}"  # noqa: E731
         lines.append(f"{f['shape']:<5} {f['linear']:<8}{f['rows']:>5} {f['tile']:<20}"
                      + "".join(cell(f[k_]) for k_ in keys) + f"{f['mma_gb_s']:>7.0f}  "
-                     + f.get("mma_vs_marlin", f["mma_vs_bf16"] + " (vs bf16)"))
+                     + f.get("mma_vs_marlin", f["mma_vs_bf16"] + " (vs bf16)")
+                     + (f"; {f['mma_vs_ckpt']} than ckpt ({f['ckpt_tile']})" if "mma_vs_ckpt" in f else ""))
     for shape in args.shapes.split(","):
         for rows in rows_list:
             sel = [f for f in finals if f["shape"] == shape and f["rows"] == rows]

@@ -52,8 +52,14 @@ def ints(text: str) -> list[int]:
 
 def run_tile(x, packed, scale, gscale, t: dict[str, Any]):  # noqa: ANN001, ANN201
     """One call of the kernel a sweep tile names: vllm_ext.nvfp4_gluon's (``gluon`` set: ``block_k``, ``num_warps``,
-    ``split_k``, ``prefetch``, ``wide``, ``bits``, ``wgmma`` and ``block_n`` = 16 x warps x its ``nrep``) or
-    ``nvfp4_small_gemm`` with the tile's options."""
+    ``split_k``, ``prefetch``, ``wide``, ``bits``, ``wgmma`` and ``block_n`` = 16 x warps x its ``nrep``; with
+    ``marlin``, its version on Marlin's tensors, ``packed``/``scale``/``gscale`` then Marlin's ``qweight``, scale bytes
+    and divisor) or ``nvfp4_small_gemm`` with the tile's options."""
+    if t.get("marlin"):
+        from vllm_ext.nvfp4_gluon import nvfp4_gluon_marlin_gemm
+
+        return nvfp4_gluon_marlin_gemm(x, packed, scale, gscale, block_k=t["block_k"], warps=t["num_warps"],
+                                       nrep=t["block_n"] // (16 * t["num_warps"]), split_k=t["split_k"])
     if t.get("gluon"):
         from vllm_ext.nvfp4_gluon import nvfp4_gluon_gemm
 
@@ -76,10 +82,14 @@ def _compile(tiles: list[dict[str, Any]], rows: int = 1) -> int:
     packed = torch.randint(0, 256, (4608, 1792), dtype=torch.uint8, device=dev)
     scale = torch.ones(4608, 224, device=dev).to(torch.float8_e4m3fn)
     x = torch.randn(rows, 3584, device=dev, dtype=torch.bfloat16)
+    qweight = torch.randint(-2**31, 2**31 - 1, (224, 9216), dtype=torch.int32, device=dev)  # Marlin's, for marlin tiles
     failed = 0
     for t in tiles:
         try:
-            run_tile(x, packed, scale, torch.ones(1, device=dev), t)
+            if t.get("marlin"):
+                run_tile(x, qweight, scale.t().contiguous(), torch.ones(1, device=dev), t)
+            else:
+                run_tile(x, packed, scale, torch.ones(1, device=dev), t)
         except Exception:  # noqa: BLE001 (the sweep itself records the error)
             failed += 1
     torch.cuda.synchronize()
