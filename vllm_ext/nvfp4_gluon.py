@@ -488,15 +488,17 @@ if gluon is not None:
         return layout
 
     @gluon.constexpr_function
-    def _marlin_w_layout(t, warps, nrep):
+    def _marlin_w_layout(t, warps, nrep, paired=False):
         """``[chunks, t, 8, 4, 16]`` bytes of Marlin's ``qweight`` for :func:`_wgmma_marlin_acc`: thread (warp ``w``,
         lane ``4 h + a``) holds, for each of the tile's ``t`` groups, the ``4 nrep`` contiguous bytes of words ``16 h
         + 4 a + j`` (``j = jh * nrep + r``, ``r`` its registers, ``jh`` the warp's low bits) of its chunk (the warp's
         high bits): 16-byte loads at ``nrep`` 4. Those words hold exactly its wgmma register operand: rows ``h`` and
-        ``h + 8`` of block ``j``, inputs ``2 a``, ``2 a + 1``, ``2 a + 8``, ``2 a + 9`` of each group."""
+        ``h + 8`` of block ``j``, inputs ``2 a``, ``2 a + 1``, ``2 a + 8``, ``2 a + 9`` of each group. ``paired``: the
+        same bytes with each word's middle two swapped in registers (0, 2, 1, 3: the two inputs of one row together)."""
         jh = 4 // nrep
         chunks = warps * nrep // 4
-        regs = [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2]] + [[0, 0, 0, 0, 4 << b] for b in range(nrep.bit_length() - 1)]
+        regs = [[0, 0, 0, 0, 2], [0, 0, 0, 0, 1]] if paired else [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2]]
+        regs += [[0, 0, 0, 0, 4 << b] for b in range(nrep.bit_length() - 1)]
         regs += [[0, 1 << b, 0, 0, 0] for b in range(t.bit_length() - 1)]
         lanes = [[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 0, 4, 0, 0]]
         warp_bases = [[0, 0, 0, 0, (4 * nrep) << b] for b in range(jh.bit_length() - 1)]
@@ -518,11 +520,11 @@ if gluon is not None:
         warp_bases = jbits[low:] + [[1 << b, 0, 0, 0] for b in range(chunks.bit_length() - 1)]
         return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [chunks, t, 8, 8])
 
-    # Marlin's scale bytes read as float16 (byte << 7: at least 2, below 2^16, or 0) times 2^110: 2^111 to 2^126 in
-    # bfloat16, exact (4 significant bits); the scaled weights code * scale * 2^-16, normal and exact; the epilogue's
-    # float32 makes up the 2^16
-    _MARLIN_SCALE_UP = gl.constexpr(2.0**110)
-    _MARLIN_EPILOGUE_UP = gl.constexpr(2.0**16)
+    # Marlin's scale bytes as float16 (byte << 7: below 2^16, or 0) times 2^15 in bfloat16 (2 to below 2^31 for the
+    # float16 normals, exact: 4 significant bits); the scaled weights code * scale * 2^-111, normal and exact; the
+    # epilogue's float32 makes up the 2^111
+    _MARLIN_SCALE_UP = gl.constexpr(2.0**127)
+    _MARLIN_EPILOGUE_UP = gl.constexpr(2.0**111)
 
     @gluon.jit
     def _wgmma_marlin_acc(x_ptr, sxm, w_ptr, s_ptr, M, N, K, KB, KS, pid, pid_k, acc_l: gl.constexpr,
@@ -542,6 +544,7 @@ if gluon is not None:
         JH: gl.constexpr = 4 // NREP
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         w_l: gl.constexpr = _marlin_w_layout(T, WARPS, NREP)
+        w2_l: gl.constexpr = _marlin_w_layout(T, WARPS, NREP, True)
         s_l: gl.constexpr = _marlin_s_layout(T, WARPS, NREP)
         x_l: gl.constexpr = _x_load_layout(BLOCK_K, WARPS)
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M, BLOCK_K))
@@ -577,13 +580,20 @@ if gluon is not None:
             xr = gl.load(x_ptr + x_offs + t * BLOCK_K, mask=x_ok, other=0.0)
             # byte 4 j + 2 e + b of a word's 16-byte run: output block j, row h + 8 b; inputs 2 a + e (low nibble) and
             # 2 a + e + 8 (high nibble) of the group
+            # each word's bytes reordered in registers (0, 2, 1, 3), so that the decode pairs the inputs 2a + e of one
+            # row, as the wgmma operand's registers hold them
+            wq = gl.convert_layout(wq, w2_l)
             lo, hi = gl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,=r,=r,r", [wq], dtype=(gl.bfloat16, gl.bfloat16),
                                                is_pure=True, pack=4)
             w9 = gl.reshape(gl.join(lo, hi), [CH, T, 8, 4, JH, NREP, 2, 2, 2])  # (c, t, h, a, jh, r, e, b, high)
             l9: gl.constexpr = w9.type.layout
-            sv = ((sq.to(gl.int16) << 7).to(gl.float16, bitcast=True).to(gl.float32) * _MARLIN_SCALE_UP)
+            # the scale byte B's float16 value float16(B << 7) = 2^(B >> 3 - 15) (1 + (B & 7) / 8) times 2^15 in
+            # bfloat16: B << 4 read as bfloat16 bits is that value times 2^-112 (a normal: bytes 1-7, the float16
+            # subnormals, never occur; Marlin zeroes them and marlin_pack's are at least 104), then times 2^127, exact;
+            # 0 stays 0
+            sv = (sq.to(gl.int16) << 4).to(gl.bfloat16, bitcast=True) * _MARLIN_SCALE_UP
             # scale byte 4 j1 + 2 b + j0 of h's eight, j = 2 j1 + j0 = jh * NREP + r
-            s6 = gl.reshape(gl.permute(gl.reshape(sv.to(gl.bfloat16), [CH, T, 8, 2, 2, 2]), [0, 1, 2, 3, 5, 4]),
+            s6 = gl.reshape(gl.permute(gl.reshape(sv, [CH, T, 8, 2, 2, 2]), [0, 1, 2, 3, 5, 4]),
                             [CH, T, 8, JH, NREP, 2])
             s6 = gl.convert_layout(s6, gl.SliceLayout(3, gl.SliceLayout(6, gl.SliceLayout(8, l9))))
             w9 = w9 * gl.expand_dims(gl.expand_dims(gl.expand_dims(s6, 3), 6), 8)

@@ -89,6 +89,19 @@ def test_the_kernels_index_arithmetic_gives_the_exact_product(n, k, block_k, war
     assert (got - exact).abs().max().item() <= 1e-12 * exact.abs().max().item()
 
 
+def test_the_scale_bytes_bit_trick_is_exact():
+    """The kernel reads a scale byte B as bfloat16 bits B << 4 times 2^127: for every byte Marlin or marlin_pack can
+    hold (0, and 8 to 247: the float16 normals below infinity; Marlin's are 0 or at least 128, marlin_pack's at least
+    104) that is exactly float16(B << 7) * 2^15, a bfloat16 normal from 2 to below 2^31 (2^13 and up from byte 104), so
+    the scaled weights, code * 2^-126 times it, are normal and exact."""
+    b = torch.tensor([0] + list(range(8, 248)), dtype=torch.int32)
+    fast = (b << 4).to(torch.int16).view(torch.bfloat16).float() * 2.0**127
+    assert torch.equal(fast.to(torch.bfloat16).float(), fast)  # the product itself is a bfloat16
+    exact = (b << 7).to(torch.int16).view(torch.float16).double() * 2.0**15
+    assert torch.equal(fast.double(), exact)
+    assert fast[1:].min().item() == 2.0 and fast[b >= 104].min().item() == 2.0**13 and fast.max().item() < 2.0**31
+
+
 def test_refusals_name_the_bad_input():
     q, _ = _weight(128, 256, 0)
     qw, sb, div = marlin_pack(q.packed, q.scale, q.global_scale)
