@@ -28,17 +28,23 @@ def interpreting() -> bool:
 
 
 def compile_sm90(fn, types: dict[str, str], consts: dict, num_warps: int,
-                 aligned: tuple[str, ...] = ()):  # noqa: ANN001, ANN201
-    """The ``@triton.jit`` function ``fn`` compiled for sm_90 (Hopper) without a GPU: Triton's front end, its LLVM and
-    the ptxas its wheel bundles. ``consts``: its constexprs; ``types``: its other arguments' Triton types (default
-    ``i32``); ``aligned``: the arguments Triton's launcher would find divisible by 16 (pointers to 16-byte aligned
-    memory, sizes that are multiples of 16; without them it cannot prove a 16-byte load aligned and splits it). What
-    the interpreter cannot check: e.g. that a kernel's branches return one type (docs/benchmarks.md §4ai)."""
+                 aligned: tuple[str, ...] = (), gluon: bool = False):  # noqa: ANN001, ANN201
+    """The ``@triton.jit`` function ``fn`` (``gluon``: a ``@gluon.jit`` one) compiled for sm_90 (Hopper) without a
+    GPU: Triton's front end, its LLVM and the ptxas its wheel bundles. ``consts``: its constexprs; ``types``: its other
+    arguments' Triton types (default ``i32``); ``aligned``: the arguments Triton's launcher would find divisible by 16
+    (pointers to 16-byte aligned memory, sizes that are multiples of 16; without them it cannot prove a 16-byte load
+    aligned and splits it). What the interpreter cannot check: e.g. that a kernel's branches return one type
+    (docs/benchmarks.md §4ai)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = fn.arg_names
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn=fn, signature=sig, constexprs=dict(consts), attrs=attrs)
+    else:
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))

@@ -2,7 +2,7 @@
 """The one-row NVFP4 kernels' main loops in SASS, counted per 4-byte word of weights, compiled for sm_90 on a machine
 without a GPU (Triton's front end, LLVM, and the ptxas and nvdisasm its wheel bundles):
 
-    python3 scripts/cpu/kernel_sass.py [--json]
+    python3 scripts/cpu/kernel_sass.py [--json] [--wgmma]
 
 For each kernel and tile (``decode_gemv: "shared"``'s forms on §4ai's best 7B tiles, and the checkpoint-layout
 row kernel on its shipped 7B tiles) it finds the loops (a branch back to an earlier label), takes the longest one as
@@ -12,6 +12,9 @@ loop's). The pointers and N, K are declared divisible by 16, as Triton's launche
 that it cannot prove 16-byte loads aligned, splits them and adds layout conversions). A static count: no latency, no
 occupancy, no memory (docs/benchmarks.md §4ai used it to test §4ah's estimate that the shared kernel issues more
 instructions per word than the row kernel).
+
+``--wgmma``: instead, vllm_ext.nvfp4_gluon's few-row wgmma GEMM at 8 rows, on the checkpoint's layout at the 7B q/k/v
+tile the gluon+lora path runs and on Marlin's tensors (``MARLIN``) at the tiles §4ay swept (docs/benchmarks.md §4ay).
 """
 
 from __future__ import annotations
@@ -109,11 +112,39 @@ def run() -> list[dict]:
     return rows
 
 
+WGMMA_PTRS = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*fp8e4nv", g_ptr="*fp32", y_ptr="*bf16", ws_ptr="*fp32",
+                  cnt_ptr="*i32", hp_ptr="*fp32", idx_ptr="*i32", b0="*bf16", b1="*bf16", b2="*bf16", lscale="fp32",
+                  bias_ptr="*bf16", z_ptr="*bf16")
+# (name, BLOCK_K, warps, nrep, split-K, Marlin's layout): the checkpoint layout's 7B 8-row tile (TILES_7B), and the Marlin
+# version's best tiles of §4ay's sweep (nrep 1 and 2) and its 16-byte-load tiles (nrep 4)
+WGMMA_TILES = [("checkpoint", 256, 4, 1, 8, False), ("marlin", 256, 4, 1, 8, True), ("marlin", 128, 4, 2, 8, True),
+               ("marlin", 256, 4, 4, 8, True), ("marlin", 128, 4, 4, 8, True)]
+
+
+def run_wgmma() -> list[dict]:
+    from vllm_ext import nvfp4_gluon
+    from vllm_ext.triton_support import compile_sm90
+
+    rows = []
+    for name, block_k, warps, nrep, sk, marlin in WGMMA_TILES:
+        consts = dict(BLOCK_M=8, BLOCK_K=block_k, WARPS=warps, NREP=nrep, SPLIT_K=sk, EVEN_N=True, LORA=False, R=16,
+                      HP_M=16, KS_PAD=16, PDL=False, HAS_BIAS=False, ZEROS=False, MARLIN=marlin)
+        ptrs = dict(WGMMA_PTRS, s_ptr="*u8") if marlin else WGMMA_PTRS
+        kernel = compile_sm90(nvfp4_gluon._wgmma_kernel, ptrs, consts, warps,
+                              ("x_ptr", "sxm", "w_ptr", "s_ptr", "y_ptr", "sym", "ws_ptr", "cnt_ptr", "K", "KB", "KS"),
+                              gluon=True)
+        words = 16 * warps * nrep * block_k / 8 / (32 * warps)  # 4-byte words of codes per thread per trip
+        rows.append(summary(f"wgmma {name} (n{16 * warps * nrep}k{block_k}s{sk}w{warps})",
+                            main_loop(disassemble(kernel.asm["cubin"])), words))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of the table")
+    p.add_argument("--wgmma", action="store_true", help="the few-row wgmma GEMM on both layouts instead (§4ay)")
     args = p.parse_args(argv)
-    rows = run()
+    rows = run_wgmma() if args.wgmma else run()
     for r in rows:
         if args.json:
             print(json.dumps(r))

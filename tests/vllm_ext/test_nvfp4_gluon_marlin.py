@@ -218,3 +218,31 @@ def test_gpu_decodes_every_code_and_scale_exactly(nrep):
         x[torch.arange(64), off + torch.arange(64)] = 1.0
         got = ng.nvfp4_gluon_marlin_gemm(x, qw, sb, div, block_k=128, warps=4, nrep=nrep, split_k=2)
         assert torch.equal(got.float(), w[:, off:off + 64].t()), f"columns {off}..{off + 63}"
+
+
+def test_kernel_sass_counts_both_layouts_main_loops():
+    """scripts/cpu/kernel_sass.py --wgmma (§4ay): each tile compiles for sm_90 here, one HGMMA per 16 inputs and row
+    block per trip and no local memory; the Marlin version reads its words in one load per group at nrep 4 (as few
+    loads per word as the checkpoint layout's 16-byte loads) and issues more instructions per word than the checkpoint
+    layout at every tile (what §4ay's sweep measured as slower)."""
+    import importlib.util
+    import os
+    import subprocess
+
+    spec = importlib.util.spec_from_file_location("kernel_sass", os.path.join(
+        os.path.dirname(__file__), "..", "..", "scripts", "cpu", "kernel_sass.py"))
+    sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass)
+    try:
+        rows = sass.run_wgmma()
+    except (RuntimeError, subprocess.CalledProcessError) as exc:  # no ptxas or nvdisasm in this Triton
+        pytest.skip(f"Triton cannot compile or disassemble for sm_90 here: {exc}")
+    assert len(rows) == len(sass.WGMMA_TILES)
+    ckpt, marlin = rows[0], rows[1:]
+    for r, (_, block_k, _, nrep, _, _) in zip(rows, sass.WGMMA_TILES):
+        top = dict(r["top"])
+        assert top.get("HGMMA", 0) in (0, block_k // 16 * nrep) and r["loop_instructions"] > 100, r
+    for r, (_, _, _, nrep, _, _) in zip(marlin, sass.WGMMA_TILES[1:]):
+        assert r["per_word"] > ckpt["per_word"], r
+        if nrep == 4:
+            assert r["loads_per_word"] <= ckpt["loads_per_word"] + 0.05, r
