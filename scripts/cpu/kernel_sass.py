@@ -115,8 +115,8 @@ def run() -> list[dict]:
 WGMMA_PTRS = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*fp8e4nv", g_ptr="*fp32", y_ptr="*bf16", ws_ptr="*fp32",
                   cnt_ptr="*i32", hp_ptr="*fp32", idx_ptr="*i32", b0="*bf16", b1="*bf16", b2="*bf16", lscale="fp32",
                   bias_ptr="*bf16", z_ptr="*bf16")
-# (name, BLOCK_K, warps, nrep, split-K, Marlin's layout): the checkpoint layout's 7B 8-row tile (TILES_7B), and the Marlin
-# version's best tiles of §4ay's sweep (nrep 1 and 2) and its 16-byte-load tiles (nrep 4)
+# (name, BLOCK_K, warps, nrep, split-K, Marlin's layout): the checkpoint layout's 7B 8-row tile (TILES_7B), and the
+# Marlin version's best tiles of §4ay's sweep (nrep 1 and 2) and its 16-byte-load tiles (nrep 4)
 WGMMA_TILES = [("checkpoint", 256, 4, 1, 8, False), ("marlin", 256, 4, 1, 8, True), ("marlin", 128, 4, 2, 8, True),
                ("marlin", 256, 4, 4, 8, True), ("marlin", 128, 4, 4, 8, True)]
 
