@@ -2164,6 +2164,25 @@ def test_fortieth_sessions_raw_results():
     assert (calls / "call13_bench_bg.log").read_text().count("No module named 'vllm'") >= 5
 
 
+def test_fortieth_sessions_marlin_layout_sweep():
+    """§4ay, recomputed from the committed raw files: every one of the 72 swept tile runs of the wgmma GEMM on Marlin's
+    tensors was correct (within the bound, the same bits twice), its 18 GPU tests passed, and per 7B step at 8 rows its
+    best tiles are slower than the checkpoint layout at tile_for's tiles beyond the larger spread, on every linear; the
+    exploratory second sweep likewise."""
+    root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "fortieth-b"
+    assert "18 passed" in (root / "call1" / "gpu_tests.log").read_text()
+    for call, (mma, ckpt), tiles in (("call1", (2.681, 2.243), 72), ("call2", (2.713, 2.238), 48)):
+        recs = [json.loads(line) for line in (root / call / "sweep_wgmma-marlin.jsonl").read_text().splitlines()]
+        swept = [r for r in recs if r["what"] == "tile"]
+        assert len(swept) == tiles and all(r["ok"] for r in swept), call
+        finals = [r for r in recs if r["what"] == "final"]
+        assert len(finals) == 4 and all(r["mma_vs_ckpt"] == "slower" and r["tile"].endswith("HQ") for r in finals)
+        step = next(r for r in recs if r["what"] == "per_step_ms")
+        assert (step["median"]["mma"], step["median"]["ckpt"]) == (mma, ckpt)
+        assert step["median"]["mma"] - step["median"]["ckpt"] > max(step["spread"]["mma"], step["spread"]["ckpt"])
+    assert round(100 * (2.681 / 2.243 - 1), 1) == 19.5
+
+
 def _eval_shared_paths(name: str = "eval_shared") -> list[str]:
     """The ``--path`` texts that session.sh's eval_shared step (or ``name``) hands compare_evals.py through
     ``eval_check``."""
