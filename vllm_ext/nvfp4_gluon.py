@@ -437,6 +437,25 @@ if gluon is not None:
         return w5, gl.load(x_ptr + x_offs + k0, mask=x_ok, other=0.0)
 
     @gluon.jit
+    def _x_tile_offsets(sxm, M, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr):
+        """``x``'s ``[BLOCK_M, BLOCK_K]`` tile for the wgmma loops: its offsets from the tile's first input and its
+        rows' mask, in :func:`_x_load_layout`."""
+        x_l: gl.constexpr = _x_load_layout(BLOCK_K, WARPS)
+        rm_x = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
+        rk_x = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
+        return rm_x[:, None] * sxm + rk_x[None, :], (rm_x < M)[:, None]
+
+    @gluon.jit
+    def _wgmma_step(a, xr, x_smem, acc):
+        """One K tile of the wgmma loops: ``x``'s tile ``xr`` into shared memory, once every warpgroup's last wgmma has
+        read the one before, then ``acc + a @ xr^T``."""
+        gl.thread_barrier()
+        x_smem.store(xr)
+        fence_async_shared()
+        gl.thread_barrier()
+        return warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+
+    @gluon.jit
     def _wgmma_acc(x_ptr, sxm, w_ptr, s_ptr, M, N, K, KB, KS, pid, pid_k, acc_l: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr, SPLIT_K: gl.constexpr,
                    EVEN_N: gl.constexpr):
@@ -452,7 +471,6 @@ if gluon is not None:
         G: gl.constexpr = BLOCK_K // 64
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         w3_l: gl.constexpr = _wide_w_layout(BLOCK_K, WARPS, NREP)
-        x_l: gl.constexpr = _x_load_layout(BLOCK_K, WARPS)
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M, BLOCK_K))
         n0 = pid * BLOCK_N
         rn_w = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, w3_l)))
@@ -460,10 +478,7 @@ if gluon is not None:
         rc_w = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, w3_l)))
         w_offs = rn_w[:, None, None] * KB + rj_w[None, :, None] * (BLOCK_K // 8) + rc_w[None, None, :]
         w_ok = (rn_w < N)[:, None, None]
-        rm_x = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
-        rk_x = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
-        x_offs = rm_x[:, None] * sxm + rk_x[None, :]
-        x_ok = (rm_x < M)[:, None]
+        x_offs, x_ok = _x_tile_offsets(sxm, M, BLOCK_M, BLOCK_K, WARPS)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
         for t in range(pid_k, K // BLOCK_K, SPLIT_K):
             w5, xr = _wg_load(x_ptr, w_ptr, s_ptr, N, KS, t * BLOCK_K, n0, w_offs, w_ok, x_offs, x_ok, BLOCK_N,
@@ -473,11 +488,7 @@ if gluon is not None:
             a = gl.convert_layout(a, a_l)
             xr = gl.reshape(gl.permute(gl.reshape(xr, [BLOCK_M, 4, G, 2, 2, 2, 2]), [0, 2, 3, 6, 4, 1, 5]),
                             [BLOCK_M, BLOCK_K])
-            gl.thread_barrier()  # every warpgroup's last wgmma has read the tile before it is overwritten
-            x_smem.store(xr)
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+            acc = _wgmma_step(a, xr, x_smem, acc)
         return acc
 
     @gluon.constexpr_function
@@ -548,7 +559,6 @@ if gluon is not None:
         w_l: gl.constexpr = _marlin_w_layout(T, WARPS, NREP)
         w2_l: gl.constexpr = _marlin_w_layout(T, WARPS, NREP, True)
         s_l: gl.constexpr = _marlin_s_layout(T, WARPS, NREP)
-        x_l: gl.constexpr = _x_load_layout(BLOCK_K, WARPS)
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M, BLOCK_K))
         c0 = pid * CH
         rc = c0 + gl.arange(0, CH, layout=_dim_layout(w_l, 5, 0))
@@ -567,10 +577,7 @@ if gluon is not None:
         s_offs = ((sc * 64)[:, None, None, None] + (st * KS)[None, :, None, None] + (sh * 8)[None, None, :, None]
                   + sb[None, None, None, :])
         s_ok = (sc * 64 < N)[:, None, None, None]
-        rm_x = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_l))
-        rk_x = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
-        x_offs = rm_x[:, None] * sxm + rk_x[None, :]
-        x_ok = (rm_x < M)[:, None]
+        x_offs, x_ok = _x_tile_offsets(sxm, M, BLOCK_M, BLOCK_K, WARPS)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
         for t in range(pid_k, K // BLOCK_K, SPLIT_K):
             if EVEN_N:
@@ -602,12 +609,7 @@ if gluon is not None:
             # rows (r, c, jh, b, h), inputs (t, high, a, e): the operand's row 16 (WARPS r + w) + 8 b + h, input k of
             # the tile
             a = gl.reshape(gl.permute(w9, [5, 0, 4, 7, 2, 1, 8, 3, 6]), [BLOCK_N, BLOCK_K])
-            a = gl.convert_layout(a, a_l)
-            gl.thread_barrier()  # every warpgroup's last wgmma has read the tile before it is overwritten
-            x_smem.store(xr)
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = warpgroup_mma(a, x_smem.permute((1, 0)), acc)
+            acc = _wgmma_step(gl.convert_layout(a, a_l), xr, x_smem, acc)
         if NREP > 1:  # rows (r, c, jh, i) to the outputs' order (c, jh, r, i)
             acc = gl.reshape(gl.permute(gl.reshape(acc, [NREP, CH, JH, 16, BLOCK_M]), [1, 2, 0, 3, 4]),
                              [BLOCK_N, BLOCK_M])
