@@ -660,6 +660,19 @@ def tile_problems(k: int, block_k: int, warps: int, nrep: int, split_k: int, wgm
     return problems
 
 
+def call_problems(x: torch.Tensor, block_k: int, warps: int, nrep: int, split_k: int, wgmma: bool) -> list[str]:
+    """What both launchers refuse in ``x`` and the tile (empty: nothing): bfloat16 activations, 1 to
+    :data:`MAX_TOKENS` rows, and :func:`tile_problems`."""
+    k = x.shape[-1]
+    m = x.numel() // max(k, 1)
+    problems = []
+    if x.dtype != torch.bfloat16:
+        problems.append(f"activations in {x.dtype} (bfloat16 supported)")
+    if not 1 <= m <= MAX_TOKENS:
+        problems.append(f"{m} rows (1 to {MAX_TOKENS})")
+    return problems + tile_problems(k, block_k, warps, nrep, split_k, wgmma)
+
+
 def split_k_buffers(x: torch.Tensor, m: int, n: int, blocks: int, split_k: int,
                     out: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
     """``(block_m, workspace, counters)`` for a launch over ``m`` tokens and ``n`` outputs in ``blocks`` output
@@ -692,12 +705,7 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], packed.shape[0]
-    problems = []
-    if x.dtype != torch.bfloat16:
-        problems.append(f"activations in {x.dtype} (bfloat16 supported)")
-    if not 1 <= m <= MAX_TOKENS:
-        problems.append(f"{m} rows (1 to {MAX_TOKENS})")
-    problems += tile_problems(k, block_k, warps, nrep, split_k, wgmma)
+    problems = call_problems(x, block_k, warps, nrep, split_k, wgmma)
     if tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8:
         problems.append(f"packed {packed.dtype} {tuple(packed.shape)}, expected uint8 ({n}, {k // 2})")
     if tuple(scale.shape) != (n, k // 16) or scale.dtype != torch.float8_e4m3fn:
@@ -734,13 +742,7 @@ def marlin_problems(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     """What :func:`nvfp4_gluon_marlin_gemm` refuses in a call (empty: nothing), each a phrase naming the value and
     the rule."""
     k = x.shape[-1]
-    m = x.numel() // max(k, 1)
-    problems = []
-    if x.dtype != torch.bfloat16:
-        problems.append(f"activations in {x.dtype} (bfloat16 supported)")
-    if not 1 <= m <= MAX_TOKENS:
-        problems.append(f"{m} rows (1 to {MAX_TOKENS})")
-    problems += tile_problems(k, block_k, warps, nrep, split_k, True)
+    problems = call_problems(x, block_k, warps, nrep, split_k, True)
     if shared_layout(qweight, scale, k) is None:
         problems.append(f"qweight {qweight.dtype} {tuple(qweight.shape)} / scale {scale.dtype} {tuple(scale.shape)} "
                         f"are not Marlin's unpadded tensors for K={k} (int32 [K/16, 2N], float8_e4m3fn [K/16, N], "
