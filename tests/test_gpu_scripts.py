@@ -2180,7 +2180,8 @@ def test_fortieth_sessions_marlin_layout_sweep():
         step = next(r for r in recs if r["what"] == "per_step_ms")
         assert (step["median"]["mma"], step["median"]["ckpt"]) == (mma, ckpt)
         assert step["median"]["mma"] - step["median"]["ckpt"] > max(step["spread"]["mma"], step["spread"]["ckpt"])
-    assert round(100 * (2.681 / 2.243 - 1), 1) == 19.5
+        if call == "call1":
+            assert round(100 * (step["median"]["mma"] / step["median"]["ckpt"] - 1), 1) == 19.5
 
 
 def _eval_shared_paths(name: str = "eval_shared") -> list[str]:

@@ -14,8 +14,9 @@ K order permuted within a tile so that each thread loads one contiguous quarter 
 (E2M1 decoded by moving bits, the value times 2^-126, made up by 2^118 in the scales and 2^8 in the epilogue);
 ``wgmma`` (Hopper: warpgroup MMA with the decoded weight as its register operand and ``x`` in shared memory; 8 rows
 2.34 ms and 64 rows 4.21 ms per 7B step on an H100, §4r calls 6-7). ``nvfp4_gluon_marlin_gemm``: the wgmma version on
-the tensors vLLM's Marlin holds (no copy in the checkpoint's layout); correct, but 19.5 % slower per 7B step at 8 rows
-than on the checkpoint's layout on an H200 (§4ay), and used by nothing.
+the tensors vLLM's Marlin holds (no copy in the checkpoint's layout), used by nothing: in §4ay (an H200) its first loop
+was correct and 19.5 % slower per 7B step at 8 rows than on the checkpoint's layout; the leaner loop since (``a26c0d8``)
+has not run on a GPU.
 
 Numerics: the E2M1 value times its E4M3 scale is exact in bfloat16 (at most 6 significant bits, within range), the
 dots sum in float32, and ``1 / global_scale`` multiplies the sums once, so the result is within the bf16 output's
@@ -746,7 +747,12 @@ def marlin_problems(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if shared_layout(qweight, scale, k) is None:
         problems.append(f"qweight {qweight.dtype} {tuple(qweight.shape)} / scale {scale.dtype} {tuple(scale.shape)} "
                         f"are not Marlin's unpadded tensors for K={k} (int32 [K/16, 2N], float8_e4m3fn [K/16, N], "
-                        "N a multiple of 64 and K of 128, or N of 128 and K of 64)")
+                        "N a multiple of 64 and K of 128, or N of 128 and K of 64): pass the layer's Marlin tensors or "
+                        "build them with vllm_ext.bench.marlin_pack (for the checkpoint's layout, nvfp4_gluon_gemm)")
+    elsewhere = {str(t.device) for t in (qweight, scale, divisor)} - {str(x.device)}
+    if elsewhere:
+        problems.append(f"qweight/scale/divisor on {', '.join(sorted(elsewhere))}, x on {x.device}: move them to x's "
+                        "device")
     if divisor.numel() != 1:
         problems.append(f"divisor has {divisor.numel()} values, expected 1")
     if x.device.type != "cuda":
@@ -763,9 +769,9 @@ def nvfp4_gluon_marlin_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch
     in bfloat16. Marlin's words already hold the wgmma register operand of one thread each (rows ``h``, ``h + 8`` and
     inputs ``2a``, ``2a + 1``, ``2a + 8``, ``2a + 9`` of a group), so ``x`` keeps its own K order; ``nrep`` 4 makes
     the weight loads 16 bytes wide, at the price of putting the accumulator's rows in output order once per
-    program. The tile options are :func:`nvfp4_gluon_gemm`'s. Experimental: on an H200 its best tiles were 19.5 %
-    slower per 7B step at 8 rows than the checkpoint layout's (docs/benchmarks.md §4ay; the loop has been made leaner
-    since, not yet timed)."""
+    program. The tile options are :func:`nvfp4_gluon_gemm`'s. Experimental: on an H200 its first loop was correct and
+    its best tiles 19.5 % slower per 7B step at 8 rows than the checkpoint layout's (docs/benchmarks.md §4ay); the
+    leaner loop since has run neither the GPU tests nor a timing."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"nvfp4_gluon_marlin_gemm needs Triton's Gluon ({GLUON_IMPORT_ERROR})")
     problems = marlin_problems(x, qweight, scale, divisor, block_k, warps, nrep, split_k)

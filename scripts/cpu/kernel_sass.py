@@ -89,6 +89,7 @@ def summary(name: str, body: list[str], words: float) -> dict:
             "per_word": round(len(body) / words, 1), "ffma_per_word": round(counts["FFMA"] / words, 2),
             "loads_per_word": round((counts["LDG"] + counts["LDGSTS"]) / words, 2), "bar_per_trip": counts["BAR"],
             "shared_memory_per_trip": sum(counts[op] for op in ("LDS", "STS", "LDSM", "STSM")),
+            "hgmma_per_trip": counts["HGMMA"],
             "top": counts.most_common(8)}
 
 

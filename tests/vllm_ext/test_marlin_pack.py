@@ -67,7 +67,13 @@ def test_every_code_and_a_wide_range_of_scales_survive():
     assert torch.equal(_marlin_weight(*marlin_pack(packed, scale, gs)), _exact(packed, scale, gs))
 
 
-def test_refuses_shapes_marlin_has_no_chunks_for():
+def test_refuses_what_vllm_would_pad_and_other_dtypes():
     q = nvfp4.quantize(torch.randn(96, 64).to(torch.bfloat16))
-    with pytest.raises(ValueError, match="N a multiple of 64"):
+    with pytest.raises(ValueError, match=r"unpadded for Marlin \(N a multiple of 64 and K of 128, or N of 128"):
         marlin_pack(q.packed, q.scale, q.global_scale)
+    q = nvfp4.quantize(torch.randn(64, 64).to(torch.bfloat16))  # N 64 with K 64: Marlin pads it
+    with pytest.raises(ValueError, match="unpadded for Marlin"):
+        marlin_pack(q.packed, q.scale, q.global_scale)
+    q = nvfp4.quantize(torch.randn(64, 128).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"scale torch.uint8 \(64, 8\): expected uint8 \[N, K/2\] and float8"):
+        marlin_pack(q.packed, q.scale.view(torch.uint8), q.global_scale)

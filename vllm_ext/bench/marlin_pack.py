@@ -21,11 +21,15 @@ def marlin_pack(packed: torch.Tensor, scale: torch.Tensor,
     in the low nibble; ``scale`` float8_e4m3fn ``[N, K/16]``; ``global_scale`` the float32 divisor): Marlin's int32
     ``[K/16, 2N]`` words, its float8_e4m3fn-typed scale bytes ``[K/16, N]``, and the float32 ``[1]`` divisor the
     kernels take (:func:`vllm_ext.nvfp4_marlin_row.marlin_divisor` for vLLM's tensors; here ``2^7 * global_scale``,
-    exact, where vLLM's goes through a float32 reciprocal). N must be a multiple of 64."""
+    exact, where vLLM's goes through a float32 reciprocal). Refuses the shapes vLLM pads for Marlin."""
+    from vllm_ext.nvfp4_marlin_row import marlin_unpadded
+
     n, k = packed.shape[0], packed.shape[1] * 2
-    if n % 64 or k % 16 or tuple(scale.shape) != (n, k // 16):
-        raise ValueError(f"marlin_pack: packed {tuple(packed.shape)} / scale {tuple(scale.shape)}: N a multiple of "
-                         "64, K of 16 and scale [N, K/16] needed")
+    if (packed.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, k // 16)
+            or not marlin_unpadded(n, k)):
+        raise ValueError(f"marlin_pack: packed {packed.dtype} {tuple(packed.shape)} / scale {scale.dtype} "
+                         f"{tuple(scale.shape)}: expected uint8 [N, K/2] and float8_e4m3fn [N, K/16] of a weight vLLM "
+                         "keeps unpadded for Marlin (N a multiple of 64 and K of 128, or N of 128 and K of 64)")
     dev = packed.device
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(n, k).to(torch.int64)
     t, c = k // 16, n // 64
