@@ -542,9 +542,8 @@ if gluon is not None:
 
     @gluon.jit
     def _wgmma_marlin_acc(x_ptr, sxm, w_ptr, s_ptr, M, N, K, KB, KS, pid, pid_k, acc_l: gl.constexpr,
-                          BLOCK_M: gl.constexpr,
-                          BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr, SPLIT_K: gl.constexpr,
-                          EVEN_N: gl.constexpr):
+                          BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
+                          SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr):
         """:func:`_wgmma_acc` on the tensors Marlin holds (``w_ptr``: ``qweight`` int32 ``[K/16, 2N]`` read as bytes,
         ``s_ptr``: its scale bytes ``[K/16, N]``; the layout in :mod:`vllm_ext.nvfp4_marlin_row`; ``KB`` = 8N and
         ``KS`` = N their bytes per row of 16 inputs, passed apart from ``N`` for their alignment). Program ``pid``
@@ -589,9 +588,8 @@ if gluon is not None:
                 sq = gl.load(s_ptr + s_offs + t * (T * KS), mask=s_ok, other=0)
             xr = gl.load(x_ptr + x_offs + t * BLOCK_K, mask=x_ok, other=0.0)
             # byte 4 j + 2 e + b of a word's 16-byte run: output block j, row h + 8 b; inputs 2 a + e (low nibble) and
-            # 2 a + e + 8 (high nibble) of the group
-            # each word's bytes reordered in registers (0, 2, 1, 3), so that the decode pairs the inputs 2a + e of one
-            # row, as the wgmma operand's registers hold them
+            # 2 a + e + 8 (high nibble) of the group. Each word's bytes are reordered in registers (0, 2, 1, 3), so that
+            # the decode pairs the inputs 2a and 2a + 1 of one row, as the wgmma operand's registers hold them
             wq = gl.convert_layout(wq, w2_l)
             lo, hi = gl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,=r,=r,r", [wq], dtype=(gl.bfloat16, gl.bfloat16),
                                                is_pure=True, pack=4)
