@@ -1,6 +1,7 @@
 """An experimental few-row NVFP4 GEMM written in Gluon (Triton's explicit-layout dialect). Slower than Marlin per 7B
 decode step on an H100 (docs/benchmarks.md §4r: 2.481 vs 2.360 ms at 8 rows, 6.668 vs 3.893 at 64), faster on the
-q/k/v and o projections at 8 rows; nothing in the engines uses it.
+q/k/v and o projections at 8 rows. The engines use its wgmma version only on the opt-in ``gluon+lora`` path
+(:mod:`vllm_ext.nvfp4_gluon_lora`, §4av).
 
 Why: §4o's tensor-core kernel in Triton (``nvfp4_small_gemm(mma=True)``) moves every decoded weight operand through
 shared memory, because Triton chooses the register layouts itself. In Gluon the layouts are stated: the packed bytes
@@ -13,10 +14,9 @@ block sums the float32 partials in a fixed order); ``prefetch`` (the next tile l
 K order permuted within a tile so that each thread loads one contiguous quarter of each row: 16-byte loads); ``bits``
 (E2M1 decoded by moving bits, the value times 2^-126, made up by 2^118 in the scales and 2^8 in the epilogue);
 ``wgmma`` (Hopper: warpgroup MMA with the decoded weight as its register operand and ``x`` in shared memory; 8 rows
-2.34 ms and 64 rows 4.21 ms per 7B step on an H100, §4r calls 6-7). ``nvfp4_gluon_marlin_gemm``: the wgmma version on
-the tensors vLLM's Marlin holds (no copy in the checkpoint's layout), used by nothing: in §4ay (an H200) its first loop
-was correct and 19.5 % slower per 7B step at 8 rows than on the checkpoint's layout; the leaner loop since (``a26c0d8``)
-has not run on a GPU.
+2.34 ms and 64 rows 4.21 ms per 7B step on an H100, §4r calls 6-7). The wgmma version on the tensors vLLM's Marlin
+holds is :mod:`vllm_ext.nvfp4_gluon_marlin`; the kernels' output side (split-K, bias, the LoRA's expand) is
+:mod:`vllm_ext.nvfp4_gluon_epilogue`.
 
 Numerics: the E2M1 value times its E4M3 scale is exact in bfloat16 (at most 6 significant bits, within range), the
 dots sum in float32, and ``1 / global_scale`` multiplies the sums once, so the result is within the bf16 output's
@@ -34,28 +34,14 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.nvfp4_marlin_row import shared_layout
-from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
-from vllm_ext.triton_support import triton
+from vllm_ext.triton_support import GLUON_IMPORT_ERROR, fence_async_shared, gl, gluon, mma_v2, triton, warpgroup_mma
 
-__all__ = ["GLUON_IMPORT_ERROR", "MAX_TOKENS", "marlin_problems", "nvfp4_gluon_gemm", "nvfp4_gluon_marlin_gemm",
-           "split_k_buffers", "tile_problems"]
+__all__ = ["GLUON_IMPORT_ERROR", "MAX_TOKENS", "call_problems", "nvfp4_gluon_gemm", "split_k_buffers", "tile_problems"]
 
 MAX_TOKENS = 64
 
-try:  # Gluon ships with Triton >= 3.5
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
-except Exception as exc:  # noqa: BLE001 (an old or missing Triton: the kernel is simply unavailable)
-    gluon = gl = mma_v2 = fence_async_shared = warpgroup_mma = None
-    GLUON_IMPORT_ERROR: str | None = f"{type(exc).__name__}: {exc}" if triton is not None else _TRITON_IMPORT_ERROR
-else:
-    GLUON_IMPORT_ERROR = None
-
-
 if gluon is not None:
+    from vllm_ext.nvfp4_gluon_epilogue import epilogue
 
     @gluon.constexpr_function
     def _scale3_layout(k8, warps, nrep):
@@ -244,115 +230,6 @@ if gluon is not None:
         return mma_v2(a, xb.to(gl.bfloat16), acc)
 
     @gluon.jit
-    def _gdc_wait():
-        """``griddepcontrol.wait``: wait until the grids this programmatic dependent launch depends on have finished
-        and their writes are visible (Triton's ``gdc_wait``, which is not exported to Gluon)."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _lora_update(pid, M, N, lora, out_ty: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                     WARPS: gl.constexpr, R: gl.constexpr, HP_M: gl.constexpr, KS_PAD: gl.constexpr,
-                     PDL: gl.constexpr):
-        """The adapter's update for output block ``pid``, ``[BLOCK_N, BLOCK_M]`` in ``out_ty``, as punica computes
-        it: ``h`` = the shrink's float32 partials of this block's slice summed in a fixed order, times ``lscale``,
-        zero for a token whose slot is not 0, rounded to ``out_ty``; then ``B_s h`` summed in float32 on the tensor
-        cores (mma.sync) and rounded. ``lora`` = ``(hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale)``: the partials
-        ``[slices, KS_PAD, HP_M, R]``, the tokens' slots, each slice's ``B`` ``[n_s, R]``, the first two slice sizes
-        and the partials per slice (then the bias and the zeros' output, used by :func:`_finish` and
-        :func:`_epilogue`). A block never straddles two slices (the launch checks). ``PDL``: wait for the shrink's
-        grid before reading its partials."""
-        hp_ptr, idx_ptr, b0, b1, b2, n0, n1, KS, lscale, _bias, _z = lora
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
-        # k_width 2, mma.sync's own operand layout for 16-bit values (with 8, as the GEMM's loop uses, a rank of 16,
-        # half of the 32 K that 8 per thread span, gave wrong sums on an H200: §4au)
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        bl: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [WARPS, 1], [1, 0])  # R: 16 ... 128
-        hl: gl.constexpr = gl.BlockedLayout([1, 1], [32 // BLOCK_M if BLOCK_M < 32 else 1,
-                                                     BLOCK_M if BLOCK_M < 32 else 32], [WARPS, 1], [1, 0])
-        row0 = pid * BLOCK_N
-        rn = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, bl))
-        rr = gl.arange(0, R, layout=gl.SliceLayout(0, bl))
-        n_ok = (rn < N)[:, None]
-        # the slice of the block's first row, as nvfp4_gemv_lora._lora_rows finds it (a Gluon kernel cannot call a
-        # triton.jit function, so the few lines are repeated here)
-        if row0 >= n0 + n1:
-            bt = gl.load(b2 + (rn - n0 - n1)[:, None] * R + rr[None, :], mask=n_ok, other=0.0)
-            hs = 2
-        elif row0 >= n0:
-            bt = gl.load(b1 + (rn - n0)[:, None] * R + rr[None, :], mask=n_ok, other=0.0)
-            hs = 1
-        else:
-            bt = gl.load(b0 + rn[:, None] * R + rr[None, :], mask=n_ok, other=0.0)
-            hs = 0
-        r2 = gl.arange(0, R, layout=gl.SliceLayout(1, hl))
-        m2 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, hl))
-        m_ok = m2 < M
-        if PDL:
-            _gdc_wait()
-        h_ptrs = hp_ptr + (hs * KS_PAD * HP_M + m2[None, :]) * R + r2[:, None]
-        tot = gl.zeros([R, BLOCK_M], gl.float32, hl)
-        for c in range(KS):  # a fixed order
-            tot += gl.load(h_ptrs + c * (HP_M * R), mask=m_ok[None, :], other=0.0)
-        slot = gl.load(idx_ptr + m2, mask=m_ok, other=-1)
-        h = gl.where((slot == 0)[None, :], tot * lscale, 0.0).to(out_ty)  # punica's intermediate, rounded
-        up = mma_v2(gl.convert_layout(bt, a_l), gl.convert_layout(h, b_l),
-                    gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma))
-        return up.to(out_ty)
-
-    @gluon.jit
-    def _finish(tot, gmul, pid, M, N, y_ptrs, sym, rm_o, rn_o, ok, lora, acc_l: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_M: gl.constexpr, LORA: gl.constexpr, WARPS: gl.constexpr, R: gl.constexpr, HP_M: gl.constexpr,
-                KS_PAD: gl.constexpr, PDL: gl.constexpr, HAS_BIAS: gl.constexpr, ZEROS: gl.constexpr):
-        """Stores the output block at ``y_ptrs`` (rows ``rm_o`` of ``y``, columns ``rn_o``, where ``ok``): ``tot *
-        gmul`` (plus the bias in float32 with ``HAS_BIAS``, the ``lora`` tuple's) rounded to ``y``'s dtype; with
-        ``LORA`` the adapter's rounded update (:func:`_lora_update`) added in float32 and rounded again, as a base GEMM
-        followed by punica's expand. ``ZEROS``: the same block of the ``lora`` tuple's last tensor (shaped like ``y``)
-        is set to zero too (the overlap op's split add, whose model adds it: no launch of its own)."""
-        out_ty: gl.constexpr = y_ptrs.dtype.element_ty
-        base = tot * gmul
-        if HAS_BIAS:
-            rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
-            base = base + gl.load(lora[9] + rn, mask=rn < N, other=0.0).to(gl.float32)[:, None]
-        base = base.to(out_ty)
-        if LORA:
-            up = _lora_update(pid, M, N, lora, out_ty, BLOCK_N, BLOCK_M, WARPS, R, HP_M, KS_PAD, PDL)
-            base = (base.to(gl.float32) + gl.convert_layout(up, acc_l).to(gl.float32)).to(out_ty)
-        gl.store(y_ptrs, base, mask=ok)
-        if ZEROS:
-            gl.store(lora[10] + rm_o[None, :] * sym + rn_o[:, None], gl.zeros([BLOCK_N, BLOCK_M], out_ty, acc_l),
-                     mask=ok)
-
-    @gluon.jit
-    def _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_M: gl.constexpr, SPLIT_K: gl.constexpr, lora=None, LORA: gl.constexpr = False,
-                  WARPS: gl.constexpr = 4, R: gl.constexpr = 16, HP_M: gl.constexpr = 16, KS_PAD: gl.constexpr = 16,
-                  PDL: gl.constexpr = False, HAS_BIAS: gl.constexpr = False, ZEROS: gl.constexpr = False):
-        """``y^T`` block ``pid`` = ``acc * gmul`` in ``y``'s dtype (with ``LORA``, ``HAS_BIAS`` and ``ZEROS``, as
-        :func:`_finish` says). With split-K each program stores its float32 partial in the workspace ``[SPLIT_K,
-        BLOCK_M, N]`` and counts itself in at ``cnt_ptr[pid]``; the last to arrive sums the partials in a fixed order
-        (bit-reproducible), stores the output and resets the counter."""
-        rn_o = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
-        rm_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
-        ok = (rn_o < N)[:, None] & (rm_o < M)[None, :]
-        y_ptrs = y_ptr + rm_o[None, :] * sym + rn_o[:, None]
-        if SPLIT_K == 1:
-            _finish(acc, gmul, pid, M, N, y_ptrs, sym, rm_o, rn_o, ok, lora, acc_l, BLOCK_N, BLOCK_M, LORA, WARPS, R,
-                    HP_M, KS_PAD, PDL, HAS_BIAS, ZEROS)
-        else:
-            ws_ptrs = ws_ptr + rm_o[None, :] * N + rn_o[:, None]
-            gl.store(ws_ptrs + pid_k * (BLOCK_M * N), acc, mask=ok)
-            gl.thread_barrier()  # every warp's partial is stored before the one arrival below releases them
-            arrived = gl.atomic_add(cnt_ptr + pid, 1)  # acq_rel at GPU scope
-            if arrived == SPLIT_K - 1:
-                tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
-                for s in gl.static_range(SPLIT_K):  # a fixed order, whatever order the programs arrived in
-                    tot += gl.load(ws_ptrs + s * (BLOCK_M * N), mask=ok, other=0.0, cache_modifier=".cg")
-                _finish(tot, gmul, pid, M, N, y_ptrs, sym, rm_o, rn_o, ok, lora, acc_l, BLOCK_N, BLOCK_M, LORA, WARPS,
-                        R, HP_M, KS_PAD, PDL, HAS_BIAS, ZEROS)
-                gl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next call (and the next CUDA-graph replay)
-
-    @gluon.jit
     def _gluon_kernel(x_ptr, sxm, w_ptr, s_ptr, g_ptr, y_ptr, sym, ws_ptr, cnt_ptr, M, N, K, KB, KS,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
                       SPLIT_K: gl.constexpr, PREFETCH: gl.constexpr, WIDE: gl.constexpr, BITS: gl.constexpr,
@@ -402,10 +279,7 @@ if gluon is not None:
                                            BLOCK_N, BLOCK_K, BLOCK_M, WARPS, NREP, MASK_W, WIDE)
                 acc = _mma_tile(wb, sc8, xb, acc, a_l, b_l, s3_l, BLOCK_N, BLOCK_K, BITS)
         gmul = (_EPILOGUE_UP if BITS else 1.0) / gl.load(g_ptr)
-        _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, mma, BLOCK_N, BLOCK_M, SPLIT_K)
-
-
-if gluon is not None:
+        epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, mma, BLOCK_N, BLOCK_M, SPLIT_K)
 
     @gluon.constexpr_function
     def _x_smem_layout(block_m, block_k):
@@ -437,8 +311,13 @@ if gluon is not None:
         w5 = w5 * gl.expand_dims(gl.expand_dims(sg, 3), 4)
         return w5, gl.load(x_ptr + x_offs + k0, mask=x_ok, other=0.0)
 
+    @gluon.constexpr_function
+    def wgmma_acc_layout(block_m, warps):
+        """The wgmma kernels' accumulator ``[16 * warps * nrep, block_m]``: one or two warpgroups along the outputs."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_m, 16])
+
     @gluon.jit
-    def _x_tile_offsets(sxm, M, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr):
+    def x_tile_offsets(sxm, M, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr):
         """``x``'s ``[BLOCK_M, BLOCK_K]`` tile for the wgmma loops: its offsets from the tile's first input and its
         rows' mask, in :func:`_x_load_layout`."""
         x_l: gl.constexpr = _x_load_layout(BLOCK_K, WARPS)
@@ -447,7 +326,7 @@ if gluon is not None:
         return rm_x[:, None] * sxm + rk_x[None, :], (rm_x < M)[:, None]
 
     @gluon.jit
-    def _wgmma_step(a, xr, x_smem, acc):
+    def wgmma_step(a, xr, x_smem, acc):
         """One K tile of the wgmma loops: ``x``'s tile ``xr`` into shared memory, once every warpgroup's last wgmma has
         read the one before, then ``acc + a @ xr^T``."""
         gl.thread_barrier()
@@ -479,7 +358,7 @@ if gluon is not None:
         rc_w = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, w3_l)))
         w_offs = rn_w[:, None, None] * KB + rj_w[None, :, None] * (BLOCK_K // 8) + rc_w[None, None, :]
         w_ok = (rn_w < N)[:, None, None]
-        x_offs, x_ok = _x_tile_offsets(sxm, M, BLOCK_M, BLOCK_K, WARPS)
+        x_offs, x_ok = x_tile_offsets(sxm, M, BLOCK_M, BLOCK_K, WARPS)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
         for t in range(pid_k, K // BLOCK_K, SPLIT_K):
             w5, xr = _wg_load(x_ptr, w_ptr, s_ptr, N, KS, t * BLOCK_K, n0, w_offs, w_ok, x_offs, x_ok, BLOCK_N,
@@ -489,130 +368,7 @@ if gluon is not None:
             a = gl.convert_layout(a, a_l)
             xr = gl.reshape(gl.permute(gl.reshape(xr, [BLOCK_M, 4, G, 2, 2, 2, 2]), [0, 2, 3, 6, 4, 1, 5]),
                             [BLOCK_M, BLOCK_K])
-            acc = _wgmma_step(a, xr, x_smem, acc)
-        return acc
-
-    @gluon.constexpr_function
-    def _dim_layout(layout, rank, d):
-        """The 1-D layout of dimension ``d`` of a rank-``rank`` layout (every other dimension sliced away), for the
-        ``arange`` of that dimension's indices."""
-        for k in range(rank - 1, -1, -1):  # from the last, so that indexing with None expands them back in order
-            if k != d:
-                layout = gl.SliceLayout(k, layout)
-        return layout
-
-    @gluon.constexpr_function
-    def _marlin_w_layout(t, warps, nrep, paired=False):
-        """``[chunks, t, 8, 4, 16]`` bytes of Marlin's ``qweight`` for :func:`_wgmma_marlin_acc`: thread (warp ``w``,
-        lane ``4 h + a``) holds, for each of the tile's ``t`` groups, the ``4 nrep`` contiguous bytes of words ``16 h
-        + 4 a + j`` (``j = jh * nrep + r``, ``r`` its registers, ``jh`` the warp's low bits) of its chunk (the warp's
-        high bits): 16-byte loads at ``nrep`` 4. Those words hold exactly its wgmma register operand: rows ``h`` and
-        ``h + 8`` of block ``j``, inputs ``2 a``, ``2 a + 1``, ``2 a + 8``, ``2 a + 9`` of each group. ``paired``: the
-        same bytes with each word's middle two swapped in registers (0, 2, 1, 3: the two inputs of one row together)."""
-        jh = 4 // nrep
-        chunks = warps * nrep // 4
-        regs = [[0, 0, 0, 0, 2], [0, 0, 0, 0, 1]] if paired else [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2]]
-        regs += [[0, 0, 0, 0, 4 << b] for b in range(nrep.bit_length() - 1)]
-        regs += [[0, 1 << b, 0, 0, 0] for b in range(t.bit_length() - 1)]
-        lanes = [[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 0, 4, 0, 0]]
-        warp_bases = [[0, 0, 0, 0, (4 * nrep) << b] for b in range(jh.bit_length() - 1)]
-        warp_bases += [[1 << b, 0, 0, 0, 0] for b in range(chunks.bit_length() - 1)]
-        return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [chunks, t, 8, 4, 16])
-
-    @gluon.constexpr_function
-    def _marlin_s_layout(t, warps, nrep):
-        """``[chunks, t, 8, 8]`` bytes of Marlin's scales for :func:`_wgmma_marlin_acc`: the thread of
-        :func:`_marlin_w_layout` holds the scales of its rows, bytes ``4 (j // 2) + 2 b + j % 2`` of its ``h``'s eight
-        (contiguous at ``nrep`` 4); the four lanes of one ``h`` hold the same bytes."""
-        jbits = [[0, 0, 0, 1], [0, 0, 0, 4]]  # j's bits 0 and 1 as byte offsets
-        low = nrep.bit_length() - 1
-        chunks = warps * nrep // 4
-        # in increasing offsets (contiguous registers make wide loads: 8 bytes at nrep 4)
-        regs = sorted([[0, 0, 0, 2]] + jbits[:low], key=lambda v: v[3])
-        regs += [[0, 1 << b, 0, 0] for b in range(t.bit_length() - 1)]
-        lanes = [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]]
-        warp_bases = jbits[low:] + [[1 << b, 0, 0, 0] for b in range(chunks.bit_length() - 1)]
-        return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [chunks, t, 8, 8])
-
-    # Marlin's scale bytes as float16 (byte << 7: below 2^16, or 0) times 2^15 in bfloat16 (2 to below 2^31 for the
-    # float16 normals, exact: 4 significant bits); the scaled weights code * scale * 2^-111, normal and exact; the
-    # epilogue's float32 makes up the 2^111
-    _MARLIN_SCALE_UP = gl.constexpr(2.0**127)
-    _MARLIN_EPILOGUE_UP = gl.constexpr(2.0**111)
-
-    @gluon.jit
-    def _wgmma_marlin_acc(x_ptr, sxm, w_ptr, s_ptr, M, N, K, KB, KS, pid, pid_k, acc_l: gl.constexpr,
-                          BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
-                          SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr):
-        """:func:`_wgmma_acc` on the tensors Marlin holds (``w_ptr``: ``qweight`` int32 ``[K/16, 2N]`` read as bytes,
-        ``s_ptr``: its scale bytes ``[K/16, N]``; the layout in :mod:`vllm_ext.nvfp4_marlin_row`; ``KB`` = 8N and
-        ``KS`` = N their bytes per row of 16 inputs, passed apart from ``N`` for their alignment). Program ``pid``
-        takes the ``16 * WARPS * NREP / 64`` chunks of 64 outputs from ``pid * BLOCK_N``. Its accumulator's row
-        ``16 (WARPS r + w) + i`` (``r`` < ``NREP``, ``w`` = ``c * 4 / NREP + jh``) is output ``64 c + 16 (jh * NREP +
-        r) + i``; the rows are put in output order before returning (a no-op at ``NREP`` 1). ``x`` stays in its own K
-        order."""
-        BLOCK_N: gl.constexpr = 16 * WARPS * NREP
-        T: gl.constexpr = BLOCK_K // 16
-        CH: gl.constexpr = WARPS * NREP // 4
-        JH: gl.constexpr = 4 // NREP
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-        w_l: gl.constexpr = _marlin_w_layout(T, WARPS, NREP)
-        w2_l: gl.constexpr = _marlin_w_layout(T, WARPS, NREP, True)
-        s_l: gl.constexpr = _marlin_s_layout(T, WARPS, NREP)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], _x_smem_layout(BLOCK_M, BLOCK_K))
-        c0 = pid * CH
-        rc = c0 + gl.arange(0, CH, layout=_dim_layout(w_l, 5, 0))
-        rt = gl.arange(0, T, layout=_dim_layout(w_l, 5, 1))
-        rh = gl.arange(0, 8, layout=_dim_layout(w_l, 5, 2))
-        ra = gl.arange(0, 4, layout=_dim_layout(w_l, 5, 3))
-        rp = gl.arange(0, 16, layout=_dim_layout(w_l, 5, 4))
-        w_offs = ((rc * 512)[:, None, None, None, None] + (rt * KB)[None, :, None, None, None]
-                  + (rh * 64)[None, None, :, None, None] + (ra * 16)[None, None, None, :, None]
-                  + rp[None, None, None, None, :])
-        w_ok = (rc * 64 < N)[:, None, None, None, None]
-        sc = c0 + gl.arange(0, CH, layout=_dim_layout(s_l, 4, 0))
-        st = gl.arange(0, T, layout=_dim_layout(s_l, 4, 1))
-        sh = gl.arange(0, 8, layout=_dim_layout(s_l, 4, 2))
-        sb = gl.arange(0, 8, layout=_dim_layout(s_l, 4, 3))
-        s_offs = ((sc * 64)[:, None, None, None] + (st * KS)[None, :, None, None] + (sh * 8)[None, None, :, None]
-                  + sb[None, None, None, :])
-        s_ok = (sc * 64 < N)[:, None, None, None]
-        x_offs, x_ok = _x_tile_offsets(sxm, M, BLOCK_M, BLOCK_K, WARPS)
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
-        for t in range(pid_k, K // BLOCK_K, SPLIT_K):
-            if EVEN_N:
-                wq = gl.load(w_ptr + w_offs + t * (T * KB))
-                sq = gl.load(s_ptr + s_offs + t * (T * KS))
-            else:
-                wq = gl.load(w_ptr + w_offs + t * (T * KB), mask=w_ok, other=0)
-                sq = gl.load(s_ptr + s_offs + t * (T * KS), mask=s_ok, other=0)
-            xr = gl.load(x_ptr + x_offs + t * BLOCK_K, mask=x_ok, other=0.0)
-            # byte 4 j + 2 e + b of a word's 16-byte run: output block j, row h + 8 b; inputs 2 a + e (low nibble) and
-            # 2 a + e + 8 (high nibble) of the group. Each word's bytes are reordered in registers (0, 2, 1, 3), so that
-            # the decode pairs the inputs 2a and 2a + 1 of one row, as the wgmma operand's registers hold them
-            wq = gl.convert_layout(wq, w2_l)
-            lo, hi = gl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,=r,=r,r", [wq], dtype=(gl.bfloat16, gl.bfloat16),
-                                               is_pure=True, pack=4)
-            w9 = gl.reshape(gl.join(lo, hi), [CH, T, 8, 4, JH, NREP, 2, 2, 2])  # (c, t, h, a, jh, r, e, b, high)
-            l9: gl.constexpr = w9.type.layout
-            # the scale byte B's float16 value float16(B << 7) = 2^(B >> 3 - 15) (1 + (B & 7) / 8) times 2^15 in
-            # bfloat16: B << 4 read as bfloat16 bits is that value times 2^-112 (a normal: bytes 1-7, the float16
-            # subnormals, never occur; Marlin zeroes them and marlin_pack's are at least 104), then times 2^127, exact;
-            # 0 stays 0
-            sv = (sq.to(gl.int16) << 4).to(gl.bfloat16, bitcast=True) * _MARLIN_SCALE_UP
-            # scale byte 4 j1 + 2 b + j0 of h's eight, j = 2 j1 + j0 = jh * NREP + r
-            s6 = gl.reshape(gl.permute(gl.reshape(sv, [CH, T, 8, 2, 2, 2]), [0, 1, 2, 3, 5, 4]),
-                            [CH, T, 8, JH, NREP, 2])
-            s6 = gl.convert_layout(s6, gl.SliceLayout(3, gl.SliceLayout(6, gl.SliceLayout(8, l9))))
-            w9 = w9 * gl.expand_dims(gl.expand_dims(gl.expand_dims(s6, 3), 6), 8)
-            # rows (r, c, jh, b, h), inputs (t, high, a, e): the operand's row 16 (WARPS r + w) + 8 b + h, input k of
-            # the tile
-            a = gl.reshape(gl.permute(w9, [5, 0, 4, 7, 2, 1, 8, 3, 6]), [BLOCK_N, BLOCK_K])
-            acc = _wgmma_step(gl.convert_layout(a, a_l), xr, x_smem, acc)
-        if NREP > 1:  # rows (r, c, jh, i) to the outputs' order (c, jh, r, i)
-            acc = gl.reshape(gl.permute(gl.reshape(acc, [NREP, CH, JH, 16, BLOCK_M]), [1, 2, 0, 3, 4]),
-                             [BLOCK_N, BLOCK_M])
-            acc = gl.convert_layout(acc, acc_l)
+            acc = wgmma_step(a, xr, x_smem, acc)
         return acc
 
     @gluon.jit
@@ -621,26 +377,19 @@ if gluon is not None:
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, WARPS: gl.constexpr, NREP: gl.constexpr,
                       SPLIT_K: gl.constexpr, EVEN_N: gl.constexpr, LORA: gl.constexpr, R: gl.constexpr,
                       HP_M: gl.constexpr, KS_PAD: gl.constexpr, PDL: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      ZEROS: gl.constexpr, MARLIN: gl.constexpr = False):
+                      ZEROS: gl.constexpr):
         """The Hopper version (:func:`_wgmma_acc`'s loop), then split-K and the epilogue as in :func:`_gluon_kernel`.
         With ``LORA`` (:mod:`vllm_ext.nvfp4_gluon_lora`) one adapter's expand runs in the epilogue of each output
-        block's finishing program (:func:`_lora_update`; ``hp_ptr`` ... ``lscale`` as there, ``LKS`` its partials per
-        slice), the bias ``[N]`` is added in float32 before the base is rounded (``HAS_BIAS``), and ``z`` (like
-        ``y``) is zeroed (``ZEROS``); without it those arguments are not read."""
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
+        block's finishing program (:func:`vllm_ext.nvfp4_gluon_epilogue.lora_update`; ``hp_ptr`` ... ``lscale`` as
+        there, ``LKS`` its partials per slice), the bias ``[N]`` is added in float32 before the base is rounded
+        (``HAS_BIAS``), and ``z`` (like ``y``) is zeroed (``ZEROS``); without it those arguments are not read."""
+        acc_l: gl.constexpr = wgmma_acc_layout(BLOCK_M, WARPS)
         pid = gl.program_id(0)
         pid_k = gl.program_id(1)
-        if MARLIN:
-            acc = _wgmma_marlin_acc(x_ptr, sxm, w_ptr, s_ptr, M, N, K, KB, KS, pid, pid_k, acc_l, BLOCK_M, BLOCK_K,
-                                    WARPS, NREP, SPLIT_K, EVEN_N)
-            gmul = _MARLIN_EPILOGUE_UP / gl.load(g_ptr)
-        else:
-            acc = _wgmma_acc(x_ptr, sxm, w_ptr, s_ptr, M, N, K, KB, KS, pid, pid_k, acc_l, BLOCK_M, BLOCK_K, WARPS,
-                             NREP, SPLIT_K, EVEN_N)
-            gmul = _EPILOGUE_UP / gl.load(g_ptr)
+        acc = _wgmma_acc(x_ptr, sxm, w_ptr, s_ptr, M, N, K, KB, KS, pid, pid_k, acc_l, BLOCK_M, BLOCK_K, WARPS, NREP,
+                         SPLIT_K, EVEN_N)
         lora = (hp_ptr, idx_ptr, b0, b1, b2, n0, n1, LKS, lscale, bias_ptr, z_ptr)
-        _epilogue(acc, gmul, y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l,
+        epilogue(acc, _EPILOGUE_UP / gl.load(g_ptr), y_ptr, sym, ws_ptr, cnt_ptr, pid, pid_k, M, N, acc_l,
                   16 * WARPS * NREP, BLOCK_M, SPLIT_K, lora, LORA, WARPS, R, HP_M, KS_PAD, PDL, HAS_BIAS, ZEROS)
 
 
@@ -732,64 +481,5 @@ def nvfp4_gluon_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         x2, x2.stride(0), packed.contiguous(), scale.contiguous(), global_scale.reshape(1).to(torch.float32), out,
         out.stride(0), ws, cnt, m, n, k, k // 2, k // 16, BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=nrep,
         SPLIT_K=split_k, EVEN_N=n % (16 * warps * nrep) == 0, num_warps=warps, **options,
-    )  # fmt: skip
-    return out.reshape(*x.shape[:-1], n)
-
-
-def marlin_problems(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, divisor: torch.Tensor, block_k: int,
-                    warps: int, nrep: int, split_k: int) -> list[str]:
-    """What :func:`nvfp4_gluon_marlin_gemm` refuses in a call (empty: nothing), each a phrase naming the value and
-    the rule."""
-    k = x.shape[-1]
-    problems = call_problems(x, block_k, warps, nrep, split_k, True)
-    if shared_layout(qweight, scale, k) is None:
-        problems.append(f"qweight {qweight.dtype} {tuple(qweight.shape)} / scale {scale.dtype} {tuple(scale.shape)} "
-                        f"are not Marlin's unpadded tensors for K={k} (int32 [K/16, 2N], float8_e4m3fn [K/16, N], "
-                        "N a multiple of 64 and K of 128, or N of 128 and K of 64): pass the layer's Marlin tensors or "
-                        "build them with vllm_ext.bench.marlin_pack (for the checkpoint's layout, nvfp4_gluon_gemm)")
-    elsewhere = {str(t.device) for t in (qweight, scale, divisor)} - {str(x.device)}
-    if elsewhere:
-        problems.append(f"qweight/scale/divisor on {', '.join(sorted(elsewhere))}, x on {x.device}: move them to x's "
-                        "device")
-    if divisor.numel() != 1:
-        problems.append(f"divisor has {divisor.numel()} values, expected 1")
-    if x.device.type != "cuda":
-        problems.append(f"x on {x.device} (the kernel runs on CUDA only: Gluon has no interpreter)")
-    return problems
-
-
-def nvfp4_gluon_marlin_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, divisor: torch.Tensor,
-                            block_k: int = 256, warps: int = 4, nrep: int = 1, split_k: int = 8) -> torch.Tensor:
-    """:func:`nvfp4_gluon_gemm`'s ``wgmma`` version on the tensors vLLM's Marlin holds for an unpadded NVFP4 layer
-    (``qweight`` int32 ``[K/16, 2N]``, ``scale`` FP8 ``[K/16, N]`` in Marlin's S0E5M3 form, and
-    :func:`vllm_ext.nvfp4_marlin_row.marlin_divisor`'s ``divisor``), so that a layer needs no copy in the
-    checkpoint's layout: ``x @ W.T`` for bfloat16 ``x`` ``[..., K]`` (at most :data:`MAX_TOKENS` rows), ``[..., N]``
-    in bfloat16. Marlin's words already hold the wgmma register operand of one thread each (rows ``h``, ``h + 8`` and
-    inputs ``2a``, ``2a + 1``, ``2a + 8``, ``2a + 9`` of a group), so ``x`` keeps its own K order; ``nrep`` 4 makes
-    the weight loads 16 bytes wide, at the price of putting the accumulator's rows in output order once per
-    program. The tile options are :func:`nvfp4_gluon_gemm`'s. Experimental: on an H200 its first loop was correct and
-    its best tiles 19.5 % slower per 7B step at 8 rows than the checkpoint layout's (docs/benchmarks.md §4ay); the
-    leaner loop since has run neither the GPU tests nor a timing."""
-    if GLUON_IMPORT_ERROR is not None:
-        raise RuntimeError(f"nvfp4_gluon_marlin_gemm needs Triton's Gluon ({GLUON_IMPORT_ERROR})")
-    problems = marlin_problems(x, qweight, scale, divisor, block_k, warps, nrep, split_k)
-    if problems:
-        raise ValueError("nvfp4_gluon_marlin_gemm: " + "; ".join(problems))
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m, n = x2.shape[0], scale.shape[1]
-    out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
-    blocks = triton.cdiv(n, 16 * warps * nrep)
-    split_k = min(split_k, k // block_k)
-    block_m, ws, cnt = split_k_buffers(x, m, n, blocks, split_k, out)
-    _wgmma_kernel[(blocks, split_k)](
-        x2, x2.stride(0), qweight.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8),
-        divisor.reshape(1).to(torch.float32), out, out.stride(0), ws, cnt, m, n, k, 8 * n, n,
-        hp_ptr=ws, idx_ptr=cnt, b0=x2, b1=x2, b2=x2, n0=0, n1=0, LKS=0, lscale=0.0, bias_ptr=out, z_ptr=out,
-        BLOCK_M=block_m, BLOCK_K=block_k, WARPS=warps, NREP=nrep, SPLIT_K=split_k,
-        EVEN_N=n % (16 * warps * nrep) == 0, LORA=False, R=16, HP_M=16, KS_PAD=16, PDL=False, HAS_BIAS=False,
-        ZEROS=False, MARLIN=True, num_warps=warps,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

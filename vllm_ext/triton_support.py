@@ -1,5 +1,6 @@
 """Triton for vllm_ext's kernels (:mod:`vllm_ext.lora_fused`, :mod:`vllm_ext.nvfp4_gemv`): the import, which a
-CPU-only install may lack, and whether the Triton interpreter is on. (verl_ext has its own copy in
+CPU-only install may lack, Gluon's (:mod:`vllm_ext.nvfp4_gluon` and the modules built on it), and whether the Triton
+interpreter is on. (verl_ext has its own copy in
 ``verl_ext.kernels``: the two packages do not import each other.)"""
 
 from __future__ import annotations
@@ -16,7 +17,20 @@ except Exception as exc:  # pragma: no cover - CPU-only installs may lack Triton
     tl = None  # type: ignore[assignment]
     TRITON_IMPORT_ERROR = exc
 
-__all__ = ["TRITON_IMPORT_ERROR", "compile_sm90", "interpreting", "tl", "triton"]
+try:  # Gluon (Triton's explicit-layout dialect) ships with Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+except Exception as exc:  # noqa: BLE001 (an old or missing Triton: the Gluon kernels are simply unavailable)
+    gluon = gl = mma_v2 = fence_async_shared = warpgroup_mma = None
+    GLUON_IMPORT_ERROR: str | Exception | None = (f"{type(exc).__name__}: {exc}" if triton is not None
+                                                  else TRITON_IMPORT_ERROR)
+else:
+    GLUON_IMPORT_ERROR = None
+
+__all__ = ["GLUON_IMPORT_ERROR", "TRITON_IMPORT_ERROR", "compile_sm90", "fence_async_shared", "gl", "gluon",
+           "interpreting", "mma_v2", "tl", "triton", "warpgroup_mma"]
 
 
 def interpreting() -> bool:

@@ -14,7 +14,7 @@ occupancy, no memory (docs/benchmarks.md §4ai used it to test §4ah's estimate 
 instructions per word than the row kernel).
 
 ``--wgmma``: instead, vllm_ext.nvfp4_gluon's few-row wgmma GEMM at 8 rows, on the checkpoint's layout at the 7B q/k/v
-tile the gluon+lora path runs and on Marlin's tensors (``MARLIN``) at the tiles §4ay swept (docs/benchmarks.md §4ay).
+tile the gluon+lora path runs and on Marlin's tensors (vllm_ext.nvfp4_gluon_marlin) at the tiles §4ay swept (docs/benchmarks.md §4ay).
 """
 
 from __future__ import annotations
@@ -123,15 +123,17 @@ WGMMA_TILES = [("checkpoint", 256, 4, 1, 8, False), ("marlin", 256, 4, 1, 8, Tru
 
 
 def run_wgmma() -> list[dict]:
-    from vllm_ext import nvfp4_gluon
+    from vllm_ext import nvfp4_gluon, nvfp4_gluon_marlin
     from vllm_ext.triton_support import compile_sm90
 
     rows = []
     for name, block_k, warps, nrep, sk, marlin in WGMMA_TILES:
-        consts = dict(BLOCK_M=8, BLOCK_K=block_k, WARPS=warps, NREP=nrep, SPLIT_K=sk, EVEN_N=True, LORA=False, R=16,
-                      HP_M=16, KS_PAD=16, PDL=False, HAS_BIAS=False, ZEROS=False, MARLIN=marlin)
+        consts = dict(BLOCK_M=8, BLOCK_K=block_k, WARPS=warps, NREP=nrep, SPLIT_K=sk, EVEN_N=True)
+        if not marlin:  # the checkpoint layout's kernel, without an adapter
+            consts.update(LORA=False, R=16, HP_M=16, KS_PAD=16, PDL=False, HAS_BIAS=False, ZEROS=False)
         ptrs = dict(WGMMA_PTRS, s_ptr="*u8") if marlin else WGMMA_PTRS
-        kernel = compile_sm90(nvfp4_gluon._wgmma_kernel, ptrs, consts, warps,
+        fn = nvfp4_gluon_marlin._wgmma_marlin_kernel if marlin else nvfp4_gluon._wgmma_kernel
+        kernel = compile_sm90(fn, ptrs, consts, warps,
                               ("x_ptr", "sxm", "w_ptr", "s_ptr", "y_ptr", "sym", "ws_ptr", "cnt_ptr", "K", "KB", "KS"),
                               gluon=True)
         words = 16 * warps * nrep * block_k / 8 / (32 * warps)  # 4-byte words of codes per thread per trip

@@ -56,7 +56,7 @@ def run_tile(x, packed, scale, gscale, t: dict[str, Any]):  # noqa: ANN001, ANN2
     ``marlin``, its version on Marlin's tensors, ``packed``/``scale``/``gscale`` then Marlin's ``qweight``, scale bytes
     and divisor) or ``nvfp4_small_gemm`` with the tile's options."""
     if t.get("marlin"):
-        from vllm_ext.nvfp4_gluon import nvfp4_gluon_marlin_gemm
+        from vllm_ext.nvfp4_gluon_marlin import nvfp4_gluon_marlin_gemm
 
         return nvfp4_gluon_marlin_gemm(x, packed, scale, gscale, block_k=t["block_k"], warps=t["num_warps"],
                                        nrep=t["block_n"] // (16 * t["num_warps"]), split_k=t["split_k"])

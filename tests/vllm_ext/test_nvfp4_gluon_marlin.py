@@ -1,5 +1,5 @@
-"""vllm_ext.nvfp4_gluon's wgmma GEMM on Marlin's own tensors (``nvfp4_gluon_marlin_gemm``), so that a layer needs no
-copy in the checkpoint's layout.
+"""vllm_ext.nvfp4_gluon_marlin: the wgmma GEMM on Marlin's own tensors (``nvfp4_gluon_marlin_gemm``), so that a layer
+needs no copy in the checkpoint's layout.
 
 Gluon has no interpreter. On the CPU: the refusals; the kernel's arithmetic (its byte and scale offsets, the reshapes
 and permutes that make the wgmma operand, the powers of two its decode, scales and epilogue carry, the accumulator's
@@ -25,6 +25,7 @@ from vllm_ext.bench.marlin_pack import marlin_pack
 ng = pytest.importorskip("vllm_ext.nvfp4_gluon")
 if ng.GLUON_IMPORT_ERROR is not None:
     pytest.skip(f"Triton's Gluon is not importable ({ng.GLUON_IMPORT_ERROR})", allow_module_level=True)
+ngm = pytest.importorskip("vllm_ext.nvfp4_gluon_marlin")
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                          reason="needs a Hopper GPU (wgmma; Gluon has no interpreter)")
@@ -39,7 +40,7 @@ def _weight(n: int, k: int, seed: int, device: str = "cpu"):  # noqa: ANN202
 
 def _emulate(x: torch.Tensor, qweight: torch.Tensor, sbytes: torch.Tensor, divisor: torch.Tensor, block_k: int,
              warps: int, nrep: int) -> torch.Tensor:
-    """``_wgmma_marlin_acc`` and the epilogue's scaling copied into float64: each program's byte and scale offsets,
+    """``_wgmma_marlin_acc`` and the kernel's epilogue scaling copied into float64: each program's byte and scale offsets,
     the masked loads, the decode (code times 2^-126), the scale bytes read as bfloat16 bits times 2^127, their
     reshape/permute and broadcast, the operand's permute to ``[rows, K]``, the accumulator's rows to output order, and
     the epilogue's 2^111 / divisor. Split-K is not copied: its fixed-order float32 sum changes roundings only."""
@@ -110,30 +111,29 @@ def test_refusals_name_the_bad_input():
     qw, sb, div = marlin_pack(q.packed, q.scale, q.global_scale)
     x = torch.randn(2, 256).to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"x on cpu \(the kernel runs on CUDA only"):
-        ng.nvfp4_gluon_marlin_gemm(x, qw, sb, div)
+        ngm.nvfp4_gluon_marlin_gemm(x, qw, sb, div)
     with pytest.raises(ValueError, match=r"activations in torch.float16 \(bfloat16 supported\)"):
-        ng.nvfp4_gluon_marlin_gemm(x.half(), qw, sb, div)
+        ngm.nvfp4_gluon_marlin_gemm(x.half(), qw, sb, div)
     with pytest.raises(ValueError, match=r"65 rows \(1 to 64\)"):
-        ng.nvfp4_gluon_marlin_gemm(torch.randn(65, 256).to(torch.bfloat16), qw, sb, div)
+        ngm.nvfp4_gluon_marlin_gemm(torch.randn(65, 256).to(torch.bfloat16), qw, sb, div)
     with pytest.raises(ValueError, match=r"warps=2 \(4 or 8 with wgmma"):
-        ng.nvfp4_gluon_marlin_gemm(x, qw, sb, div, warps=2)
+        ngm.nvfp4_gluon_marlin_gemm(x, qw, sb, div, warps=2)
     with pytest.raises(ValueError, match=r"K=256 and block_k=512: block_k must be a multiple of 64 that divides K"):
-        ng.nvfp4_gluon_marlin_gemm(x, qw, sb, div, block_k=512)
+        ngm.nvfp4_gluon_marlin_gemm(x, qw, sb, div, block_k=512)
     with pytest.raises(ValueError, match=r"are not Marlin's unpadded tensors for K=256 .*build them with "
                                          r"vllm_ext.bench.marlin_pack .for the checkpoint's layout, nvfp4_gluon_gemm"):
-        ng.nvfp4_gluon_marlin_gemm(x, q.packed, q.scale, div)  # the checkpoint's layout
+        ngm.nvfp4_gluon_marlin_gemm(x, q.packed, q.scale, div)  # the checkpoint's layout
     with pytest.raises(ValueError, match=r"are not Marlin's unpadded tensors for K=256"):
-        ng.nvfp4_gluon_marlin_gemm(x, qw, sb.view(torch.uint8), div)
+        ngm.nvfp4_gluon_marlin_gemm(x, qw, sb.view(torch.uint8), div)
     with pytest.raises(ValueError, match=r"divisor has 2 values, expected 1"):
-        ng.nvfp4_gluon_marlin_gemm(x, qw, sb, torch.ones(2))
+        ngm.nvfp4_gluon_marlin_gemm(x, qw, sb, torch.ones(2))
     with pytest.raises(ValueError, match=r"qweight/scale/divisor on meta, x on cpu: move them to x's device"):
-        ng.nvfp4_gluon_marlin_gemm(x, qw, sb, div.to("meta"))
+        ngm.nvfp4_gluon_marlin_gemm(x, qw, sb, div.to("meta"))
 
 
 _SIGNATURE = {"x_ptr": "*bf16", "sxm": "i32", "w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", "y_ptr": "*bf16",
               "sym": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "KB": "i32",
-              "KS": "i32", "hp_ptr": "*fp32", "idx_ptr": "*i32", "b0": "*bf16", "b1": "*bf16", "b2": "*bf16",
-              "n0": "i32", "n1": "i32", "LKS": "i32", "lscale": "fp32", "bias_ptr": "*bf16", "z_ptr": "*bf16"}
+              "KS": "i32"}
 
 
 def _compiled_ptx(block_m: int, block_k: int, warps: int, nrep: int, split_k: int) -> str:
@@ -143,11 +143,9 @@ def _compiled_ptx(block_m: int, block_k: int, warps: int, nrep: int, split_k: in
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k, "EVEN_N": True,
-              "LORA": False, "R": 16, "HP_M": 16, "KS_PAD": 16, "PDL": False, "HAS_BIAS": False, "ZEROS": False,
-              "MARLIN": True}
+    consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "WARPS": warps, "NREP": nrep, "SPLIT_K": split_k, "EVEN_N": True}
     divisible = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12, 13)}
-    src = GluonASTSource(fn=ng._wgmma_kernel, signature={**_SIGNATURE, **{c: "constexpr" for c in consts}},
+    src = GluonASTSource(fn=ngm._wgmma_marlin_kernel, signature={**_SIGNATURE, **{c: "constexpr" for c in consts}},
                          constexprs=consts, attrs=divisible)
     try:
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
@@ -176,12 +174,12 @@ def _check_exact_product(rows: int, n: int, k: int, seed: int, **tile) -> None:
     q, exact_w = _weight(n, k, seed, "cuda")
     qw, sb, div = marlin_pack(q.packed, q.scale, q.global_scale)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    got = ng.nvfp4_gluon_marlin_gemm(x, qw, sb, div, **tile)
+    got = ngm.nvfp4_gluon_marlin_gemm(x, qw, sb, div, **tile)
     exact = x.double() @ exact_w.t()
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     excess = ((got.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
     assert excess <= 1e-4 * exact.abs().max().item(), excess
-    assert torch.equal(got, ng.nvfp4_gluon_marlin_gemm(x, qw, sb, div, **tile))  # the same bits again
+    assert torch.equal(got, ngm.nvfp4_gluon_marlin_gemm(x, qw, sb, div, **tile))  # the same bits again
     ckpt = ng.nvfp4_gluon_gemm(x, q.packed, q.scale, q.global_scale, block_k=tile.get("block_k", 256), warps=4,
                                nrep=1, split_k=tile.get("split_k", 8), wgmma=True, wide=True, bits=True)
     both = ((got.double() - ckpt.double()).abs() - 2.0**-7 * exact.abs()).max().item()
@@ -222,7 +220,7 @@ def test_gpu_decodes_every_code_and_scale_exactly(nrep):
     for off in range(0, k, 64):
         x = torch.zeros(64, k, device="cuda", dtype=torch.bfloat16)
         x[torch.arange(64), off + torch.arange(64)] = 1.0
-        got = ng.nvfp4_gluon_marlin_gemm(x, qw, sb, div, block_k=128, warps=4, nrep=nrep, split_k=2)
+        got = ngm.nvfp4_gluon_marlin_gemm(x, qw, sb, div, block_k=128, warps=4, nrep=nrep, split_k=2)
         assert torch.equal(got.float(), w[:, off:off + 64].t()), f"columns {off}..{off + 63}"
 
 
