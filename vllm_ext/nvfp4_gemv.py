@@ -235,6 +235,18 @@ if triton is not None:
         return codes
 
     @triton.jit
+    def _xvec_sum(codes, x_ptr, cw, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+        """``[BLOCK_N, WORDS]`` float32: each word's 8 decoded ``codes`` (:func:`_decode8`) times the 8 values of
+        ``x`` it meets (word ``cw`` meets ``x[8 cw .. 8 cw + 7]``, read as one 16-byte run), summed. Shared with
+        :mod:`vllm_ext.nvfp4_gemv_tma`'s kernel."""
+        # codes[L] in natural order along a new last axis: nested joins put code 4k + 2j + i at [k, j, i]
+        c8 = tl.join(tl.join(tl.join(codes[0], codes[4]), tl.join(codes[2], codes[6])),
+                     tl.join(tl.join(codes[1], codes[5]), tl.join(codes[3], codes[7])))
+        c8 = tl.reshape(c8, (BLOCK_N, WORDS, 8))
+        xv = tl.load(x_ptr + 8 * cw[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)  # [WORDS, 8]
+        return tl.sum(c8 * xv[None, :, :], axis=2)
+
+    @triton.jit
     def _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                   ASM: tl.constexpr, XVEC: tl.constexpr):
         """K tile ``t`` of :func:`_row_dot`: ``[BLOCK_N, WORDS]`` float32 sums of each word's 8 products, times its
@@ -251,12 +263,7 @@ if triton is not None:
         part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
         codes = _decode8(wv, ASM)
         if XVEC:
-            # codes[L] in natural order along a new last axis: nested joins put code 4k + 2j + i at [k, j, i]
-            c8 = tl.join(tl.join(tl.join(codes[0], codes[4]), tl.join(codes[2], codes[6])),
-                         tl.join(tl.join(codes[1], codes[5]), tl.join(codes[3], codes[7])))
-            c8 = tl.reshape(c8, (BLOCK_N, WORDS, 8))
-            xv = tl.load(x_ptr + 8 * cw[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)  # [WORDS, 8]
-            part = tl.sum(c8 * xv[None, :, :], axis=2)
+            part = _xvec_sum(codes, x_ptr, cw, BLOCK_N, WORDS)
         else:
             for j in tl.static_range(8):
                 part += codes[j] * tl.load(x_ptr + 8 * cw + j).to(tl.float32)[None, :]

@@ -102,6 +102,7 @@ def tile_name(t: dict[str, Any]) -> str:
     name += "B" if t.get("bits") else ""  # vllm_ext.nvfp4_gluon's E2M1 decode by moving bits
     name += "H" if t.get("wgmma") else ""  # vllm_ext.nvfp4_gluon's warpgroup-MMA (Hopper) version
     name += "Q" if t.get("marlin") else ""  # ... on Marlin's own tensors (nvfp4_gluon_marlin_gemm)
+    name += "T" if t.get("tma") else ""  # vllm_ext.nvfp4_gemv_tma (the weight's tiles by TMA)
     return name + (f"S{t['stages']}" if t.get("stages") else "")  # a software-pipelined loop
 
 

@@ -4,7 +4,7 @@ decode) over its tiles and the depth of its software-pipelined loop (``stages``;
 the linears of the 7B and 32B decode steps, with the weights streamed from HBM. Needs only torch and Triton (no
 vLLM): run from the repository root on the GPU machine,
 
-    PYTHONPATH=. python3 scripts/gpu/sweep_row.py [--shapes 7B,32B] [--reps 5]
+    PYTHONPATH=. python3 scripts/gpu/sweep_row.py [--shapes 7B,32B] [--reps 5] [--kernel row|tma]
 
 For each linear:
   1. every tile of the sweep (block_n x split_k x warps x stages, block_k 512) runs once and is checked against the
@@ -15,6 +15,10 @@ For each linear:
   3. the fastest tile, the shipped tile (``decode_tile``) and §4m's tile unpipelined (the kernel measured in §4m,
      ``check_gemv.tile_4m``; "stages0" in the log) are timed ``--reps`` times each, interleaved: median and spread
      (max - min). Per decode step: the medians summed over the four linears times the layer count.
+
+``--kernel tma`` sweeps ``vllm_ext.nvfp4_gemv_tma`` instead (the weight's tiles brought in by TMA; block_k from
+``--block-k``, stages 1 or more), and step 3's "best" is its fastest tile, timed beside the same two row-kernel tiles
+(docs/benchmarks.md §4ba).
 
 "Faster" where the difference of the medians exceeds both spreads (the rule of docs/benchmarks.md). Writes
 $OUT/sweep_row.jsonl (one JSON object per measurement) and prints the tables.
@@ -46,6 +50,13 @@ def sweep_tiles(block_ns: list[int], splits: list[int], warps: list[int], stages
             for st, bn, sk, w in itertools.product(stages, block_ns, splits, warps)]
 
 
+def tma_tiles(block_ns: list[int], block_ks: list[int], splits: list[int], warps: list[int],
+              stages: list[int]) -> list[dict[str, Any]]:
+    """vllm_ext.nvfp4_gemv_tma's tiles tried (its pipeline is at least one stage deep)."""
+    return [dict(block_n=bn, block_k=bk, split_k=sk, num_warps=w, stages=st, tma=True)
+            for st, bk, bn, sk, w in itertools.product(stages, block_ks, block_ns, splits, warps) if st >= 1]
+
+
 def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
@@ -54,7 +65,12 @@ def run_tile(x, packed, scale, gscale, t: dict[str, Any]):  # noqa: ANN001, ANN2
     """One call of the kernel a sweep tile names: vllm_ext.nvfp4_gluon's (``gluon`` set: ``block_k``, ``num_warps``,
     ``split_k``, ``prefetch``, ``wide``, ``bits``, ``wgmma`` and ``block_n`` = 16 x warps x its ``nrep``; with
     ``marlin``, its version on Marlin's tensors, ``packed``/``scale``/``gscale`` then Marlin's ``qweight``, scale bytes
-    and divisor) or ``nvfp4_small_gemm`` with the tile's options."""
+    and divisor), ``nvfp4_gemv_row_tma`` (``tma`` set) or ``nvfp4_small_gemm`` with the tile's options."""
+    if t.get("tma"):
+        from vllm_ext.nvfp4_gemv_tma import nvfp4_gemv_row_tma
+
+        return nvfp4_gemv_row_tma(x, packed, scale, gscale, block_n=t["block_n"], block_k=t["block_k"],
+                                  split_k=t["split_k"], num_warps=t["num_warps"], stages=t["stages"])
     if t.get("marlin"):
         from vllm_ext.nvfp4_gluon_marlin import nvfp4_gluon_marlin_gemm
 
@@ -155,6 +171,9 @@ def try_tiles(tiles: list[dict[str, Any]], call, exact, time_us, record, base: d
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sweep_args(p, shapes="7B,32B", block_n="4,8,16", warps="1,2,4")
+    p.add_argument("--kernel", choices=("row", "tma"), default="row",
+                   help="row: nvfp4_small_gemm's one-row kernel; tma: vllm_ext.nvfp4_gemv_tma (default row)")
+    p.add_argument("--block-k", default="512", help="with --kernel tma: inputs per loop step (default 512)")
     args = p.parse_args(argv)
 
     import torch
@@ -164,17 +183,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from qerl_plugin import nvfp4
     from vllm_ext.bench.kernels import capture_graph, replay_us
-    from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_small_gemm
+    from vllm_ext.nvfp4_gemv import decode_tile
 
-    record = jsonl_recorder(args.out, "sweep_row.jsonl")
+    record = jsonl_recorder(args.out, "sweep_row.jsonl" if args.kernel == "row" else "sweep_row_tma.jsonl")
 
-    tiles = sweep_tiles(ints(args.block_n), ints(args.split_k), ints(args.warps), ints(args.stages))
+    if args.kernel == "tma":
+        tiles = tma_tiles(ints(args.block_n), ints(args.block_k), ints(args.split_k), ints(args.warps),
+                          ints(args.stages))
+    else:
+        tiles = sweep_tiles(ints(args.block_n), ints(args.split_k), ints(args.warps), ints(args.stages))
     if args.jobs > 1:
         precompile(tiles, args.jobs)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "tiles": len(tiles), "cold_mib": args.cold_mib,
-            "shapes": args.shapes, "linears": args.linears})
+            "shapes": args.shapes, "linears": args.linears, "kernel": args.kernel})
     finals: list[dict[str, Any]] = []
     bad = 0
     for shape in args.shapes.split(","):
@@ -189,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                     "copies": copies})
 
             def graph_of(t: dict[str, Any]):  # noqa: ANN202
-                return capture_graph([(lambda p_=p_, s_=s_: nvfp4_small_gemm(x, p_, s_, q.global_scale, **t))
+                return capture_graph([(lambda p_=p_, s_=s_: run_tile(x, p_, s_, q.global_scale, t))
                                       for p_, s_ in raws], iters)
 
-            swept, refused = try_tiles(tiles, lambda t: nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, **t),
+            swept, refused = try_tiles(tiles, lambda t: run_tile(x, q.packed, q.scale, q.global_scale, t),
                                        exact, lambda t: replay_us(graph_of(t), iters), record,
                                        {"shape": shape, "linear": lname})
             bad += refused
@@ -212,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                         for key, t in variants.items()},
                    **res, "best_vs_stages0": verdict(res["best"], res["stages0"]),
                    "shipped_vs_stages0": verdict(res["shipped"], res["stages0"]),
+                   "best_vs_shipped": verdict(res["best"], res["shipped"]),
                    "best_gb_s": round(raw_bytes / res["best"]["median_us"] / 1e3, 1),
                    "stages0_gb_s": round(raw_bytes / res["stages0"]["median_us"] / 1e3, 1)}
             record(fin)
@@ -219,14 +243,15 @@ def main(argv: list[str] | None = None) -> int:
             del raws, exact
             torch.cuda.empty_cache()
 
-    lines = ["", "one-row NVFP4 kernel, weights streamed from HBM: us per call, median of "
+    lines = ["", f"one-row NVFP4 kernel ({args.kernel}), weights streamed from HBM: us per call, median of "
              f"{args.reps} (spread); GB/s = NVFP4 bytes (codes + FP8 scales) / time",
              f"{'shape':<5} {'linear':<8} {'best tile':<18}{'best':>15}{'§4m kernel':>26}"
              f"{'shipped':>15}{'best GB/s':>10}{'was GB/s':>10}  verdict"]
     for f in finals:
         cell = lambda r: f"{r['median_us']:>8.2f} ±{r['spread_us']:<5.2f}"  # noqa: E731
         lines.append(f"{f['shape']:<5} {f['linear']:<8} {f['best_tile']:<18}{cell(f['best'])}{cell(f['stages0']):>26}"
-                     f"{cell(f['shipped'])}{f['best_gb_s']:>10.0f}{f['stages0_gb_s']:>10.0f}  {f['best_vs_stages0']}")
+                     f"{cell(f['shipped'])}{f['best_gb_s']:>10.0f}{f['stages0_gb_s']:>10.0f}  {f['best_vs_stages0']} "
+                     f"(vs shipped: {f['best_vs_shipped']})")
     for shape in args.shapes.split(","):
         sel = [f for f in finals if f["shape"] == shape]
         if len(sel) == len(args.linears.split(",")):
