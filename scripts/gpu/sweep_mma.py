@@ -4,8 +4,9 @@ sizes of the issue's b8 / b64 decode rows: ``--kernel mma`` (default), ``vllm_ex
 weight read as int32 words, eight dots per K tile); ``--kernel gluon``, ``vllm_ext.nvfp4_gluon`` (operands laid out
 in registers as mma.sync takes them); ``--kernel wgmma``, its warpgroup-MMA version; ``--kernel wgmma-marlin``, that
 version on Marlin's own tensors (built by vllm_ext.bench.marlin_pack, so no vLLM is needed), timed beside the
-checkpoint-layout version at ``nvfp4_gluon_lora.tile_for``'s tile (column ``ckpt``). On the linears of the 7B (and
-32B) decode step, with the weights streamed from HBM.
+checkpoint-layout version at ``nvfp4_gluon_lora.tile_for``'s tile (column ``ckpt``). At one row the shipped one-row
+kernel (``decode_tile``'s tile, the checkpoint layout) is timed beside them (column ``row``). On the linears of the
+7B (and 32B) decode step, with the weights streamed from HBM.
 Run from the repository root on the GPU machine (Marlin needs the installed vLLM; without it the Marlin column is
 left out and said so):
 
@@ -42,6 +43,7 @@ from check_gemv import (  # noqa: E402
     timed_interleaved, verdict)
 from sweep_row import add_sweep_args, ints, precompile, run_tile, try_tiles  # noqa: E402
 from vllm_ext.bench.marlin_pack import marlin_pack  # noqa: E402
+from vllm_ext.nvfp4_gemv import decode_tile  # noqa: E402
 from vllm_ext.nvfp4_gluon_lora import tile_for  # noqa: E402
 
 
@@ -118,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     rows_list = ints(args.rows)
     if args.jobs > 1:
         low = 16 if args.kernel == "mma" else 8  # the smallest row block each kernel pads x to
-        for rows in sorted({max(low, 1 << (r - 1).bit_length()) for r in rows_list}):
-            precompile(tiles, args.jobs, rows=rows)  # one kernel per row block (16, 32, 64)
+        # one kernel per row block (16, 32, 64), and one for a single row (Triton specializes M == 1)
+        for rows in sorted({r if r == 1 else max(low, 1 << (r - 1).bit_length()) for r in rows_list}):
+            precompile(tiles, args.jobs, rows=rows)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "tiles": len(tiles), "rows": rows_list,
@@ -167,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                     ckpt_tile = dict(block_n=16 * w_ * r_, block_k=bk_, split_k=sk_, num_warps=w_, gluon=True,
                                      wgmma=True)
                     graphs["ckpt"] = (graph_of(ckpt_tile, ckpts, q.global_scale), iters)
+                if rows == 1 and not marlin_layout:  # the shipped one-row kernel (decode_gemv's), column row
+                    row_tile = dict(decode_tile(n, k), words=True, xvec=True, asm=True)
+                    graphs["row"] = (graph_of(row_tile, ckpts, q.global_scale), iters)
                 if marlins:
                     marlin_err = ((marlins[0](x).double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
                     graphs["marlin"] = (capture_graph([(lambda r_=r_: r_(x)) for r_ in marlins], iters), iters)
@@ -175,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                 fin = {"what": "final", "shape": shape, "linear": lname, "rows": rows, "tile": tile_name(best), **res,
                        "mma_gb_s": round(raw_bytes / res["mma"]["median_us"] / 1e3, 1),
                        "mma_vs_bf16": verdict(res["mma"], res["bf16"])}
+                if "row" in res:
+                    fin.update(row_tile=tile_name(row_tile), mma_vs_row=verdict(res["mma"], res["row"]))
                 if "ckpt" in res:
                     fin.update(ckpt_tile=tile_name(ckpt_tile), mma_vs_ckpt=verdict(res["mma"], res["ckpt"]))
                 if "marlin" in res:
@@ -186,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             del raws, ckpts, marlins, bf16s, w_exact
             torch.cuda.empty_cache()
 
-    keys = (("mma",) + (("ckpt",) if marlin_layout else ()) + (("marlin",) if marlin_linear is not None else ())
-            + ("bf16",))
+    keys = (("mma",) + (("ckpt",) if marlin_layout else ()) + (("row",) if 1 in rows_list and not marlin_layout else ())
+            + (("marlin",) if marlin_linear is not None else ()) + ("bf16",))
     lines = ["", f"few-row NVFP4 tensor-core kernel ({args.kernel}), weights streamed from HBM: us per call, median of "
              f"{args.reps} (spread); GB/s = NVFP4 bytes (codes + FP8 scales) / time"
              + ("" if marlin_linear is not None else f"; Marlin not run ({marlin_why})"),
@@ -196,18 +204,20 @@ def main(argv: list[str] | None = None) -> int:
     for f in finals:
         cell = lambda r: f"{r['median_us']:>9.2f} ±{r['spread_us']:<5.2f}"  # noqa: E731
         lines.append(f"{f['shape']:<5} {f['linear']:<8}{f['rows']:>5} {f['tile']:<20}"
-                     + "".join(cell(f[k_]) for k_ in keys) + f"{f['mma_gb_s']:>7.0f}  "
+                     + "".join(cell(f[k_]) if k_ in f else " " * 17 for k_ in keys) + f"{f['mma_gb_s']:>7.0f}  "
                      + f.get("mma_vs_marlin", f["mma_vs_bf16"] + " (vs bf16)")
-                     + (f"; {f['mma_vs_ckpt']} than ckpt ({f['ckpt_tile']})" if "mma_vs_ckpt" in f else ""))
+                     + (f"; {f['mma_vs_ckpt']} than ckpt ({f['ckpt_tile']})" if "mma_vs_ckpt" in f else "")
+                     + (f"; {f['mma_vs_row']} than row ({f['row_tile']})" if "mma_vs_row" in f else ""))
     for shape in args.shapes.split(","):
         for rows in rows_list:
             sel = [f for f in finals if f["shape"] == shape and f["rows"] == rows]
             if len(sel) != len(args.linears.split(",")):
                 continue
-            step, spread = per_step_ms(sel, keys, LAYERS[shape])
+            present = tuple(k_ for k_ in keys if all(k_ in f for f in sel))
+            step, spread = per_step_ms(sel, present, LAYERS[shape])
             record({"what": "per_step_ms", "shape": shape, "rows": rows, "median": step, "spread": spread})
             lines.append(f"per {shape} decode step (x{LAYERS[shape]}), {rows} rows: "
-                         + ", ".join(f"{k_} {step[k_]:.3f} ms (±{spread[k_]:.3f})" for k_ in keys))
+                         + ", ".join(f"{k_} {step[k_]:.3f} ms (±{spread[k_]:.3f})" for k_ in present))
     lines.append(f"tiles refused (error beyond the bf16 rounding, or not the same bits twice): {bad}")
     print("\n".join(lines), flush=True)
     return 1 if bad else 0
