@@ -54,8 +54,9 @@ from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
-__all__ = ["MAX_TOKENS", "NO_PDL_ENV", "PDL_FIRST_ENV", "ROW_OP", "SMALL_MAX_K", "SMALL_MAX_N", "decode_tile",
-           "nvfp4_gemv_row", "nvfp4_small_gemm", "pdl_first_allowed", "pdl_supported", "small_linear"]
+__all__ = ["DECODE_ENV", "MAX_TOKENS", "NO_PDL_ENV", "PDL_FIRST_ENV", "ROW_OP", "SMALL_MAX_K", "SMALL_MAX_N",
+           "decode_mode", "decode_tile", "nvfp4_gemv_row", "nvfp4_small_gemm", "pdl_first_allowed", "pdl_supported",
+           "small_linear"]
 
 MAX_TOKENS = 64  # rows per call; larger inputs belong to a GEMM with real M tiles
 GROUP = 16
@@ -200,6 +201,51 @@ _DECODE8_PTX_TEXT = _decode8_ptx()
 _DECODE8_PTX = tl.constexpr(_DECODE8_PTX_TEXT) if tl is not None else None  # a global a kernel may read
 
 
+# The same 8 codes through FP8 (sm_89 and later; docs/benchmarks.md §4ba): a code's sign and 3 magnitude bits at bits
+# 7 and 4-2 of a byte make the E4M3 byte of its value times 2^-6 (E2M1's exponent 0 lands on E4M3's subnormals,
+# exactly). The low nibbles of the word's four bytes (codes 0, 2, 4, 6) take two shifts and two masks, the high ones
+# (codes 1, 3, 5, 7; their sign is already bit 7) one shift and two masks; then cvt.rn.f16x2.e4m3x2 makes two
+# float16s of each byte pair, and each is widened as before. 7 integer/logic operations per word instead of 16: the
+# one-row kernels are bound by the ALU pipeline that executes them (§4ba).
+def _decode8_fp8_ptx() -> str:
+    lines = ["{", ".reg .b32 a, b, lo, hi, h0, h1, h2, h3;",
+             ".reg .b16 p0, p1, p2, p3, l0, l1, l2, l3, l4, l5, l6, l7;",
+             "shl.b32 a, $8, 2;", "and.b32 a, a, 0x1C1C1C1C;", "shl.b32 b, $8, 4;", "and.b32 b, b, 0x80808080;",
+             "or.b32 lo, a, b;",  # the E4M3 bytes of codes 0, 2, 4, 6
+             "shr.b32 a, $8, 2;", "and.b32 a, a, 0x1C1C1C1C;", "and.b32 b, $8, 0x80808080;",
+             "or.b32 hi, a, b;",  # codes 1, 3, 5, 7
+             "mov.b32 {p0, p1}, lo;", "mov.b32 {p2, p3}, hi;"]
+    lines += [f"cvt.rn.f16x2.e4m3x2 h{i}, p{i};" for i in range(4)]  # the low byte to the low half
+    # h0: codes 0, 2; h1: 4, 6; h2: 1, 3; h3: 5, 7
+    lines += ["mov.b32 {l0, l2}, h0;", "mov.b32 {l4, l6}, h1;", "mov.b32 {l1, l3}, h2;", "mov.b32 {l5, l7}, h3;"]
+    lines += [f"cvt.f32.f16 ${j}, l{j};" for j in range(8)]
+    return "\n".join(lines + ["}"])
+
+
+_DECODE8_FP8_PTX_TEXT = _decode8_fp8_ptx()
+_DECODE8_FP8_PTX = tl.constexpr(_DECODE8_FP8_PTX_TEXT) if tl is not None else None
+DECODE_ENV = "QERL_ROW_DECODE"
+_FP8_CVT: dict[str, bool] = {}
+
+
+def decode_mode(device: torch.device, asm: bool | None = None) -> int:
+    """The one-row kernels' E2M1 decode, their ``ASM`` constexpr: 0 Triton's integer operations (``asm=False``, or
+    by default under the interpreter or off CUDA), 1 the float16 bit moves in PTX (:func:`_decode8_ptx`), 2 the decode
+    through FP8 (:func:`_decode8_fp8_ptx`, compute capability 8.9 and later). PTX takes 2 where the GPU has it, unless
+    ``QERL_ROW_DECODE=f16`` (``fp8``, the default, or ``f16``). Both PTX decodes give the same output bits."""
+    if asm is False or (asm is None and (device.type != "cuda" or _interpreting())):
+        return 0
+    choice = (os.environ.get(DECODE_ENV, "") or "fp8").strip().lower()
+    if choice not in ("fp8", "f16"):
+        raise ValueError(f"{DECODE_ENV}={os.environ.get(DECODE_ENV)!r}: use fp8 (the default) or f16")
+    if choice == "f16" or device.type != "cuda":
+        return 1
+    key = str(device)
+    if key not in _FP8_CVT:
+        _FP8_CVT[key] = torch.cuda.get_device_capability(device) >= (8, 9)
+    return 2 if _FP8_CVT[key] else 1
+
+
 if triton is not None:
 
     @triton.jit
@@ -213,11 +259,28 @@ if triton is not None:
         return (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _decode_up(ASM: tl.constexpr):
+        """What undoes :func:`_decode8`'s power of two: 2^6 after the FP8 decode (``ASM`` 2), else 2^14."""
+        if ASM == 2:
+            up = 64.0
+        else:
+            up = 16384.0
+        return up
+
+    @triton.jit
     def _decode8(wv, ASM: tl.constexpr):
         """The 8 E2M1 codes of each int32 word of ``wv`` (code j in bits 4j .. 4j + 3) as 8 float32 tensors shaped
-        like ``wv``: code j's value times 2^-14. ``ASM``: in PTX (the interpreter cannot run it; the GPU tests check
-        it)."""
-        if ASM:
+        like ``wv``: code j's value times 2^-14, or times 2^-6 with ``ASM`` 2 (:func:`_decode_up` undoes either).
+        ``ASM`` (:func:`decode_mode`): 1 and 2 in PTX (the interpreter cannot run it; the GPU tests check it), 2 through
+        FP8 (sm_89 and later)."""
+        if ASM == 2:
+            codes = tl.inline_asm_elementwise(
+                asm=_DECODE8_FP8_PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wv],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
+                       tl.float32),
+                is_pure=True, pack=1,
+            )  # fmt: skip
+        elif ASM == 1:
             codes = tl.inline_asm_elementwise(
                 asm=_DECODE8_PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wv],
                 dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
@@ -315,7 +378,7 @@ if triton is not None:
         n_ok = rn < N
         part = _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, XVEC, STAGES)
         # workspace [SPLIT_K, N] float32 for split-K's partials
-        _finish(y_ptr + rn, ws_ptr + rn, N, part, n_ok, 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k,
+        _finish(y_ptr + rn, ws_ptr + rn, N, part, n_ok, _decode_up(ASM) / tl.load(g_ptr), cnt_ptr + pid_n, pid_k,
                 SPLIT_K, b_ptr + rn, HAS_BIAS)
 
 
@@ -476,7 +539,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     if words:
         LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](
             x2, packed.view(torch.int32), scale, g, out, ws, cnt, b, n, k,
-            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=decode_mode(x.device, asm),
             XVEC=xvec, HAS_BIAS=bias is not None, STAGES=stages, PDL=pdl,
             num_warps=num_warps, launch_pdl=pdl, **extra,
         )  # fmt: skip

@@ -41,10 +41,10 @@ from __future__ import annotations
 import torch
 
 from vllm_ext import lora_fused
-from vllm_ext.nvfp4_gemv import NO_PDL_ENV, decode_tile, one_row_buffers, pdl_first_allowed, pdl_supported
+from vllm_ext.nvfp4_gemv import (NO_PDL_ENV, decode_mode, decode_tile, one_row_buffers, pdl_first_allowed,
+                                 pdl_supported)
 from vllm_ext.nvfp4_marlin_row import CHUNK, marlin_row_tile, x_alignment
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
-from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
 __all__ = ["MAX_CHUNKS", "NO_PDL_ENV", "chunking", "first_slice_sizes", "launch", "launch_supported", "pdl_choice",
@@ -65,7 +65,7 @@ def chunking(k: int) -> tuple[int, int]:
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    from vllm_ext.nvfp4_gemv import _row_dot, _scaled, _sum_partials
+    from vllm_ext.nvfp4_gemv import _decode_up, _row_dot, _scaled, _sum_partials
     from vllm_ext.nvfp4_marlin_row import _marlin_row_dot, _marlin_rows
 
     @triton.jit
@@ -137,14 +137,14 @@ if triton is not None:
 
     @triton.jit
     def _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS: tl.constexpr, z_ptr,
-                           ZEROS: tl.constexpr):
+                           ZEROS: tl.constexpr, ASM: tl.constexpr):
         """The output with the update added; ``ZEROS``: also zeros into ``z_ptr``'s outputs (the split add's
         "update" of a call that added it here, so that it costs no launch of its own)."""
         out_ty = y_ptr.dtype.element_ty
         if ZEROS:
             tl.store(z_ptr + rn, tl.zeros(rn.shape, dtype=out_ty), mask=n_ok)
         # the row kernel's output (global scale, bias in float32), rounded once
-        base = _scaled(tot, 16384.0 / tl.load(g_ptr), bias_ptr + rn, n_ok, HAS_BIAS).to(out_ty)
+        base = _scaled(tot, _decode_up(ASM) / tl.load(g_ptr), bias_ptr + rn, n_ok, HAS_BIAS).to(out_ty)
         up = tl.sum(bt.to(tl.float32) * h.to(tl.float32)[None, :], axis=1).to(out_ty)
         tl.store(y_ptr + rn, (base.to(tl.float32) + up.to(tl.float32)).to(out_ty), mask=n_ok)
 
@@ -187,7 +187,7 @@ if triton is not None:
                         MARLIN, ASUM)
             if PDL:  # the shrink grid may still be running: h after the main loop
                 h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
-            _store_with_update(part, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS, z_ptr, ZEROS)
+            _store_with_update(part, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS, z_ptr, ZEROS, ASM)
         else:  # float32 partials [SPLIT_K, N]; the block's last program to arrive finishes it
             part = _dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_n, pid_k, N, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, STAGES,
                         MARLIN, ASUM)
@@ -198,7 +198,7 @@ if triton is not None:
                 h = _lora_h(hp_ptr, idx_ptr, hs, KS, lscale, out_ty, R, KS_PAD, PDL)
                 tot = _sum_partials(ws_ptr + rn, N, n_ok, part, SPLIT_K)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call (and the next CUDA-graph replay)
-                _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS, z_ptr, ZEROS)
+                _store_with_update(tot, bt, h, g_ptr, bias_ptr, y_ptr, rn, n_ok, HAS_BIAS, z_ptr, ZEROS, ASM)
 
 
 def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, ...],
@@ -354,7 +354,7 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         x2, w, scale.view(torch.int32) if marlin else scale.contiguous(), g, out, ws, cnt,
         out if bias is None else bias.contiguous(), n, k, hp, token_lora_indices, *b, n_first[0], n_first[1], ks,
         float(lora_scale), z,
-        BLOCK_N=block_n, BLOCK_K=tile["block_k"], SPLIT_K=split_k, ASM=not _interpreting(), HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=tile["block_k"], SPLIT_K=split_k, ASM=decode_mode(x.device), HAS_BIAS=bias is not None,
         R=rank, KS_PAD=MAX_CHUNKS, PDL=pdl, STAGES=tile.get("stages", 0), MARLIN=marlin,
         ASUM=int(tile.get("asum", 0)), ZEROS=zeros, num_warps=tile["num_warps"], launch_pdl=pdl,
     )  # fmt: skip

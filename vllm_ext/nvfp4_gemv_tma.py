@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.nvfp4_gemv import GROUP, _counters
+from vllm_ext.nvfp4_gemv import GROUP, _counters, decode_mode
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
-from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
 __all__ = ["nvfp4_gemv_row_tma", "tma_problems"]
@@ -38,7 +37,7 @@ if triton is not None:
     from triton.language.extra.cuda import gdc_wait
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from vllm_ext.nvfp4_gemv import _decode8, _finish, _xvec_sum
+    from vllm_ext.nvfp4_gemv import _decode8, _decode_up, _finish, _xvec_sum
 
     @triton.jit
     def _tma_row_kernel(
@@ -65,8 +64,8 @@ if triton is not None:
         rn = n0 + tl.arange(0, BLOCK_N)
         n_ok = rn < N
         # workspace [SPLIT_K, N] float32 for split-K's partials
-        _finish(y_ptr + rn, ws_ptr + rn, N, tl.sum(acc, axis=1), n_ok, 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n,
-                pid_k, SPLIT_K, b_ptr + rn, HAS_BIAS)
+        _finish(y_ptr + rn, ws_ptr + rn, N, tl.sum(acc, axis=1), n_ok, _decode_up(ASM) / tl.load(g_ptr),
+                cnt_ptr + pid_n, pid_k, SPLIT_K, b_ptr + rn, HAS_BIAS)
 
 
 def tma_problems(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
@@ -138,7 +137,7 @@ def nvfp4_gemv_row_tma(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     b = out if bias is None else bias.contiguous()  # unused without a bias
     _tma_row_kernel[(blocks, split_k)](
         x1, w_desc, s_desc, global_scale.reshape(1).to(torch.float32), out, ws, cnt, b, n, k,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=decode_mode(x.device, asm),
         HAS_BIAS=bias is not None, STAGES=stages, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

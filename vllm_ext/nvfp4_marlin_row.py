@@ -27,7 +27,7 @@ Marlin's layout, as vLLM 0.24 builds it (``gptq_marlin_repack`` on the codes, 4 
   the divisor ``2^e / g`` (:func:`marlin_divisor`).
 
 How: per group row, each word's 8 codes are decoded as in :mod:`vllm_ext.nvfp4_gemv` (PTX, each code times
-2^-14, exact in float32) and meet ``x`` at the word's four inputs, two outputs per word: two float32 sums of products
+2^-6 through FP8 on sm_89 and later, else 2^-14; exact in float32) and meet ``x`` at the word's four inputs, two outputs per word: two float32 sums of products
 per word, each times its output's group scale, accumulated over the program's groups and summed over ``a`` once at
 the end (``asum``: over ``a`` first, then one scale per output and group; ``asum`` 2 with ``a`` unrolled, so the
 sum stays in a thread's registers). ``T`` groups per loop step (one 16-byte
@@ -63,9 +63,8 @@ import os
 
 import torch
 
-from vllm_ext.nvfp4_gemv import one_row_buffers, pdl_first_allowed, pdl_supported
+from vllm_ext.nvfp4_gemv import decode_mode, one_row_buffers, pdl_first_allowed, pdl_supported
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
-from vllm_ext.triton_support import interpreting as _interpreting
 from vllm_ext.triton_support import tl, triton
 
 __all__ = ["ASUM_FORMS", "MARLIN_ROW_OP", "SWEPT_TILES", "TILES_ENV", "marlin_divisor", "marlin_row_gemm",
@@ -118,7 +117,7 @@ def _swept_tiles(path: str) -> dict[tuple[int, int], dict[str, int]]:
 if triton is not None:
     from triton.language.extra.cuda import gdc_wait
 
-    from vllm_ext.nvfp4_gemv import _decode8, _finish
+    from vllm_ext.nvfp4_gemv import _decode8, _decode_up, _finish
 
     @triton.jit
     def _marlin_scale(b):
@@ -299,8 +298,8 @@ if triton is not None:
         rn = _marlin_rows(pid_n, HB)
         n_ok = rn < N
         part = _marlin_row_dot(x_ptr, w_ptr, s_ptr, pid_n, pid_k, N, K, HB, T, SPLIT_K, ASM, STAGES, ASUM)
-        _finish(y_ptr + rn, ws_ptr + rn, N, part, n_ok, 16384.0 / tl.load(g_ptr), cnt_ptr + pid_n, pid_k, SPLIT_K,
-                b_ptr + rn, HAS_BIAS)
+        _finish(y_ptr + rn, ws_ptr + rn, N, part, n_ok, _decode_up(ASM) / tl.load(g_ptr), cnt_ptr + pid_n, pid_k,
+                SPLIT_K, b_ptr + rn, HAS_BIAS)
 
 
 def x_alignment(asum: bool | int) -> int:
@@ -423,7 +422,7 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     b = out if bias is None else bias.contiguous()
     _marlin_row_kernel[(blocks, split_k)](
         x2, qweight, scale.view(torch.int32), divisor.reshape(1).to(torch.float32), out, ws, cnt, b, n, k,
-        HB=hb, T=t, SPLIT_K=split_k, ASM=(not _interpreting()) if asm is None else asm, HAS_BIAS=bias is not None,
+        HB=hb, T=t, SPLIT_K=split_k, ASM=decode_mode(x.device, asm), HAS_BIAS=bias is not None,
         STAGES=stages, PDL=pdl, ASUM=int(asum), num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

@@ -2,7 +2,7 @@
 """The one-row NVFP4 kernels' main loops in SASS, counted per 4-byte word of weights, compiled for sm_90 on a machine
 without a GPU (Triton's front end, LLVM, and the ptxas and nvdisasm its wheel bundles):
 
-    python3 scripts/cpu/kernel_sass.py [--json] [--wgmma]
+    python3 scripts/cpu/kernel_sass.py [--json] [--wgmma] [--fp8]
 
 For each kernel and tile (``decode_gemv: "shared"``'s forms on §4ai's best 7B tiles, and the checkpoint-layout
 row kernel on its shipped 7B tiles) it finds the loops (a branch back to an earlier label), takes the longest one as
@@ -12,6 +12,10 @@ loop's). The pointers and N, K are declared divisible by 16, as Triton's launche
 that it cannot prove 16-byte loads aligned, splits them and adds layout conversions). A static count: no latency, no
 occupancy, no memory (docs/benchmarks.md §4ai used it to test §4ah's estimate that the shared kernel issues more
 instructions per word than the row kernel).
+
+``--fp8``: the one-row kernels with their decode through FP8 (``ASM`` 2, what sm_89 and later run since §4ba) instead
+of the float16 bit moves. Each row also counts the integer and logic opcodes per word (LOP3, SHF, PRMT, LEA, IADD3,
+SEL), which Nsight Compute put on the busiest pipeline (§4ba).
 
 ``--wgmma``: instead, vllm_ext.nvfp4_gluon's few-row wgmma GEMM at 8 rows, on the checkpoint's layout at the 7B q/k/v
 tile the gluon+lora path runs and on Marlin's tensors (vllm_ext.nvfp4_gluon_marlin) at the tiles §4ay swept (docs/benchmarks.md §4ay).
@@ -83,6 +87,9 @@ def main_loop(text: str) -> list[str]:
     return best
 
 
+INT_LOGIC = ("LOP3", "SHF", "PRMT", "LEA", "IADD3", "SEL")  # the decode's integer and logic opcodes (§4ba)
+
+
 def summary(name: str, body: list[str], words: float) -> dict:
     counts = collections.Counter(op.split(".")[0] for op in body)
     return {"kernel": name, "loop_instructions": len(body), "words_per_thread_per_trip": words,
@@ -90,23 +97,26 @@ def summary(name: str, body: list[str], words: float) -> dict:
             "loads_per_word": round((counts["LDG"] + counts["LDGSTS"]) / words, 2), "bar_per_trip": counts["BAR"],
             "shared_memory_per_trip": sum(counts[op] for op in ("LDS", "STS", "LDSM", "STSM")),
             "hgmma_per_trip": counts["HGMMA"],
+            "int_logic_per_word": round(sum(counts[op] for op in INT_LOGIC) / words, 2),
             "top": counts.most_common(8)}
 
 
-def run() -> list[dict]:
+def run(asm: int = 1) -> list[dict]:
+    """The shared forms and the row kernel with decode ``asm`` (``vllm_ext.nvfp4_gemv.decode_mode``: 1 the float16
+    bit moves, the decode §4ai counted; 2 through FP8, §4ba)."""
     from vllm_ext import nvfp4_gemv, nvfp4_marlin_row
     from vllm_ext.triton_support import compile_sm90
 
     rows = []
     for name, hb, t, sk, warps, asum in SHARED_TILES:
         kernel = compile_sm90(nvfp4_marlin_row._marlin_row_kernel, MARLIN_PTRS,
-                                dict(HB=hb, T=t, SPLIT_K=sk, ASM=True, HAS_BIAS=False, STAGES=0, PDL=False,
+                                dict(HB=hb, T=t, SPLIT_K=sk, ASM=asm, HAS_BIAS=False, STAGES=0, PDL=False,
                                      ASUM=asum), warps, ALIGNED)
         rows.append(summary(f"shared {name} (h{hb}t{t}s{sk}w{warps})", main_loop(disassemble(kernel.asm["cubin"])),
                             t * hb * 16 / (32 * warps)))
     for name, block_n, sk, warps, stages in ROW_TILES:
         kernel = compile_sm90(nvfp4_gemv._nvfp4_row_kernel, ROW_PTRS,
-                                dict(BLOCK_N=block_n, BLOCK_K=512, SPLIT_K=sk, ASM=True, XVEC=True, HAS_BIAS=False,
+                                dict(BLOCK_N=block_n, BLOCK_K=512, SPLIT_K=sk, ASM=asm, XVEC=True, HAS_BIAS=False,
                                      STAGES=stages, PDL=False), warps, ALIGNED)
         rows.append(summary(f"row {name} (n{block_n}s{sk}w{warps}S{stages})",
                             main_loop(disassemble(kernel.asm["cubin"])), block_n * 64 / (32 * warps)))
@@ -146,15 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of the table")
     p.add_argument("--wgmma", action="store_true", help="the few-row wgmma GEMM on both layouts instead (§4ay)")
+    p.add_argument("--fp8", action="store_true", help="the one-row kernels with the decode through FP8 (§4ba)")
     args = p.parse_args(argv)
-    rows = run_wgmma() if args.wgmma else run()
+    rows = run_wgmma() if args.wgmma else run(2 if args.fp8 else 1)
     for r in rows:
         if args.json:
             print(json.dumps(r))
         else:
             print(f"{r['kernel']:<36} {r['per_word']:>5.1f} instr/word  FFMA {r['ffma_per_word']:>4.2f}  "
                   f"loads {r['loads_per_word']:>4.2f}  BAR/trip {r['bar_per_trip']:>2}  "
-                  f"LDS/STS/trip {r['shared_memory_per_trip']:>2}  "
+                  f"LDS/STS/trip {r['shared_memory_per_trip']:>2}  int/logic {r['int_logic_per_word']:>5.2f}  "
                   + ", ".join(f"{op} {n}" for op, n in r["top"][:5]))
     return 0
 

@@ -95,6 +95,8 @@ VARIANTS: dict[str, Variant] = {
     "pdl-first-off": Variant("decode_gemv's first launch per linear (the row kernel alone, or row+lora's shrink) as a "
                              "plain launch, as before §4p (QERL_PDL_FIRST=0)", env={"QERL_PDL_FIRST": "0"},
                              only="nvfp4"),
+    "row-decode-f16": Variant("the one-row kernels' E2M1 decode as before §4ba (float16 bit moves in PTX) instead "
+                              "of through FP8 (QERL_ROW_DECODE=f16)", env={"QERL_ROW_DECODE": "f16"}, only="nvfp4"),
     "humming-backend": Variant("nvfp4 layers on vLLM's humming W4A16 kernels (backend humming; needs the humming-kernels "
                                "package; split-K partials added in bf16)", nvfp4={"backend": "humming"}, only="nvfp4"),
     "no-fp32-reduce": Variant("Marlin reduces split-K partials in BF16 instead of FP32",
