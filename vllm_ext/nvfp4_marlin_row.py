@@ -81,15 +81,16 @@ ASUM_FORMS = (0, 1, 2, 3, 4)  # the kernel's forms (marlin_row_gemm's asum)
 # Tiles (hb, t, split_k, num_warps, stages, asum) that a sweep (H200, the best against what marlin_row_tile gave
 # before it, in 5 interleaved timings) found faster by more than both spreads. §4al's sweep of forms 3 and 4 (60-72
 # tiles per linear) against §4aj's entries (forms 1-3) and the rule: form 4 beat them on seven of the eight linears;
-# on the 7B down linear it was level with §4aj's tile, which stays
+# on the 7B down linear it was level with §4aj's tile, which stays. §4ba swept forms 3 and 4 again with the decode
+# through FP8 (the default on sm_89 and later since): only the two gate/up entries changed
 SWEPT_TILES = {
     (4608, 3584): (16, 8, 16, 4, 0, 4),  # 7B q/k/v: 7.90 against §4aj's 8.33 us (§4al)
     (3584, 3584): (16, 8, 16, 4, 0, 4),  # 7B o: 7.28 against the rule's 8.00 us (§4al)
-    (37888, 3584): (16, 8, 8, 4, 0, 4),  # 7B gate/up: 32.21 against the rule's 33.22 us (§4al)
+    (37888, 3584): (16, 8, 4, 4, 0, 3),  # 7B gate/up, FP8 decode: 30.26 against §4al's 32.81 us (§4ba)
     (3584, 18944): (8, 16, 16, 4, 0, 3),  # 7B down: 19.85 against the rule's 20.98 us (§4aj); form 4 equal (§4al)
     (7168, 5120): (16, 8, 16, 4, 0, 4),  # 32B q/k/v: 12.22 against §4aj's 12.73 us (§4al)
     (5120, 5120): (16, 8, 16, 4, 0, 4),  # 32B o: 9.93 against §4aj's 10.45 us (§4al)
-    (55296, 5120): (16, 8, 8, 4, 0, 4),  # 32B gate/up: 59.14 against §4aj's 61.54 us (§4al)
+    (55296, 5120): (16, 8, 4, 4, 0, 4),  # 32B gate/up, FP8 decode: 56.86 against §4al's 57.67 us (§4ba)
     (5120, 27648): (16, 8, 16, 4, 0, 4),  # 32B down: 34.61 against §4aj's 35.60 us (§4al)
 }
 

@@ -142,15 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from qerl_plugin import nvfp4
     from vllm_ext.bench.kernels import capture_graph, replay_us
-    from vllm_ext.nvfp4_backends import marlin_gemm
     from vllm_ext.nvfp4_marlin_row import TILES_ENV, marlin_row_gemm, marlin_row_tile
 
     try:  # Marlin's repack and GEMM; without them the tensors come from marlin_pack and Marlin is not timed
         import vllm._custom_ops  # noqa: F401
 
+        from vllm_ext.nvfp4_backends import marlin_gemm
         have_vllm = True
     except Exception:  # noqa: BLE001
-        have_vllm = False
+        marlin_gemm, have_vllm = None, False
 
     os.environ.pop(TILES_ENV, None)  # marlin_row_tile's own rule is one of the rows timed
     record = jsonl_recorder(args.out, "sweep_marlin_row.jsonl")

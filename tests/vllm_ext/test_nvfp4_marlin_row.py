@@ -286,8 +286,10 @@ def test_tiles_of_the_7b_and_32b_linears():
     # §4ai's rule (form 1) on a shape no sweep named
     assert marlin_row_tile(4608, 18944) == dict(hb=8, t=16, split_k=16, num_warps=4, stages=0, asum=1)  # not swept
     assert marlin_row_tile(2048, 2048) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=1)
-    # §4al's sweep: form 4 on seven linears (the 7B and 32B gate/up with split-K 8); §4aj's form 3 kept on the 7B down
-    assert marlin_row_tile(37888, 3584) == dict(hb=16, t=8, split_k=8, num_warps=4, stages=0, asum=4)
+    # §4al's sweep: form 4 on seven linears; §4aj's form 3 kept on the 7B down; §4ba's with the FP8 decode: the 7B and
+    # 32B gate/up with split-K 4 (the 7B in form 3)
+    assert marlin_row_tile(37888, 3584) == dict(hb=16, t=8, split_k=4, num_warps=4, stages=0, asum=3)
+    assert marlin_row_tile(55296, 5120) == dict(hb=16, t=8, split_k=4, num_warps=4, stages=0, asum=4)
     assert marlin_row_tile(3584, 3584) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=4)
     assert marlin_row_tile(4608, 3584) == dict(hb=16, t=8, split_k=16, num_warps=4, stages=0, asum=4)
     assert marlin_row_tile(3584, 18944) == dict(hb=8, t=16, split_k=16, num_warps=4, stages=0, asum=3)
