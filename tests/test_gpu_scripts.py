@@ -1739,10 +1739,13 @@ def test_shared_default_and_form_4_tiles_from_the_thirty_fifth_sessions_raw_resu
     assert all(r["ok"] for r in rows if r["what"] == "tile")
     finals = [r for r in rows if r["what"] == "final"]
     assert len(finals) == 8
+    resweep = {(37888, 3584), (55296, 5120)}  # §4ba swept these again with the FP8 decode (its own raw-file test)
     for r in finals:
         best = names[r["tile"]]
         best = tuple(best[k] for k in (*TILE_KEYS, "asum"))
-        if gemv.verdict(r["best"], r["rule"]) == "faster":
+        if (r["n"], r["k"]) in resweep:
+            assert gemv.verdict(r["best"], r["rule"]) == "faster"
+        elif gemv.verdict(r["best"], r["rule"]) == "faster":
             assert SWEPT_TILES[(r["n"], r["k"])] == best, (r["shape"], r["linear"])
         else:
             assert r["rule_tile"] == sweep.tile_name(dict(zip((*TILE_KEYS, "asum"), SWEPT_TILES[(r["n"], r["k"])])))
@@ -2182,6 +2185,106 @@ def test_fortieth_sessions_marlin_layout_sweep():
         assert step["median"]["mma"] - step["median"]["ckpt"] > max(step["spread"]["mma"], step["spread"]["ckpt"])
         if call == "call1":
             assert round(100 * (step["median"]["mma"] / step["median"]["ckpt"] - 1), 1) == 19.5
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_forty_first_session_marlin_layout_and_tma():
+    """§4ba calls 1 and 2, from the committed raw files: the Marlin-layout GEMM's leaner loop is correct (18 tests, 72
+    tile runs) but 0.251 ms per 7B step above the checkpoint layout at 8 rows, beyond the 0.1 allowed (closed); the TMA
+    row kernel is correct (6 tests, 1 296 tile runs) and slower than the shipped row kernel on every linear."""
+    root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-first"
+    assert "18 passed" in (root / "call1" / "gpu_tests.log").read_text()
+    recs = _jsonl(root / "call1" / "sweep_wgmma-marlin.jsonl")
+    assert sum(1 for r in recs if r["what"] == "tile" and r["ok"]) == 72
+    step = next(r for r in recs if r["what"] == "per_step_ms")
+    assert (step["median"]["mma"], step["median"]["ckpt"]) == (2.533, 2.282)
+    assert step["median"]["mma"] - step["median"]["ckpt"] > 0.1 + max(step["spread"].values())
+    assert "6 passed" in (root / "call2" / "gpu_tests.log").read_text()
+    recs = _jsonl(root / "call2" / "sweep_row_tma.jsonl")
+    tiles = [r for r in recs if r["what"] == "tile"]
+    assert len(tiles) == 1296 and all(r["ok"] for r in tiles)
+    assert all(r["best_vs_shipped"] == "slower" for r in recs if r["what"] == "final")
+    steps = {r["shape"]: r["median"] for r in recs if r["what"] == "per_step_ms"}
+    assert (steps["7B"]["best"], steps["7B"]["shipped"], steps["32B"]["best"], steps["32B"]["shipped"]) == (
+        1.885, 1.751, 7.673, 7.177)
+
+
+def test_forty_first_session_what_limits_the_row_kernel():
+    """§4ba calls 3-7: the probe (loads alone 26 % under the whole loop per 7B step; its full mode within float32 sums of
+    the exact product), Nsight Compute (gate/up issuing in 77 % of cycles, the ALU busiest; the Gluon kernel in 53-54 %),
+    the Gluon register kernel slower at one row, and the decode through FP8 10.1 % faster in the probe, correct."""
+    root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-first"
+    recs = _jsonl(root / "call3" / "probe_row_limit.jsonl")
+    step = next(r for r in recs if r["what"] == "per_step_ms" and r["shape"] == "7B")["median"]
+    assert (step["full"], step["loads"], step["words"]) == (1.791, 1.319, 1.091)
+    assert round(100 * (1 - step["loads"] / step["full"]), 1) == 26.4
+    assert all(r["full_ok"] for r in recs if r["what"] == "final")
+    ncu = (root / "call4" / "ncu.txt").read_text()
+    busy = [float(v) for v in re.findall(r"Issue Slots Busy\s+%\s+([\d.]+)", ncu)]
+    assert busy == [54.26, 41.97, 76.68, 58.96]  # q/k/v, o, gate/up, down
+    recs = _jsonl(root / "call5" / "sweep_gluon.jsonl")
+    assert not any(r["what"] == "tile" and not r["ok"] for r in recs)
+    step = next(r for r in recs if r["what"] == "per_step_ms")
+    assert (step["median"]["mma"], step["median"]["row"]) == (1.98, 1.76)
+    assert all(r["mma_vs_row"] == "slower" for r in recs if r["what"] == "final")
+    ncu = (root / "call6" / "ncu.txt").read_text()
+    kernels = re.findall(r"^  (_\w+_kernel) ", ncu, flags=re.M)
+    busy = [float(v) for v in re.findall(r"Issue Slots Busy\s+%\s+([\d.]+)", ncu)]
+    alu = [float(v) for v in re.findall(r"ALU is the highest-utilized pipeline \(([\d.]+)%\)", ncu)]
+    assert kernels == ["_nvfp4_row_kernel"] * 2 + ["_gluon_kernel"] * 2
+    assert busy == [77.08, 76.56, 52.85, 53.93] and all(66 <= a <= 69 for a in alu)
+    recs = _jsonl(root / "call7" / "probe_row_limit.jsonl")
+    step = next(r for r in recs if r["what"] == "per_step_ms" and r["shape"] == "7B")
+    assert (step["median"]["fp8"], step["median"]["full"]) == (1.615, 1.797)
+    assert step["median"]["full"] - step["median"]["fp8"] > max(step["spread"]["fp8"], step["spread"]["full"])
+    assert 1 - step["median"]["fp8"] / step["median"]["full"] >= 0.05
+    assert all(r["full_ok"] for r in recs if r["what"] == "final")
+
+
+def test_forty_first_session_fp8_decode_in_the_kernels_and_engines():
+    """§4ba calls 8, 10 and the engines: the same bits with either decode in every kernel, and the verdicts per step
+    (row faster at 7B and 32B, shared equal at 7B and faster at 32B); the two gate/up tiles SWEPT_TILES took, faster than
+    the tiles before beyond both spreads; the 7B b1 engines level (the spread rule), with the f16 variant's environment
+    recorded, and the BF16 row on qerl's overlap LoRA."""
+    from vllm_ext.nvfp4_marlin_row import SWEPT_TILES
+
+    root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-first"
+    log = (root / "call8" / "gpu_tests.log").read_text()
+    assert "18 passed" in log and "15 passed" in log
+    recs = _jsonl(root / "call8" / "bench_decode.jsonl")
+    finals = [r for r in recs if r["what"] == "final"]
+    assert len(finals) == 8 and all(all(r["same_bits"].values()) for r in finals)
+    steps = {r["shape"]: r for r in recs if r["what"] == "per_step_ms"}
+
+    def verdict(shape, kernel):  # noqa: ANN001, ANN202
+        med, spr = steps[shape]["median"], steps[shape]["spread"]
+        diff = med[f"{kernel}_f16"] - med[f"{kernel}_fp8"]
+        return "equal" if abs(diff) <= max(spr[f"{kernel}_f16"], spr[f"{kernel}_fp8"]) else (
+            "faster" if diff > 0 else "slower")
+
+    assert [verdict(s, k) for s in ("7B", "32B") for k in ("row", "shared")] == ["faster", "equal", "faster", "faster"]
+    assert (steps["7B"]["median"]["row_fp8"], steps["7B"]["median"]["row_f16"]) == (1.631, 1.724)
+    recs = _jsonl(root / "call10" / "sweep_marlin_row.jsonl")
+    assert not any(r["what"] == "tile" and not r.get("ok") for r in recs)
+    taken = {(r["n"], r["k"]): r for r in recs if r["what"] == "final" and r["best_vs_rule"] == "faster"}
+    assert set(taken) == {(37888, 3584), (55296, 5120)}
+    tiles = json.loads((root / "call10" / "marlin_row_tiles.json").read_text())
+    for (n, k), r in taken.items():
+        t = tiles[f"{n},{k}"]
+        assert SWEPT_TILES[(n, k)] == (t["hb"], t["t"], t["split_k"], t["num_warps"], t["stages"], t["asum"])
+    bench = json.loads((root / "engines" / "bench-dec" / "a" / "bench_rollout.json").read_text())
+    res = {f"{r['config']}@{r['variant']}": r for r in bench["results"]}
+    new, old = (res[f"nvfp4-lora@{v}"]["batches"]["1"] for v in ("default", "row-decode-f16"))
+    assert (new["decode_tok_s"], old["decode_tok_s"]) == (302.21, 303.11)
+    spread = max(max(r["decode_runs_tok_s"]) - min(r["decode_runs_tok_s"]) for r in (new, old))
+    assert abs(new["decode_tok_s"] - old["decode_tok_s"]) <= spread  # level
+    assert res["nvfp4-lora@row-decode-f16"]["env"]["QERL_ROW_DECODE"] == "f16"
+    assert "QERL_ROW_DECODE" not in res["nvfp4-lora@default"]["env"]
+    log = (root / "engines" / "bench-dec" / "a" / "logs" / "bf16-lora--default.log").read_text()
+    assert "LoRA linears on the overlap path" in log  # not punica: the 1.46x is not the issue's ratio
 
 
 def _eval_shared_paths(name: str = "eval_shared") -> list[str]:
