@@ -268,25 +268,24 @@ if triton is not None:
         return up
 
     @triton.jit
+    def _decode8_asm(wv, PTX: tl.constexpr):
+        """The 8 float32 outputs of the decode PTX ``PTX`` for each int32 word of ``wv``."""
+        return tl.inline_asm_elementwise(
+            asm=PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wv],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+
+    @triton.jit
     def _decode8(wv, ASM: tl.constexpr):
         """The 8 E2M1 codes of each int32 word of ``wv`` (code j in bits 4j .. 4j + 3) as 8 float32 tensors shaped
         like ``wv``: code j's value times 2^-14, or times 2^-6 with ``ASM`` 2 (:func:`_decode_up` undoes either).
         ``ASM`` (:func:`decode_mode`): 1 and 2 in PTX (the interpreter cannot run it; the GPU tests check it), 2 through
         FP8 (sm_89 and later)."""
         if ASM == 2:
-            codes = tl.inline_asm_elementwise(
-                asm=_DECODE8_FP8_PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wv],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
-                       tl.float32),
-                is_pure=True, pack=1,
-            )  # fmt: skip
+            codes = _decode8_asm(wv, _DECODE8_FP8_PTX)
         elif ASM == 1:
-            codes = tl.inline_asm_elementwise(
-                asm=_DECODE8_PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wv],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
-                       tl.float32),
-                is_pure=True, pack=1,
-            )  # fmt: skip
+            codes = _decode8_asm(wv, _DECODE8_PTX)
         else:  # codes j and j + 4 as two float16 in one int32 (halves: code j, code j + 4): the magnitude bits to
             # bits 11-9 of each half, the sign to bit 15; each float16 is the E2M1 value times 2^-14
             h0 = ((wv << 9) & 0x0E000E00) | ((wv << 12) & -2147450880)  # -2147450880 = 0x80008000 as int32

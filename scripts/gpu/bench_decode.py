@@ -27,7 +27,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_timing_args, jsonl_recorder, per_step_ms, streamed_weight, timed_interleaved, verdict)
+    LINEARS, add_timing_args, jsonl_recorder, step_lines, streamed_weight, timed_interleaved, verdict)
 
 KEYS = ("row_f16", "row_fp8", "shared_f16", "shared_fp8")
 
@@ -108,13 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     for f in finals:
         lines.append(f"{f['shape']:<5} {f['linear']:<8}" + "".join(cell(f[key]) for key in KEYS)
                      + f"  {f['row_fp8_vs_f16']} / {f['shared_fp8_vs_f16']}, {f['same_bits']}")
-    for shape in args.shapes.split(","):
-        sel = [f for f in finals if f["shape"] == shape]
-        if len(sel) == len(args.linears.split(",")):
-            step, spread = per_step_ms(sel, KEYS, LAYERS[shape])
-            record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
-            lines.append(f"per {shape} step (x{LAYERS[shape]}): " + ", ".join(
-                f"{key} {step[key]:.3f} (±{spread[key]:.3f})" for key in KEYS))
+    lines += step_lines(finals, args.shapes, args.linears, KEYS, record)
     lines.append(f"outputs that differ between the two decodes: {unequal}")
     print("\n".join(lines), flush=True)
     return 1 if unequal else 0

@@ -205,6 +205,21 @@ def per_step_ms(finals: list[dict[str, Any]], keys: tuple[str, ...], layers: int
     return {k: total(k, "median_us") for k in keys}, {k: total(k, "spread_us") for k in keys}
 
 
+def step_lines(finals: list[dict[str, Any]], shapes: str, linears: str, keys: tuple[str, ...],
+               record: Callable[..., None]) -> list[str]:
+    """For each of ``shapes`` whose ``linears`` all finished in ``finals``: its decode step's medians and spreads over
+    ``keys`` (:func:`per_step_ms`), recorded as a ``per_step_ms`` row, and a line describing it."""
+    lines = []
+    for shape in shapes.split(","):
+        sel = [f for f in finals if f["shape"] == shape]
+        if len(sel) == len(linears.split(",")):
+            step, spread = per_step_ms(sel, keys, LAYERS[shape])
+            record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
+            lines.append(f"per {shape} step (x{LAYERS[shape]}): " + ", ".join(
+                f"{key} {step[key]:.3f} (±{spread[key]:.3f})" for key in keys))
+    return lines
+
+
 def verdict(a: dict[str, float], b: dict[str, float]) -> str:
     """'faster' / 'slower' for ``a`` against ``b`` where the medians differ by more than both spreads, else 'equal'."""
     diff = b["median_us"] - a["median_us"]

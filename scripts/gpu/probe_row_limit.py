@@ -9,8 +9,8 @@ Per linear, at ``decode_tile``'s tile (block_n, block_k, split_k, warps, stages)
   - ``shipped``: the row kernel as the engine runs it (``nvfp4_small_gemm(words, xvec, asm)``);
   - ``full``: the probe kernel doing the same work (the same loads, decode and products), its split-K partials
     stored but not summed; it is checked against the exact product;
-  - ``fp8``: ``full`` with the codes decoded through FP8 (``_DECODE8_FP8_PTX``: fewer integer and logic operations
-    per word); checked against the exact product too;
+  - ``fp8``: ``full`` with the codes decoded through FP8 (``_decode8``'s ``ASM`` 2: fewer integer and logic
+    operations per word); checked against the exact product too (``full`` keeps the float16 decode, ``ASM`` 1);
   - ``no_x``: the same loads of words and scales and the same decode, without ``x`` (the 8 codes summed, times the
     scale);
   - ``loads``: the same loads of words, scales and ``x``, with one multiply-add per word instead of the decode and
@@ -37,7 +37,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_timing_args, jsonl_recorder, per_step_ms, streamed_weight, timed_interleaved)
+    LINEARS, add_timing_args, jsonl_recorder, step_lines, streamed_weight, timed_interleaved)
 
 import torch  # noqa: E402
 
@@ -45,53 +45,11 @@ from vllm_ext.triton_support import tl, triton  # noqa: E402
 
 MODES = {"full": 0, "no_x": 1, "loads": 2, "words": 3, "fp8": 4}
 
-# ``fp8``: the decode through FP8. A code's sign and 3 magnitude bits, moved to bits 7 and 4-2 of a byte, make the
-# E4M3 byte of the code's value times 2^-6 (E2M1 exponent 0 lands on E4M3's subnormals, exactly). Four codes per
-# register in two shifts and two masks (the low nibbles: codes 0, 2, 4, 6) and one shift and two masks (the high
-# ones, whose sign bit is already bit 7), then the hardware's E4M3-pair to float16-pair conversion (sm_89+), then
-# float16 to float32 as before: 7 integer/logic operations per word instead of 16.
-_DECODE8_FP8_PTX = tl.constexpr("""{
-.reg .b32 a, b, lo, hi, h0, h1, h2, h3;
-.reg .b16 p0, p1, p2, p3, l0, l1, l2, l3, l4, l5, l6, l7;
-shl.b32 a, $8, 2;
-and.b32 a, a, 0x1C1C1C1C;
-shl.b32 b, $8, 4;
-and.b32 b, b, 0x80808080;
-or.b32 lo, a, b;
-shr.b32 a, $8, 2;
-and.b32 a, a, 0x1C1C1C1C;
-and.b32 b, $8, 0x80808080;
-or.b32 hi, a, b;
-mov.b32 {p0, p1}, lo;
-mov.b32 {p2, p3}, hi;
-cvt.rn.f16x2.e4m3x2 h0, p0;
-cvt.rn.f16x2.e4m3x2 h1, p1;
-cvt.rn.f16x2.e4m3x2 h2, p2;
-cvt.rn.f16x2.e4m3x2 h3, p3;
-mov.b32 {l0, l2}, h0;
-mov.b32 {l4, l6}, h1;
-mov.b32 {l1, l3}, h2;
-mov.b32 {l5, l7}, h3;
-cvt.f32.f16 $0, l0;
-cvt.f32.f16 $1, l1;
-cvt.f32.f16 $2, l2;
-cvt.f32.f16 $3, l3;
-cvt.f32.f16 $4, l4;
-cvt.f32.f16 $5, l5;
-cvt.f32.f16 $6, l6;
-cvt.f32.f16 $7, l7;
-}""") if tl is not None else None
+# ``fp8``: the decode through FP8 (vllm_ext.nvfp4_gemv._decode8 with ASM 2; §4ba's call 7 ran this probe with its own
+# copy of the same PTX text, before the decode moved into the kernels).
 
 if triton is not None:
     from vllm_ext.nvfp4_gemv import _decode8, _xvec_sum
-
-    @triton.jit
-    def _decode8_fp8(wv):
-        """The 8 codes of each int32 word of ``wv`` as float32, code j's value times 2^-6 (``_DECODE8_FP8_PTX``)."""
-        return tl.inline_asm_elementwise(
-            asm=_DECODE8_FP8_PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wv],
-            dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
-            is_pure=True, pack=1)
 
     @triton.jit
     def _probe_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
@@ -104,11 +62,11 @@ if triton is not None:
         sg = tl.load(s_ptr + rn[:, None] * kg + cg[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
         sc = tl.reshape(tl.join(sg, sg), (BLOCK_N, WORDS))
         if MODE == 0:
-            return _xvec_sum(_decode8(wv, True), x_ptr, cw, BLOCK_N, WORDS) * sc
+            return _xvec_sum(_decode8(wv, 1), x_ptr, cw, BLOCK_N, WORDS) * sc
         if MODE == 4:
-            return _xvec_sum(_decode8_fp8(wv), x_ptr, cw, BLOCK_N, WORDS) * sc
+            return _xvec_sum(_decode8(wv, 2), x_ptr, cw, BLOCK_N, WORDS) * sc
         if MODE == 1:
-            c = _decode8(wv, True)
+            c = _decode8(wv, 1)
             return (c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7]) * sc
         xv = tl.load(x_ptr + 8 * cw[:, None] + tl.arange(0, 8)[None, :]).to(tl.float32)  # [WORDS, 8]
         return wv.to(tl.float32) * sc + tl.sum(xv, axis=1)[None, :]
@@ -223,13 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{f['shape']:<5} {f['linear']:<8}" + "".join(
             f"{f[key]['median_us']:>9.2f} ±{f[key]['spread_us']:<5.2f}" for key in keys))
         lines.append(f"{'':<5} {'GB/s':<8}" + "".join(f"{f['gb_s'][key]:>16.0f}" for key in keys))
-    for shape in args.shapes.split(","):
-        sel = [f for f in finals if f["shape"] == shape]
-        if len(sel) == len(args.linears.split(",")):
-            step, spread = per_step_ms(sel, keys, LAYERS[shape])
-            record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
-            lines.append(f"per {shape} step (x{LAYERS[shape]}): " + ", ".join(
-                f"{key} {step[key]:.3f} (±{spread[key]:.3f})" for key in keys))
+    lines += step_lines(finals, args.shapes, args.linears, keys, record)
     lines.append(f"probe 'full' or 'fp8' beyond the exact product: {bad} linears")
     print("\n".join(lines), flush=True)
     return 1 if bad else 0

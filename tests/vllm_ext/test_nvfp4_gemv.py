@@ -88,14 +88,20 @@ INTERPRETED = textwrap.dedent(
 )
 
 
-def test_interpreted_kernel_matches_the_codec():
+def run_interpreted(script: str, cases: list) -> list[dict]:
+    """``script`` run with ``cases`` (JSON, its argv[1]) under the Triton interpreter in a subprocess (TRITON_INTERPRET
+    must be set before Triton is imported); its last output line, parsed: one result per case."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", INTERPRETED, json.dumps(CASES)], capture_output=True, text=True,
-                         env=env, timeout=600)
+    run = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, env=env,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(results) == len(CASES)
-    for r in results:
+    assert len(results) == len(cases)
+    return results
+
+
+def test_interpreted_kernel_matches_the_codec():
+    for r in run_interpreted(INTERPRETED, CASES):
         m, n, k, _, _, _ = r["case"]
         assert r["shape"] == [m, n] and r["dtype"] == "torch.float16"
         # against the float16-rounded weight: within that rounding

@@ -8,11 +8,7 @@ bfloat16); it is also compiled for sm_90 here, to check that its loads became TM
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -62,13 +58,9 @@ INTERPRETED = textwrap.dedent(
 
 
 def test_interpreted_kernel_gives_the_exact_product():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", INTERPRETED, json.dumps(CASES)], capture_output=True, text=True,
-                         env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(results) == len(CASES)
-    for r in results:
+    from test_nvfp4_gemv import run_interpreted
+
+    for r in run_interpreted(INTERPRETED, CASES):
         assert r["shape"] == [1, r["case"][0]] and r["dtype"] == "torch.float16", r
         # the weight is never rounded: only the float16 output's rounding (2^-11 relative) and float32 sums remain
         assert r["excess_vs_exact"] <= 1e-5 * r["ref_max"], r
