@@ -232,12 +232,13 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
     """The one-row kernels' E2M1 decode, their ``ASM`` constexpr: 0 Triton's integer operations (``asm=False``, or
     by default under the interpreter or off CUDA), 1 the float16 bit moves in PTX (:func:`_decode8_ptx`), 2 the decode
     through FP8 (:func:`_decode8_fp8_ptx`, compute capability 8.9 and later). PTX takes 2 where the GPU has it, unless
-    ``QERL_ROW_DECODE=f16`` (``fp8``, the default, or ``f16``). Both PTX decodes give the same output bits."""
-    if asm is False or (asm is None and (device.type != "cuda" or _interpreting())):
-        return 0
+    ``QERL_ROW_DECODE=f16`` (``fp8``, the default, or ``f16``; another value is an error at any launch). Both PTX
+    decodes give the same output bits. ``asm``: None (by the device), false (0), or true (PTX, 1 or 2 as above)."""
     choice = (os.environ.get(DECODE_ENV, "") or "fp8").strip().lower()
     if choice not in ("fp8", "f16"):
         raise ValueError(f"{DECODE_ENV}={os.environ.get(DECODE_ENV)!r}: use fp8 (the default) or f16")
+    if (asm is not None and not asm) or (asm is None and (device.type != "cuda" or _interpreting())):
+        return 0
     if choice == "f16" or device.type != "cuda":
         return 1
     key = str(device)
@@ -472,7 +473,8 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     last to finish sums the float32 partials in a fixed order). ``fma``: one row only, products on the CUDA cores
     instead of a tensor-core dot; ``group_scales``: one scale load per group instead of one per byte; ``words``:
     one row on the CUDA cores with the weight read as int32 words and two codes decoded per integer operation
-    (:func:`_nvfp4_row_kernel`); ``asm``: that decode in PTX (default: on CUDA, not under the interpreter);
+    (:func:`_nvfp4_row_kernel`); ``asm``: that decode in PTX (default: on CUDA, not under the interpreter; through
+    FP8 where :func:`decode_mode` picks it);
     ``xvec``: that kernel with ``x`` and the scales loaded once per word and group; ``bias`` ``[N]``: added to the
     float32 result in the epilogue, before the one rounding to ``x``'s dtype; ``stages``: with ``words``, the main
     loop software-pipelined that many stages deep (0: not pipelined; needs K a multiple of 128, see

@@ -221,9 +221,10 @@ def step_lines(finals: list[dict[str, Any]], shapes: str, linears: str, keys: tu
 
 
 def verdict(a: dict[str, float], b: dict[str, float]) -> str:
-    """'faster' / 'slower' for ``a`` against ``b`` where the medians differ by more than both spreads, else 'equal'."""
+    """'faster' / 'slower' for ``a`` against ``b`` where the medians differ by more than both spreads, else 'equal'
+    (a difference equal to the spread, up to float rounding, is 'equal')."""
     diff = b["median_us"] - a["median_us"]
-    if abs(diff) <= max(a["spread_us"], b["spread_us"]):
+    if abs(diff) <= max(a["spread_us"], b["spread_us"]) + 1e-9:
         return "equal"
     return "faster" if diff > 0 else "slower"
 

@@ -6,7 +6,8 @@ vLLM): from the repository root on the GPU machine,
     PYTHONPATH=. python3 scripts/gpu/probe_row_limit.py [--shapes 7B] [--reps 5]
 
 Per linear, at ``decode_tile``'s tile (block_n, block_k, split_k, warps, stages), timed interleaved ``--reps`` times:
-  - ``shipped``: the row kernel as the engine runs it (``nvfp4_small_gemm(words, xvec, asm)``);
+  - ``shipped``: the row kernel as the engine runs it (``nvfp4_small_gemm(words, xvec, asm)``; since §4ba with the
+    decode through FP8 on sm_89 and later, where ``full`` keeps the float16 decode);
   - ``full``: the probe kernel doing the same work (the same loads, decode and products), its split-K partials
     stored but not summed; it is checked against the exact product;
   - ``fp8``: ``full`` with the codes decoded through FP8 (``_decode8``'s ``ASM`` 2: fewer integer and logic

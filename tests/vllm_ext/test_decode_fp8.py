@@ -23,51 +23,30 @@ E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 VALUES = E2M1 + [-v for v in E2M1]
 
 
-def _e4m3_pair_to_f16x2(pair: int) -> int:
-    """``cvt.rn.f16x2.e4m3x2``: the low byte to the low float16, the high byte to the high one (exact)."""
-    vals = torch.tensor([pair & 0xFF, pair >> 8], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    bits = vals.numpy().astype(np.float16).view(np.uint16)
-    return int(bits[0]) | (int(bits[1]) << 16)
-
-
-def _run_fp8_ptx(text: str, word: int) -> list[float]:
-    """A tiny interpreter for the instructions the FP8 decode uses (shl/shr/and/or on b32, b32 -> two b16 splits,
-    the E4M3-pair conversion, cvt.f32.f16)."""
-    import re
-
-    regs: dict[str, int] = {"$8": word & 0xFFFFFFFF}
-    out = [0.0] * 8
-    val = lambda a: regs[a] if a in regs else int(a, 0)  # noqa: E731
-    ops = {"shl": lambda a, b: a << b, "shr": lambda a, b: a >> b, "and": lambda a, b: a & b,
-           "or": lambda a, b: a | b}
-    for line in text.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line in "{}" or line.startswith(".reg"):
-            continue
-        if m := re.fullmatch(r"mov\.b32 \{(\w+), (\w+)\}, (\w+)", line):
-            regs[m[1]], regs[m[2]] = regs[m[3]] & 0xFFFF, regs[m[3]] >> 16
-        elif m := re.fullmatch(r"cvt\.rn\.f16x2\.e4m3x2 (\w+), (\w+)", line):
-            regs[m[1]] = _e4m3_pair_to_f16x2(regs[m[2]])
-        elif m := re.fullmatch(r"cvt\.f32\.f16 \$(\d), (\w+)", line):
-            out[int(m[1])] = float(np.array([regs[m[2]]], dtype=np.uint16).view(np.float16)[0])
-        else:
-            op, dst, a, b = re.fullmatch(r"(\w+)\.b32 (\S+), (\S+), (\S+)", line).groups()
-            regs[dst] = ops[op](val(a), val(b)) & 0xFFFFFFFF
-    return out
+def _bits(v: float) -> int:
+    """The float32 bit pattern of ``v`` (so that -0.0 and 0.0 differ)."""
+    return int(np.array([v], dtype=np.float32).view(np.uint32)[0])
 
 
 def test_fp8_ptx_gives_every_code_its_value_at_every_position():
-    """Each of the 8 positions, all 16 codes, with a full nibble next to it: the code's value times 2^-6 and no leak
-    from its neighbours; a word of eight different codes comes out in order."""
+    """Each of the 8 positions, all 16 codes, with every other nibble 0 or 15: the code's value times 2^-6, bit for bit
+    (negative zero for code 8), and no leak from its neighbours; words of eight different codes come out in order."""
+    from test_nvfp4_gemv import _run_decode8_ptx
+
     from vllm_ext.nvfp4_gemv import _DECODE8_FP8_PTX_TEXT
 
     for pos in range(8):
         for code in range(16):
-            word = (code << (4 * pos)) | (0xF << (4 * ((pos + 1) % 8)) if pos < 7 else code << 28)
-            got = _run_fp8_ptx(_DECODE8_FP8_PTX_TEXT, word)
-            assert got[pos] == VALUES[code] * 2.0**-6, (pos, code, got)
-    assert _run_fp8_ptx(_DECODE8_FP8_PTX_TEXT, 0x76543210) == [v * 2.0**-6 for v in E2M1]
-    assert _run_fp8_ptx(_DECODE8_FP8_PTX_TEXT, 0xFEDCBA98) == [-v * 2.0**-6 for v in E2M1]
+            for full in (0x0, 0xF):  # the neighbours on both sides all zeros, or all ones
+                word = code << (4 * pos)
+                for other in range(8):
+                    if other != pos:
+                        word |= full << (4 * other)
+                got = _run_decode8_ptx(_DECODE8_FP8_PTX_TEXT, word)
+                assert _bits(got[pos]) == _bits(VALUES[code] * 2.0**-6), (pos, code, full, got)  # -0.0 for code 8
+    assert _run_decode8_ptx(_DECODE8_FP8_PTX_TEXT, 0x76543210) == [v * 2.0**-6 for v in E2M1]
+    assert [_bits(v) for v in _run_decode8_ptx(_DECODE8_FP8_PTX_TEXT, 0xFEDCBA98)] == [
+        _bits(-v * 2.0**-6) for v in E2M1]
 
 
 def test_both_ptx_decodes_differ_by_two_to_the_eight_exactly():
@@ -79,8 +58,8 @@ def test_both_ptx_decodes_differ_by_two_to_the_eight_exactly():
     rng = np.random.default_rng(0)
     for word in rng.integers(0, 2**32, size=4000, dtype=np.uint64):
         old = _run_decode8_ptx(_DECODE8_PTX_TEXT, int(word))
-        new = _run_fp8_ptx(_DECODE8_FP8_PTX_TEXT, int(word))
-        assert new == [v * 256.0 for v in old], hex(int(word))
+        new = _run_decode8_ptx(_DECODE8_FP8_PTX_TEXT, int(word))
+        assert [_bits(v) for v in new] == [_bits(v * 256.0) for v in old], hex(int(word))  # signed zeros too
 
 
 def test_decode_mode_picks_and_refuses(monkeypatch):
@@ -96,7 +75,28 @@ def test_decode_mode_picks_and_refuses(monkeypatch):
     monkeypatch.setenv(DECODE_ENV, "bf16")
     with pytest.raises(ValueError, match="QERL_ROW_DECODE='bf16': use fp8 .the default. or f16"):
         decode_mode(cpu, asm=True)
-    assert decode_mode(cpu, asm=False) == 0  # no PTX, nothing to choose
+    with pytest.raises(ValueError, match="QERL_ROW_DECODE='bf16'"):
+        decode_mode(cpu, asm=False)  # a bad value is an error at every launch, not only where PTX is asked for
+    monkeypatch.delenv(DECODE_ENV)
+    assert decode_mode(cpu, asm=0) == 0
+
+
+@pytest.mark.parametrize("capability,mode", [((9, 0), 2), ((8, 9), 2), ((8, 6), 1), ((8, 0), 1)])
+def test_decode_mode_follows_the_gpus_fp8_conversions(monkeypatch, capability, mode):
+    """On CUDA devices: FP8 from compute capability 8.9 (the E4M3-pair conversion), the float16 PTX below it and with
+    QERL_ROW_DECODE=f16; Triton's integer operations under the interpreter. (The capability is stubbed: no GPU here.)"""
+    from vllm_ext import nvfp4_gemv
+
+    dev = torch.device("cuda", 7)
+    monkeypatch.setattr(nvfp4_gemv, "_FP8_CVT", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.delenv(nvfp4_gemv.DECODE_ENV, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert nvfp4_gemv.decode_mode(dev) == mode and nvfp4_gemv.decode_mode(dev, asm=True) == mode
+    monkeypatch.setenv(nvfp4_gemv.DECODE_ENV, "f16")
+    assert nvfp4_gemv.decode_mode(dev) == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert nvfp4_gemv.decode_mode(dev) == 0
 
 
 def test_compiled_for_hopper_the_loops_lose_integer_work():
@@ -139,11 +139,14 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 def _both(monkeypatch, fn):  # noqa: ANN001, ANN202
     from vllm_ext.nvfp4_gemv import DECODE_ENV, decode_mode
 
-    if decode_mode(torch.device("cuda")) != 2:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if decode_mode(dev) != 2:
         pytest.skip("the FP8 decode needs compute capability 8.9 or later")
     monkeypatch.setenv(DECODE_ENV, "f16")
+    assert decode_mode(dev) == 1  # what every launcher asks at its launch (the runs below use two kernels)
     old = fn()
     monkeypatch.setenv(DECODE_ENV, "fp8")
+    assert decode_mode(dev) == 2
     return old, fn()
 
 
@@ -158,7 +161,17 @@ def test_gpu_row_kernel_gives_the_same_bits_with_either_decode(monkeypatch, n, k
     q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    old, new = _both(monkeypatch, lambda: nvfp4_gemv_row(x, q.packed, q.scale, q.global_scale, bias))
+    from vllm_ext import nvfp4_gemv
+
+    cvts = []
+
+    def run():  # noqa: ANN202
+        y = nvfp4_gemv_row(x, q.packed, q.scale, q.global_scale, bias)
+        cvts.append(nvfp4_gemv.LAST_COMPILED.asm["ptx"].count("cvt.rn.f16x2.e4m3x2"))
+        return y
+
+    old, new = _both(monkeypatch, run)
+    assert cvts[1] > cvts[0]  # the second run compiled the FP8 decode (the first converts only scales)
     assert torch.equal(old, new)
     exact = (x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
              + bias.double())

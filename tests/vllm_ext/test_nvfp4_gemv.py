@@ -417,8 +417,9 @@ _PTX_OPS = {"shl": operator.lshift, "shr": operator.rshift, "and": operator.and_
 
 
 def _run_decode8_ptx(text: str, word: int) -> list[float]:
-    """A tiny interpreter for the instructions the decode PTX uses (shl/shr/and/or on b32, the b32 -> two b16 split,
-    cvt.f32.f16), so its bit moves are checked on the CPU, where Triton's interpreter cannot run inline PTX."""
+    """A tiny interpreter for the instructions the decode PTXs use (shl/shr/and/or on b32, the b32 -> two b16 split,
+    cvt.f32.f16, and the FP8 decode's cvt.rn.f16x2.e4m3x2: the low byte to the low float16), so their bit moves are
+    checked on the CPU, where Triton's interpreter cannot run inline PTX."""
     import re as _re
 
     import numpy as np
@@ -432,6 +433,11 @@ def _run_decode8_ptx(text: str, word: int) -> list[float]:
             continue
         if m := _re.fullmatch(r"mov\.b32 \{(\w+), (\w+)\}, (\w+)", line):
             regs[m[1]], regs[m[2]] = regs[m[3]] & 0xFFFF, regs[m[3]] >> 16
+            continue
+        if m := _re.fullmatch(r"cvt\.rn\.f16x2\.e4m3x2 (\w+), (\w+)", line):
+            pair = torch.tensor([regs[m[2]] & 0xFF, regs[m[2]] >> 8], dtype=torch.uint8).view(torch.float8_e4m3fn)
+            halves = pair.float().numpy().astype(np.float16).view(np.uint16)  # exact: E4M3 values fit float16
+            regs[m[1]] = int(halves[0]) | (int(halves[1]) << 16)
             continue
         if m := _re.fullmatch(r"cvt\.f32\.f16 \$(\d), (\w+)", line):
             out[int(m[1])] = float(np.array([regs[m[2]]], dtype=np.uint16).view(np.float16)[0])

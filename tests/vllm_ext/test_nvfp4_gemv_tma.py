@@ -106,7 +106,7 @@ def test_compiled_for_hopper_the_weight_comes_by_tma(block_n, block_k, stages, w
     types = {"x_ptr": "*bf16", "w_desc": f"tensordesc<i32[{block_n}, {block_k // 8}]>",
              "s_desc": f"tensordesc<u8[{block_n}, {block_k // 16}]>", "g_ptr": "*fp32", "y_ptr": "*bf16",
              "ws_ptr": "*fp32", "cnt_ptr": "*i32", "b_ptr": "*bf16"}
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, ASM=True, HAS_BIAS=False, STAGES=stages, PDL=True)
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1, ASM=2, HAS_BIAS=False, STAGES=stages, PDL=True)
     ptx = compile_sm90(_tma_row_kernel, types, consts, warps, aligned=("x_ptr", "y_ptr", "ws_ptr", "K")).asm["ptx"]
     tma = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier", ptx)
     assert len(tma) >= 2 * max(stages - 1, 1), len(tma)  # the prologue's copies and the loop's, both operands

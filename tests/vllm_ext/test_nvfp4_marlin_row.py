@@ -575,9 +575,10 @@ def test_swept_shapes_are_every_swept_tile():
 
 @pytest.mark.parametrize("shape", SWEPT_SHAPES)
 def test_swept_tiles_compile_for_hopper_in_both_kernels(shape):
-    """Each of SWEPT_TILES' tiles (the 7B and 32B linears, §4aj and §4al) compiles for sm_90 in the row kernel and,
-    through row_tile's blocks for the layer's slices, in the row+lora kernel (the sweeps ran only the first on the
-    GPU; §4al's engines ran both in form 4). Every SWEPT_TILES shape is one of these."""
+    """Each of SWEPT_TILES' tiles (the 7B and 32B linears, §4aj, §4al and §4ba) compiles for sm_90 in the row kernel
+    and, through row_tile's blocks for the layer's slices, in the row+lora kernel, with the decode Hopper runs (through
+    FP8, ``ASM`` 2; the sweeps ran only the first on the GPU; §4al's engines ran both in form 4). Every SWEPT_TILES
+    shape is one of these."""
     from vllm_ext import nvfp4_gemv_lora as rl
     from vllm_ext import nvfp4_marlin_row as mr
     from vllm_ext.triton_support import compile_sm90
@@ -589,7 +590,7 @@ def test_swept_tiles_compile_for_hopper_in_both_kernels(shape):
                 cnt_ptr="*i32", b_ptr="*bf16", bias_ptr="*bf16", hp_ptr="*fp32", idx_ptr="*i32", b0="*bf16",
                 b1="*bf16", b2="*bf16", N="i32", K="i32", n0="i32", n1="i32", KS="i32", lscale="fp32", z_ptr="*bf16")
     try:
-        compile_sm90(mr._marlin_row_kernel, ptrs, dict(HB=tile["hb"], T=tile["t"], SPLIT_K=tile["split_k"], ASM=True,
+        compile_sm90(mr._marlin_row_kernel, ptrs, dict(HB=tile["hb"], T=tile["t"], SPLIT_K=tile["split_k"], ASM=2,
                                                        HAS_BIAS=False, STAGES=tile["stages"], PDL=True,
                                                        ASUM=tile["asum"]), num_warps=tile["num_warps"])
     except RuntimeError as exc:  # no ptxas in this Triton
@@ -597,7 +598,7 @@ def test_swept_tiles_compile_for_hopper_in_both_kernels(shape):
             pytest.skip(f"Triton cannot compile for sm_90 here: {exc}")
         raise
     compile_sm90(rl._row_lora_kernel, ptrs, dict(BLOCK_N=blocks["block_n"], BLOCK_K=blocks["block_k"],
-                                                 SPLIT_K=blocks["split_k"], ASM=True, HAS_BIAS=False, R=32,
+                                                 SPLIT_K=blocks["split_k"], ASM=2, HAS_BIAS=False, R=32,
                                                  KS_PAD=rl.MAX_CHUNKS, PDL=True, STAGES=blocks["stages"], MARLIN=True,
                                                  ASUM=blocks["asum"], ZEROS=True), num_warps=blocks["num_warps"])
 
