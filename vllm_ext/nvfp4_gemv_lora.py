@@ -41,8 +41,8 @@ from __future__ import annotations
 import torch
 
 from vllm_ext import lora_fused
-from vllm_ext.nvfp4_gemv import (NO_PDL_ENV, decode_mode, decode_tile, one_row_buffers, pdl_first_allowed,
-                                 pdl_supported)
+from vllm_ext.nvfp4_decode import decode_mode
+from vllm_ext.nvfp4_gemv import NO_PDL_ENV, decode_tile, one_row_buffers, pdl_first_allowed, pdl_supported
 from vllm_ext.nvfp4_marlin_row import CHUNK, marlin_row_tile, x_alignment
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import tl, triton
@@ -65,7 +65,8 @@ def chunking(k: int) -> tuple[int, int]:
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    from vllm_ext.nvfp4_gemv import _decode_up, _row_dot, _scaled, _sum_partials
+    from vllm_ext.nvfp4_decode import _decode_up
+    from vllm_ext.nvfp4_gemv import _row_dot, _scaled, _sum_partials
     from vllm_ext.nvfp4_marlin_row import _marlin_row_dot, _marlin_rows
 
     @triton.jit

@@ -10,7 +10,7 @@ per tile, issued by one thread, landing in shared memory and counted on an mbarr
 on the shared memory the stages take, not on the warps.
 
 How. The same arithmetic as the row kernel with ``xvec`` (:func:`vllm_ext.nvfp4_gemv._xvec_sum`): the codes read as
-int32 words of 8, decoded as :func:`vllm_ext.nvfp4_gemv.decode_mode` picks (through FP8 on sm_89 and later: the
+int32 words of 8, decoded as :func:`vllm_ext.nvfp4_decode.decode_mode` picks (through FP8 on sm_89 and later: the
 E2M1 value times 2^-6, exact), times ``x`` in float32, each word's sum times its group's FP8 scale, the decode's power
 of two and ``1 / global_scale`` once at the end, split-K partials summed in a fixed
 order by the last program to arrive (:func:`vllm_ext.nvfp4_gemv._finish`). Only the weight's and scales' loads differ:
@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ext.nvfp4_gemv import GROUP, _counters, decode_mode
+from vllm_ext.nvfp4_decode import decode_mode
+from vllm_ext.nvfp4_gemv import GROUP, _counters
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import tl, triton
 
@@ -38,7 +39,8 @@ if triton is not None:
     from triton.language.extra.cuda import gdc_wait
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from vllm_ext.nvfp4_gemv import _decode8, _decode_up, _finish, _xvec_sum
+    from vllm_ext.nvfp4_decode import _decode8, _decode_up
+    from vllm_ext.nvfp4_gemv import _finish, _xvec_sum
 
     @triton.jit
     def _tma_row_kernel(
@@ -113,7 +115,7 @@ def nvfp4_gemv_row_tma(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     ``[N, K/16]``, ``global_scale`` the float32 divisor); returns ``[..., N]`` in ``x``'s dtype. The tile:
     ``block_n`` outputs per program, ``block_k`` inputs per loop step, ``split_k`` programs per output block,
     ``stages`` TMA copies in flight per program. ``pdl``: a programmatic dependent launch (Hopper). ``asm``: the PTX
-    decode (default: on the GPU, not under the interpreter; which one: :func:`vllm_ext.nvfp4_gemv.decode_mode`)."""
+    decode (default: on the GPU, not under the interpreter; which one: :func:`vllm_ext.nvfp4_decode.decode_mode`)."""
     if triton is None:
         raise RuntimeError(f"nvfp4_gemv_row_tma needs Triton ({_TRITON_IMPORT_ERROR})")
     problems = tma_problems(x, packed, scale, global_scale, block_n, block_k, split_k, stages)

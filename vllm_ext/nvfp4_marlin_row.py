@@ -26,7 +26,7 @@ Marlin's layout, as vLLM 0.24 builds it (``gptq_marlin_repack`` on the codes, 4 
   the factor ``nvfp4_marlin_process_global_scale`` put in it (2^126 for bfloat16, 2^14 for float16): the kernel takes
   the divisor ``2^e / g`` (:func:`marlin_divisor`).
 
-How: per group row, each word's 8 codes are decoded as in :mod:`vllm_ext.nvfp4_gemv` (PTX, each code times 2^-6
+How: per group row, each word's 8 codes are decoded as in :mod:`vllm_ext.nvfp4_decode` (PTX, each code times 2^-6
 through FP8 on sm_89 and later, else 2^-14; exact in float32) and meet ``x`` at the word's four inputs, two outputs per
 word: two float32 sums of products per word, each times its output's group scale, accumulated over the program's
 groups and summed over ``a`` once at the end (``asum``: over ``a`` first, then one scale per output and group;
@@ -63,7 +63,8 @@ import os
 
 import torch
 
-from vllm_ext.nvfp4_gemv import decode_mode, one_row_buffers, pdl_first_allowed, pdl_supported
+from vllm_ext.nvfp4_decode import decode_mode
+from vllm_ext.nvfp4_gemv import one_row_buffers, pdl_first_allowed, pdl_supported
 from vllm_ext.triton_support import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from vllm_ext.triton_support import tl, triton
 
@@ -118,7 +119,8 @@ def _swept_tiles(path: str) -> dict[tuple[int, int], dict[str, int]]:
 if triton is not None:
     from triton.language.extra.cuda import gdc_wait
 
-    from vllm_ext.nvfp4_gemv import _decode8, _decode_up, _finish
+    from vllm_ext.nvfp4_decode import _decode8, _decode_up
+    from vllm_ext.nvfp4_gemv import _finish
 
     @triton.jit
     def _marlin_scale(b):
@@ -387,7 +389,7 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     64-output chunk per program (``8 hb`` outputs); ``t`` (a power of two, ``16 t`` dividing K): groups per loop step;
     ``split_k`` programs per output block; ``stages`` > 0: the pipelined loop; ``pdl``: a programmatic dependent
     launch (Hopper); ``asm``: the PTX decode (default: on CUDA, not under the interpreter; which one:
-    :func:`vllm_ext.nvfp4_gemv.decode_mode`); ``asum`` 1-4: each
+    :func:`vllm_ext.nvfp4_decode.decode_mode`); ``asum`` 1-4: each
     output's four words per group summed before its scale, across threads (1) or in registers (2)
     (:func:`_marlin_tile_asum`: 56 registers per thread against form 0's 158, §4ai); 3, form 2 with ``x`` read in
     4-byte pairs; 4, form 3 with a group's ``x`` read as two 16-byte runs (:func:`x_alignment`)."""

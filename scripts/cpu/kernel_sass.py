@@ -102,7 +102,7 @@ def summary(name: str, body: list[str], words: float) -> dict:
 
 
 def run(asm: int = 1) -> list[dict]:
-    """The shared forms and the row kernel with decode ``asm`` (``vllm_ext.nvfp4_gemv.decode_mode``: 1 the float16
+    """The shared forms and the row kernel with decode ``asm`` (``vllm_ext.nvfp4_decode.decode_mode``: 1 the float16
     bit moves, the decode §4ai counted; 2 through FP8, §4ba)."""
     from vllm_ext import nvfp4_gemv, nvfp4_marlin_row
     from vllm_ext.triton_support import compile_sm90

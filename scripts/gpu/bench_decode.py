@@ -27,17 +27,14 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LINEARS, add_timing_args, jsonl_recorder, step_lines, streamed_weight, timed_interleaved, verdict)
+    LINEARS, add_linear_args, jsonl_recorder, step_lines, streamed_weight, timed_interleaved, verdict)
 
 KEYS = ("row_f16", "row_fp8", "shared_f16", "shared_fp8")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="7B,32B", help="Qwen2.5 shapes, from 7B and 32B (default 7B,32B)")
-    p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
-    add_timing_args(p)
-    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+    add_linear_args(p, "7B,32B")
     args = p.parse_args(argv)
 
     import torch
@@ -49,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm_ext.bench.kernels import capture_graph
     from vllm_ext.bench.marlin_pack import marlin_pack
-    from vllm_ext.nvfp4_gemv import DECODE_ENV, decode_mode, nvfp4_gemv_row
+    from vllm_ext.nvfp4_decode import DECODE_ENV, decode_mode
+    from vllm_ext.nvfp4_gemv import nvfp4_gemv_row
     from vllm_ext.nvfp4_marlin_row import nvfp4_marlin_row
 
     dev, bf16 = torch.device("cuda"), torch.bfloat16

@@ -180,6 +180,15 @@ def add_timing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cold-mib", type=float, default=256.0, help="MiB one pass of a graph reads (default 256)")
 
 
+def add_linear_args(p: argparse.ArgumentParser, shapes: str) -> None:
+    """The options of a timing over a decode step's linears: which shapes (default ``shapes``) and linears, the
+    timing's (:func:`add_timing_args`), and the output folder."""
+    p.add_argument("--shapes", default=shapes, help=f"Qwen2.5 shapes, from 7B and 32B (default {shapes})")
+    p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
+    add_timing_args(p)
+    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+
+
 def jsonl_recorder(out_arg: str | None, name: str) -> Callable[..., None]:
     """``record(obj, echo=True)``: append ``obj`` as one JSON line to ``name`` in ``out_arg`` (else $OUT, else
     ./.out), and print it unless ``echo`` is false."""

@@ -38,7 +38,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LINEARS, add_timing_args, jsonl_recorder, step_lines, streamed_weight, timed_interleaved)
+    LINEARS, add_linear_args, jsonl_recorder, step_lines, streamed_weight, timed_interleaved)
 
 import torch  # noqa: E402
 
@@ -46,11 +46,12 @@ from vllm_ext.triton_support import tl, triton  # noqa: E402
 
 MODES = {"full": 0, "no_x": 1, "loads": 2, "words": 3, "fp8": 4}
 
-# ``fp8``: the decode through FP8 (vllm_ext.nvfp4_gemv._decode8 with ASM 2; §4ba's call 7 ran this probe with its own
+# ``fp8``: the decode through FP8 (vllm_ext.nvfp4_decode._decode8 with ASM 2; §4ba's call 7 ran this probe with its own
 # copy of the same PTX text, before the decode moved into the kernels).
 
 if triton is not None:
-    from vllm_ext.nvfp4_gemv import _decode8, _xvec_sum
+    from vllm_ext.nvfp4_decode import _decode8
+    from vllm_ext.nvfp4_gemv import _xvec_sum
 
     @triton.jit
     def _probe_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
@@ -112,10 +113,7 @@ def read_tiles(block_k: int) -> list[dict[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="7B", help="Qwen2.5 shapes, from 7B and 32B (default 7B)")
-    p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
-    add_timing_args(p)
-    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+    add_linear_args(p, "7B")
     args = p.parse_args(argv)
 
     if not torch.cuda.is_available():

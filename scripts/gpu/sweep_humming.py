@@ -35,7 +35,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_timing_args, bf16_copies, bf16_graph, jsonl_recorder, per_step_ms, streamed_weight,
+    LAYERS, LINEARS, add_linear_args, bf16_copies, bf16_graph, jsonl_recorder, per_step_ms, streamed_weight,
     timed_interleaved, verdict)
 
 KEYS = ("humming", "marlin", "bf16")
@@ -116,10 +116,7 @@ def probe() -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,8,64", help="rows of x per call (default 1,8,64)")
-    p.add_argument("--shapes", default="7B", help="Qwen2.5 shapes, comma-separated (7B, 32B; default 7B)")
-    p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
-    add_timing_args(p)
-    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
+    add_linear_args(p, "7B")
     p.add_argument("--batch-invariant", action="store_true",
                    help="humming's batch-invariant mode (no stream-K), as VLLM_BATCH_INVARIANT=1 runs it; writes "
                    "sweep_humming_bi.jsonl")

@@ -44,7 +44,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_timing_args, jsonl_recorder, per_step_ms, streamed_weight, timed_interleaved, verdict)
+    LAYERS, LINEARS, add_linear_args, jsonl_recorder, per_step_ms, streamed_weight, timed_interleaved, verdict)
 
 
 def sweep_tiles(quick: bool = False, grid: str = "first") -> list[dict[str, int]]:
@@ -119,16 +119,13 @@ def gate(path: str | Path, shape: str = "7B") -> tuple[bool, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="7B,32B", help="Qwen2.5 shapes (default 7B,32B)")
-    p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
+    add_linear_args(p, "7B,32B")
     p.add_argument("--quick", action="store_true", help="a smaller tile set (hb 1-2, 1-2 warps)")
     p.add_argument("--grid", choices=("first", "wide", "chunks", "asum", "asum2", "forms", "asum3", "forms3", "asum4",
                                       "forms4"),
                    default="first",
                    help="the tile set (see sweep_tiles)")
-    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
     p.add_argument("--gate", default=None, metavar="JSONL", help="only judge a finished sweep's record (see above)")
-    add_timing_args(p)
     args = p.parse_args(argv)
     if args.gate:
         faster, line = gate(args.gate)

@@ -40,7 +40,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_timing_args, jsonl_recorder, per_step_ms, streamed_weight, tile_4m, tile_name,
+    LAYERS, LINEARS, add_linear_args, jsonl_recorder, per_step_ms, streamed_weight, tile_4m, tile_name,
     timed_interleaved, verdict)
 
 
@@ -128,16 +128,13 @@ def precompile(tiles: list[dict[str, Any]], jobs: int, rows: int = 1) -> None:
 
 def add_sweep_args(p: argparse.ArgumentParser, shapes: str, block_n: str, warps: str) -> None:
     """The options sweep_row.py and sweep_mma.py share (their defaults for shapes, block_n and warps differ)."""
-    p.add_argument("--shapes", default=shapes, help=f"Qwen2.5 shapes, from 7B and 32B (default {shapes})")
-    p.add_argument("--linears", default="qkv,o,gate_up,down", help="from qkv, o, gate_up, down")
+    add_linear_args(p, shapes)
     p.add_argument("--block-n", default=block_n, help=f"output features per program (default {block_n})")
     p.add_argument("--split-k", default="1,2,4,8", help="programs per output block (default 1,2,4,8)")
     p.add_argument("--warps", default=warps, help=f"warps per program (default {warps})")
     p.add_argument("--stages", default="0,2,3,4", help="pipeline depths; 0 = not pipelined (default 0,2,3,4)")
-    add_timing_args(p)
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                    help="processes compiling the kernels before the sweep (default: up to 16; 1: none)")
-    p.add_argument("--out", default=None, help="output folder (default $OUT or ./.out)")
 
 
 def try_tiles(tiles: list[dict[str, Any]], call, exact, time_us, record, base: dict[str, Any]):  # noqa: ANN001

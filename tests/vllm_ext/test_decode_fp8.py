@@ -1,4 +1,4 @@
-"""The one-row kernels' E2M1 decode through FP8 (``vllm_ext.nvfp4_gemv.decode_mode`` 2, docs/benchmarks.md §4ba).
+"""The one-row kernels' E2M1 decode through FP8 (``vllm_ext.nvfp4_decode.decode_mode`` 2, docs/benchmarks.md §4ba).
 
 On the CPU: the PTX's bit moves replayed for every code at every position of a word (Triton's interpreter cannot run
 inline PTX), the choice of decode and its refusals, and, compiled for sm_90, the conversion in the PTX and fewer
@@ -33,7 +33,7 @@ def test_fp8_ptx_gives_every_code_its_value_at_every_position():
     (negative zero for code 8), and no leak from its neighbours; words of eight different codes come out in order."""
     from test_nvfp4_gemv import _run_decode8_ptx
 
-    from vllm_ext.nvfp4_gemv import _DECODE8_FP8_PTX_TEXT
+    from vllm_ext.nvfp4_decode import _DECODE8_FP8_PTX_TEXT
 
     for pos in range(8):
         for code in range(16):
@@ -53,7 +53,7 @@ def test_both_ptx_decodes_differ_by_two_to_the_eight_exactly():
     """On 4 000 random words, each code of the FP8 decode is the float16 decode's times 2^8."""
     from test_nvfp4_gemv import _run_decode8_ptx
 
-    from vllm_ext.nvfp4_gemv import _DECODE8_FP8_PTX_TEXT, _DECODE8_PTX_TEXT
+    from vllm_ext.nvfp4_decode import _DECODE8_FP8_PTX_TEXT, _DECODE8_PTX_TEXT
 
     rng = np.random.default_rng(0)
     for word in rng.integers(0, 2**32, size=4000, dtype=np.uint64):
@@ -63,7 +63,7 @@ def test_both_ptx_decodes_differ_by_two_to_the_eight_exactly():
 
 
 def test_decode_mode_picks_and_refuses(monkeypatch):
-    from vllm_ext.nvfp4_gemv import DECODE_ENV, decode_mode
+    from vllm_ext.nvfp4_decode import DECODE_ENV, decode_mode
 
     cpu = torch.device("cpu")
     monkeypatch.delenv(DECODE_ENV, raising=False)
@@ -85,18 +85,18 @@ def test_decode_mode_picks_and_refuses(monkeypatch):
 def test_decode_mode_follows_the_gpus_fp8_conversions(monkeypatch, capability, mode):
     """On CUDA devices: FP8 from compute capability 8.9 (the E4M3-pair conversion), the float16 PTX below it and with
     QERL_ROW_DECODE=f16; Triton's integer operations under the interpreter. (The capability is stubbed: no GPU here.)"""
-    from vllm_ext import nvfp4_gemv
+    from vllm_ext import nvfp4_decode
 
     dev = torch.device("cuda", 7)
-    monkeypatch.setattr(nvfp4_gemv, "_FP8_CVT", {})
+    monkeypatch.setattr(nvfp4_decode, "_FP8_CVT", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.delenv(nvfp4_gemv.DECODE_ENV, raising=False)
+    monkeypatch.delenv(nvfp4_decode.DECODE_ENV, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert nvfp4_gemv.decode_mode(dev) == mode and nvfp4_gemv.decode_mode(dev, asm=True) == mode
-    monkeypatch.setenv(nvfp4_gemv.DECODE_ENV, "f16")
-    assert nvfp4_gemv.decode_mode(dev) == 1
+    assert nvfp4_decode.decode_mode(dev) == mode and nvfp4_decode.decode_mode(dev, asm=True) == mode
+    monkeypatch.setenv(nvfp4_decode.DECODE_ENV, "f16")
+    assert nvfp4_decode.decode_mode(dev) == 1
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert nvfp4_gemv.decode_mode(dev) == 0
+    assert nvfp4_decode.decode_mode(dev) == 0
 
 
 def test_compiled_for_hopper_the_loops_lose_integer_work():
@@ -137,7 +137,7 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 
 def _both(monkeypatch, fn):  # noqa: ANN001, ANN202
-    from vllm_ext.nvfp4_gemv import DECODE_ENV, decode_mode
+    from vllm_ext.nvfp4_decode import DECODE_ENV, decode_mode
 
     dev = torch.device("cuda", torch.cuda.current_device())
     if decode_mode(dev) != 2:

@@ -451,7 +451,7 @@ def _run_decode8_ptx(text: str, word: int) -> list[float]:
 def test_decode8_ptx_moves_every_code_to_its_value():
     """The PTX decode (run on the GPU as asm=True): each of the 8 positions of a word, for all 16 E2M1 codes, gives
     the code's value times 2^-14, and its neighbours do not leak in."""
-    from vllm_ext.nvfp4_gemv import _DECODE8_PTX_TEXT
+    from vllm_ext.nvfp4_decode import _DECODE8_PTX_TEXT
 
     e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
     values = e2m1 + [-v for v in e2m1]
