@@ -75,8 +75,8 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
     ``QERL_ROW_DECODE=f16`` (``fp8``, the default, or ``f16``; another value is an error at any launch). Both PTX
     decodes give the same output bits. ``asm``: None (by the device), false (0), or true (PTX, 1 or 2 as above)."""
     choice = (os.environ.get(DECODE_ENV, "") or "fp8").strip().lower()
-    if choice not in ("fp8", "f16"):
-        raise ValueError(f"{DECODE_ENV}={os.environ.get(DECODE_ENV)!r}: use fp8 (the default) or f16")
+    if choice not in ("fp8", "f16", "hfma2"):
+        raise ValueError(f"{DECODE_ENV}={os.environ.get(DECODE_ENV)!r}: use fp8 (the default), f16 or hfma2")
     if (asm is not None and not asm) or (asm is None and (device.type != "cuda" or _interpreting())):
         return 0
     if choice == "f16" or device.type != "cuda":
@@ -84,7 +84,9 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
     key = str(device)
     if key not in _FP8_CVT:
         _FP8_CVT[key] = torch.cuda.get_device_capability(device) >= (8, 9)
-    return 2 if _FP8_CVT[key] else 1
+    if not _FP8_CVT[key]:
+        return 1
+    return 3 if choice == "hfma2" else 2
 
 
 if triton is not None:
@@ -102,7 +104,7 @@ if triton is not None:
     @triton.jit
     def _decode_up(ASM: tl.constexpr):
         """What undoes :func:`_decode8`'s power of two: 2^6 after the FP8 decode (``ASM`` 2), else 2^14."""
-        if ASM == 2:
+        if ASM >= 2:
             up = 64.0
         else:
             up = 16384.0
@@ -123,7 +125,7 @@ if triton is not None:
         like ``wv``: code j's value times 2^-14, or times 2^-6 with ``ASM`` 2 (:func:`_decode_up` undoes either).
         ``ASM`` (:func:`decode_mode`): 1 and 2 in PTX (the interpreter cannot run it; the GPU tests check it), 2 through
         FP8 (sm_89 and later)."""
-        if ASM == 2:
+        if ASM >= 2:
             codes = _decode8_asm(wv, _DECODE8_FP8_PTX)
         elif ASM == 1:
             codes = _decode8_asm(wv, _DECODE8_PTX)

@@ -180,6 +180,7 @@ if triton is not None:
 
 if triton is not None:
     from vllm_ext.nvfp4_decode import _decode8, _decode_up
+    from vllm_ext.nvfp4_hfma2 import _row_tile_hfma2
 
     @triton.jit
     def _xvec_sum(codes, x_ptr, cw, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
@@ -197,7 +198,17 @@ if triton is not None:
     def _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                   ASM: tl.constexpr, XVEC: tl.constexpr):
         """K tile ``t`` of :func:`_row_dot`: ``[BLOCK_N, WORDS]`` float32 sums of each word's 8 products, times its
-        group's scale."""
+        group's scale (with ``ASM`` 3, :mod:`vllm_ext.nvfp4_hfma2`'s tile instead: one per group)."""
+        if ASM == 3:
+            part = _row_tile_hfma2(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N, WORDS)
+        else:
+            part = _row_tile_f32(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N, WORDS, ASM, XVEC)
+        return part
+
+    @triton.jit
+    def _row_tile_f32(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+                      ASM: tl.constexpr, XVEC: tl.constexpr):
+        """:func:`_row_tile` with each code widened to float32 for its own FFMA: ``[BLOCK_N, WORDS]``."""
         cw = t * WORDS + tl.arange(0, WORDS)  # this tile's words: codes 8*cw .. 8*cw + 7, code j in bits 4j .. 4j + 3
         wv = tl.load(w_ptr + rn[:, None] * kw + cw[None, :], mask=n_ok[:, None], other=0)
         if XVEC:  # one load per group, its two words take it from registers
@@ -231,7 +242,10 @@ if triton is not None:
         gate/up and every 32B linear faster, but not 7B q/k/v or down. The same products are summed in the same
         order along K either way; only how a tile's words are split between threads for the final sum may differ."""
         WORDS: tl.constexpr = BLOCK_K // 8
-        acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        if ASM == 3:  # one float32 per group, row 4 i + r at [i, :, r] (the products in float16 pairs, nvfp4_hfma2)
+            acc = tl.zeros((BLOCK_N // 4, WORDS // 2, 4), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
         if STAGES > 0:
             kw = tl.multiple_of(K // 8, 16)
             kg = tl.multiple_of(K // 16, 8)
@@ -240,7 +254,11 @@ if triton is not None:
         else:
             for t in range(pid_k, K // BLOCK_K, SPLIT_K):
                 acc += _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, K // 8, K // 16, BLOCK_N, WORDS, ASM, XVEC)
-        return tl.sum(acc, axis=1)
+        if ASM == 3:
+            tot = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N,))
+        else:
+            tot = tl.sum(acc, axis=1)
+        return tot
 
     @triton.jit
     def _nvfp4_row_kernel(

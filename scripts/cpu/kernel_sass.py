@@ -157,8 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of the table")
     p.add_argument("--wgmma", action="store_true", help="the few-row wgmma GEMM on both layouts instead (§4ay)")
     p.add_argument("--fp8", action="store_true", help="the one-row kernels with the decode through FP8 (§4ba)")
+    p.add_argument("--hfma2", action="store_true",
+                   help="the row kernel with its products in float16 pairs (vllm_ext.nvfp4_hfma2, §4bc); the shared "
+                        "forms as with --fp8")
     args = p.parse_args(argv)
-    rows = run_wgmma() if args.wgmma else run(2 if args.fp8 else 1)
+    rows = run_wgmma() if args.wgmma else run(3 if args.hfma2 else 2 if args.fp8 else 1)
     for r in rows:
         if args.json:
             print(json.dumps(r))

@@ -103,6 +103,7 @@ def tile_name(t: dict[str, Any]) -> str:
     name += "H" if t.get("wgmma") else ""  # vllm_ext.nvfp4_gluon's warpgroup-MMA (Hopper) version
     name += "Q" if t.get("marlin") else ""  # ... on Marlin's own tensors (nvfp4_gluon_marlin_gemm)
     name += "T" if t.get("tma") else ""  # vllm_ext.nvfp4_gemv_tma (the weight's tiles by TMA)
+    name += "2" if t.get("hfma2") else ""  # the row kernel's products in float16 pairs (vllm_ext.nvfp4_hfma2)
     return name + (f"S{t['stages']}" if t.get("stages") else "")  # a software-pipelined loop
 
 
