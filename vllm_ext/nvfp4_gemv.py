@@ -230,6 +230,19 @@ if triton is not None:
     @triton.jit
     def _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, STAGES: tl.constexpr):
+        """:func:`_row_loop`; with ``ASM`` 3 (the products in float16 pairs), a program whose sums are not all finite
+        (an ``x`` of its K tiles beyond float16's range) runs its loop again with the FP8 decode's float32
+        products (``ASM`` 2): the same result as the kernel without float16 pairs."""
+        tot = _row_loop(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, XVEC, STAGES)
+        if ASM == 3:
+            bad = tl.max(((tot != tot) | (tl.abs(tot) == float("inf"))).to(tl.int32), axis=0)
+            if bad != 0:
+                tot = _row_loop(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, 2, XVEC, STAGES)
+        return tot
+
+    @triton.jit
+    def _row_loop(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SPLIT_K: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, STAGES: tl.constexpr):
         """The one-row kernel's main loop: ``sum_k x[k] W[n, k]`` in float32 for the rows ``rn`` (``n_ok``: inside
         N) over K tiles ``pid_k, pid_k + SPLIT_K, ...``, before the global scale. Shared with
         :mod:`vllm_ext.nvfp4_gemv_lora`'s kernel.
@@ -440,9 +453,12 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     b = out if bias is None else bias.contiguous()  # unused without a bias
     global LAST_COMPILED
     if words:
+        mode = decode_mode(x.device, asm)
+        if mode == 3 and x2.data_ptr() % 4:  # float16 pairs read x as int32s
+            x2 = x2.clone()
         LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](
             x2, packed.view(torch.int32), scale, g, out, ws, cnt, b, n, k,
-            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=decode_mode(x.device, asm),
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=mode,
             XVEC=xvec, HAS_BIAS=bias is not None, STAGES=stages, PDL=pdl,
             num_warps=num_warps, launch_pdl=pdl, **extra,
         )  # fmt: skip
@@ -464,7 +480,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     return out.reshape(*x.shape[:-1], n)
 
 
-def decode_tile(n: int, k: int, lora: bool = False) -> dict[str, int] | None:
+def decode_tile(n: int, k: int, lora: bool = False, hfma2: bool = False) -> dict[str, int] | None:
     """The one-row kernel's tile for an ``[n, k]`` weight, from the sweeps on the H100 with the weights streamed from
     HBM: §4j lease 7 and §4k lease 5 (tiles), §4n lease 1 (tiles and the pipelined loop's ``stages``; a linear took
     the sweep's best tile only where it beat the §4m kernel by more than both spreads). block_k 512 throughout.
@@ -479,10 +495,23 @@ def decode_tile(n: int, k: int, lora: bool = False) -> dict[str, int] | None:
     keeps §4m's tile (8 rows, split-K 8, unpipelined): with the adapter's expand in its split-K epilogue, the
     pipelined 32B down tile took 3.56 ms per step's 64 calls against 2.57 (§4n lease 2, H100).
 
+    ``hfma2``: the tile for the products in float16 pairs (``decode_mode`` 3, :mod:`vllm_ext.nvfp4_hfma2`), with or
+    without the adapter, from its sweep on an H200 (docs/benchmarks.md §4bc call 1; 4 rows or more, 1-2 warps):
+    long K 8 rows, split-K 4, 3 stages (2 warps up to K = 20 480, else 1); large N 32 rows, 2 warps, 3 stages; else 4
+    rows, 1 warp, 4 stages, or 16 rows and 3 stages for q/k/v above K = 4 096.
+
     None where K is not a multiple of 128."""
     block_k = next((b for b in (512, 256, 128) if k % b == 0), None)
     if block_k is None:
         return None
+    if hfma2:
+        if k > 8192:
+            return dict(block_n=8, block_k=block_k, split_k=4, num_warps=2 if k <= 20480 else 1, stages=3)
+        if n > 16384:
+            return dict(block_n=32, block_k=block_k, split_k=1, num_warps=2, stages=3)
+        if k > 4096 and n > k:
+            return dict(block_n=16, block_k=block_k, split_k=1, num_warps=1, stages=3)
+        return dict(block_n=4, block_k=block_k, split_k=1, num_warps=1, stages=4)
     if k > 20480:
         if lora:
             return dict(block_n=8, block_k=block_k, split_k=8, num_warps=2)
@@ -522,7 +551,7 @@ def nvfp4_gemv_row(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g
     """``x @ W.T (+ bias)`` for one row of ``x`` with the one-row kernel (PTX decode on CUDA, ``x`` once per word,
     the bias added in its epilogue) and :func:`decode_tile`'s tile, as one opaque op for torch.compile and CUDA
     graphs; a programmatic dependent launch where :func:`pdl_supported` and :func:`pdl_first_allowed`."""
-    tile = decode_tile(packed.shape[0], x.shape[-1])
+    tile = decode_tile(packed.shape[0], x.shape[-1], hfma2=decode_mode(x.device) == 3)
     if tile is None:
         raise ValueError(f"{ROW_OP}: K={x.shape[-1]} is not a multiple of 128")
     return nvfp4_small_gemm(x, packed, scale, global_scale, words=True, xvec=True, bias=bias,

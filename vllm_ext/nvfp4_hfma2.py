@@ -63,7 +63,14 @@ def _group_ptx() -> str:
     return "\n".join(lines + ["}"])
 
 
+def _x_pairs_f16_ptx() -> str:
+    """:func:`_x_pairs_ptx` for float16 ``x``: the same pairs by byte permutes, no conversion."""
+    return "\n".join(["{", "prmt.b32 $0, $2, $3, 0x5410;", "prmt.b32 $1, $2, $3, 0x7632;", "}"])
+
+
 _X_PAIRS_PTX_TEXT = _x_pairs_ptx()
+_X_PAIRS_F16_PTX_TEXT = _x_pairs_f16_ptx()
+_X_PAIRS_F16_PTX = tl.constexpr(_X_PAIRS_F16_PTX_TEXT) if tl is not None else None
 _GROUP_PTX_TEXT = _group_ptx()
 _X_PAIRS_PTX = tl.constexpr(_X_PAIRS_PTX_TEXT) if tl is not None else None
 _GROUP_PTX = tl.constexpr(_GROUP_PTX_TEXT) if tl is not None else None
@@ -73,12 +80,16 @@ _GROUP_CONSTRAINTS = tl.constexpr(",".join(["=r"] * ROWS + ["r"] * (2 * ROWS + 8
 if triton is not None:
 
     @triton.jit
-    def _x_pairs(xi):
-        """``xi`` ``[WORDS, 4]`` int32 (each word's 8 bfloat16 of ``x``, two per int32) -> 4 ``[WORDS]`` int32 tensors
-        of float16 pairs: (x0, x2), (x4, x6), (x1, x3), (x5, x7)."""
+    def _x_pairs(xi, X_F16: tl.constexpr):
+        """``xi`` ``[WORDS, 4]`` int32 (each word's 8 values of ``x``, two per int32; bfloat16, or float16 with
+        ``X_F16``) -> 4 ``[WORDS]`` int32 tensors of float16 pairs: (x0, x2), (x4, x6), (x1, x3), (x5, x7)."""
         a, b = tl.split(tl.reshape(xi, (xi.shape[0], 2, 2)))  # a: int32s 0 and 2 of the word; b: 1 and 3
-        p, q = tl.inline_asm_elementwise(asm=_X_PAIRS_PTX, constraints="=r,=r,r,r", args=[a, b],
-                                         dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        if X_F16:
+            p, q = tl.inline_asm_elementwise(asm=_X_PAIRS_F16_PTX, constraints="=r,=r,r,r", args=[a, b],
+                                             dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        else:
+            p, q = tl.inline_asm_elementwise(asm=_X_PAIRS_PTX, constraints="=r,=r,r,r", args=[a, b],
+                                             dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
         x02, x46 = tl.split(p)
         x13, x57 = tl.split(q)
         return x02, x46, x13, x57
@@ -113,7 +124,7 @@ if triton is not None:
         cg = t * G + tl.arange(0, G)
         sg = tl.load(s_ptr + rn[:, None] * kg + cg[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
         xi = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + 4 * cw[:, None] + tl.arange(0, 4)[None, :])
-        x02, x46, x13, x57 = _x_pairs(xi)
+        x02, x46, x13, x57 = _x_pairs(xi, x_ptr.dtype.element_ty == tl.float16)
         a02, b02 = _by_group(x02, WORDS)
         a46, b46 = _by_group(x46, WORDS)
         a13, b13 = _by_group(x13, WORDS)

@@ -11,6 +11,10 @@ torch and Triton:
 Per linear: both decodes' outputs compared bit for bit (they must be equal), then the four CUDA graphs (2 kernels x 2
 decodes) timed ``--reps`` times, interleaved. Writes $OUT/bench_decode.jsonl and prints per-linear and per-step
 tables ("faster" where the medians differ by more than both spreads).
+
+A fifth graph, ``row_hfma2``: the row op with its products in float16 pairs (``QERL_ROW_DECODE=hfma2``, its own tiles;
+docs/benchmarks.md §4bc), compared with ``row_fp8``. Its sums are not exact, so instead of the same bits its largest
+error against the exact product must be at most that of the product with the weight dequantized to bfloat16.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
 from check_gemv import (  # noqa: E402
     LINEARS, add_linear_args, jsonl_recorder, step_lines, streamed_weight, timed_interleaved, verdict)
 
-KEYS = ("row_f16", "row_fp8", "shared_f16", "shared_fp8")
+KEYS = ("row_f16", "row_fp8", "shared_f16", "shared_fp8", "row_hfma2")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     import triton
 
+    from qerl_plugin import nvfp4
     from vllm_ext.bench.kernels import capture_graph
     from vllm_ext.bench.marlin_pack import marlin_pack
     from vllm_ext.nvfp4_decode import DECODE_ENV, decode_mode
@@ -59,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "cold_mib": args.cold_mib, "shapes": args.shapes})
     finals: list[dict[str, Any]] = []
-    unequal = 0
+    unequal = worse = 0
     for shape in args.shapes.split(","):
         for lname in args.linears.split(","):
             k, n = LINEARS[shape][lname]
@@ -87,10 +92,18 @@ def main(argv: list[str] | None = None) -> int:
             same = {kernel: bool(torch.equal(outs[f"{kernel}_f16"], outs[f"{kernel}_fp8"]))
                     for kernel in ("row", "shared")}
             unequal += sum(not v for v in same.values())
+            exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
+            w16 = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=bf16).double()
+            errors = {"hfma2": (outs["row_hfma2"].double() - exact).abs().max().item(),
+                      "fp8": (outs["row_fp8"].double() - exact).abs().max().item(),
+                      "bf16_weight": ((x.double() @ w16.t()).to(bf16).double() - exact).abs().max().item()}
+            worse += errors["hfma2"] > errors["bf16_weight"]
+            del exact, w16
             res = timed_interleaved(graphs, args.reps)
             del graphs
             fin = {"what": "final", "shape": shape, "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes,
-                   "same_bits": same, **res,
+                   "same_bits": same, "max_err": errors, **res,
+                   "row_hfma2_vs_fp8": verdict(res["row_hfma2"], res["row_fp8"]),
                    "row_fp8_vs_f16": verdict(res["row_fp8"], res["row_f16"]),
                    "shared_fp8_vs_f16": verdict(res["shared_fp8"], res["shared_f16"]),
                    "gb_s": {key: round(raw_bytes / res[key]["median_us"] / 1e3, 1) for key in KEYS}}
@@ -102,14 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     cell = lambda r: f"{r['median_us']:>8.2f} ±{r['spread_us']:<5.2f}"  # noqa: E731
     lines = ["", "one-row kernels, float16 decode (f16) against the decode through FP8 (fp8): µs per call, median of "
              f"{args.reps} (spread)", f"{'shape':<5} {'linear':<8}" + "".join(f"{key:>16}" for key in KEYS)
-             + "  row fp8 / shared fp8 vs f16, same bits"]
+             + "  row fp8 / shared fp8 vs f16, same bits; row hfma2 vs row fp8"]
     for f in finals:
         lines.append(f"{f['shape']:<5} {f['linear']:<8}" + "".join(cell(f[key]) for key in KEYS)
-                     + f"  {f['row_fp8_vs_f16']} / {f['shared_fp8_vs_f16']}, {f['same_bits']}")
+                     + f"  {f['row_fp8_vs_f16']} / {f['shared_fp8_vs_f16']}, {f['same_bits']}; "
+                     f"{f['row_hfma2_vs_fp8']}")
     lines += step_lines(finals, args.shapes, args.linears, KEYS, record)
     lines.append(f"outputs that differ between the two decodes: {unequal}")
+    lines.append(f"row_hfma2 outputs with a larger error than the bfloat16 weight's: {worse}")
     print("\n".join(lines), flush=True)
-    return 1 if unequal else 0
+    return 1 if unequal or worse else 0
 
 
 if __name__ == "__main__":
