@@ -231,14 +231,27 @@ if triton is not None:
     def _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, STAGES: tl.constexpr):
         """:func:`_row_loop`; with ``ASM`` 3 (the products in float16 pairs), a program whose sums are not all finite
-        (an ``x`` of its K tiles beyond float16's range) runs its loop again with the FP8 decode's float32
-        products (``ASM`` 2): the same result as the kernel without float16 pairs."""
+        (an ``x`` of its K tiles beyond float16's range) sums its K tiles again with exact float32 products
+        (:func:`_row_fallback`)."""
         tot = _row_loop(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, XVEC, STAGES)
         if ASM == 3:
             bad = tl.max(((tot != tot) | (tl.abs(tot) == float("inf"))).to(tl.int32), axis=0)
             if bad != 0:
-                tot = _row_loop(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, 2, XVEC, STAGES)
+                tot = _row_fallback(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K)
         return tot
+
+    @triton.jit
+    def _row_fallback(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLIT_K: tl.constexpr):
+        """The same K tiles as :func:`_row_loop`, with the FP8 decode's exact float32 products (``ASM`` 2), in
+        quarter tiles and unpipelined: a small loop, so that it does not raise the kernel's registers (a copy of the
+        pipelined loop took the 4-row tile from 60 to 104). Rare: an ``x`` beyond float16."""
+        W4: tl.constexpr = BLOCK_K // 32
+        acc = tl.zeros((BLOCK_N, W4), dtype=tl.float32)
+        for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+            for q in range(4):
+                acc += _row_tile_f32(x_ptr, w_ptr, s_ptr, rn, n_ok, 4 * t + q, K // 8, K // 16, BLOCK_N, W4, 2, True)
+        return tl.sum(acc, axis=1)
 
     @triton.jit
     def _row_loop(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
