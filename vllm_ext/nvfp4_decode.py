@@ -73,9 +73,14 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
     by default under the interpreter or off CUDA), 1 the float16 bit moves in PTX (:func:`_decode8_ptx`), 2 the decode
     through FP8 (:func:`_decode8_fp8_ptx`, compute capability 8.9 and later). PTX takes 2 where the GPU has it, unless
     ``QERL_ROW_DECODE=f16`` (``fp8``, the default, or ``f16``; another value is an error at any launch). Both PTX
-    decodes give the same output bits. ``asm``: None (by the device), false (0), or true (PTX, 1 or 2 as above)."""
+    decodes give the same output bits. ``asm``: None (by the device), false (0), or true (PTX, 1 or 2 as above).
+
+    ``QERL_ROW_DECODE=hfma2`` (experimental, docs/benchmarks.md §4bc): 3 where 2 would be, the FP8 decode with the
+    products summed in float16 pairs (:mod:`vllm_ext.nvfp4_hfma2`) in the one-row kernels of both layouts; the other
+    kernels decode as with 2. ``hfma2-unguarded`` (4) leaves out its fallback for an ``x`` beyond float16: for
+    measuring that fallback's cost only (such an ``x`` then gives an infinite output)."""
     choice = (os.environ.get(DECODE_ENV, "") or "fp8").strip().lower()
-    if choice not in ("fp8", "f16", "hfma2"):
+    if choice not in ("fp8", "f16", "hfma2", "hfma2-unguarded"):
         raise ValueError(f"{DECODE_ENV}={os.environ.get(DECODE_ENV)!r}: use fp8 (the default), f16 or hfma2")
     if (asm is not None and not asm) or (asm is None and (device.type != "cuda" or _interpreting())):
         return 0
@@ -86,7 +91,7 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
         _FP8_CVT[key] = torch.cuda.get_device_capability(device) >= (8, 9)
     if not _FP8_CVT[key]:
         return 1
-    return 3 if choice == "hfma2" else 2
+    return {"hfma2": 3, "hfma2-unguarded": 4}.get(choice, 2)
 
 
 if triton is not None:

@@ -198,8 +198,8 @@ if triton is not None:
     def _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                   ASM: tl.constexpr, XVEC: tl.constexpr):
         """K tile ``t`` of :func:`_row_dot`: ``[BLOCK_N, WORDS]`` float32 sums of each word's 8 products, times its
-        group's scale (with ``ASM`` 3, :mod:`vllm_ext.nvfp4_hfma2`'s tile instead: one per group)."""
-        if ASM == 3:
+        group's scale (with ``ASM`` 3 or 4, :mod:`vllm_ext.nvfp4_hfma2`'s tile instead: one per group)."""
+        if ASM >= 3:
             part = _row_tile_hfma2(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N, WORDS)
         else:
             part = _row_tile_f32(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N, WORDS, ASM, XVEC)
@@ -232,7 +232,7 @@ if triton is not None:
                  SPLIT_K: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, STAGES: tl.constexpr):
         """:func:`_row_loop`; with ``ASM`` 3 (the products in float16 pairs), a program whose sums are not all finite
         (an ``x`` of its K tiles beyond float16's range) sums its K tiles again with exact float32 products
-        (:func:`_row_fallback`)."""
+        (:func:`_row_fallback`). ``ASM`` 4: the same without that check (a measurement of its cost only)."""
         tot = _row_loop(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, XVEC, STAGES)
         if ASM == 3:
             bad = tl.max(((tot != tot) | (tl.abs(tot) == float("inf"))).to(tl.int32), axis=0)
@@ -268,7 +268,7 @@ if triton is not None:
         gate/up and every 32B linear faster, but not 7B q/k/v or down. The same products are summed in the same
         order along K either way; only how a tile's words are split between threads for the final sum may differ."""
         WORDS: tl.constexpr = BLOCK_K // 8
-        if ASM == 3:  # one float32 per group, row 4 i + r at [i, :, r] (the products in float16 pairs, nvfp4_hfma2)
+        if ASM >= 3:  # one float32 per group, row 4 i + r at [i, :, r] (the products in float16 pairs, nvfp4_hfma2)
             acc = tl.zeros((BLOCK_N // 4, WORDS // 2, 4), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
@@ -280,7 +280,7 @@ if triton is not None:
         else:
             for t in range(pid_k, K // BLOCK_K, SPLIT_K):
                 acc += _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, K // 8, K // 16, BLOCK_N, WORDS, ASM, XVEC)
-        if ASM == 3:
+        if ASM >= 3:
             tot = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N,))
         else:
             tot = tl.sum(acc, axis=1)
@@ -467,7 +467,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     global LAST_COMPILED
     if words:
         mode = decode_mode(x.device, asm)
-        if mode == 3 and x2.data_ptr() % 4:  # float16 pairs read x as int32s
+        if mode >= 3 and x2.data_ptr() % 4:  # float16 pairs read x as int32s
             x2 = x2.clone()
         LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](
             x2, packed.view(torch.int32), scale, g, out, ws, cnt, b, n, k,
@@ -564,7 +564,7 @@ def nvfp4_gemv_row(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g
     """``x @ W.T (+ bias)`` for one row of ``x`` with the one-row kernel (PTX decode on CUDA, ``x`` once per word,
     the bias added in its epilogue) and :func:`decode_tile`'s tile, as one opaque op for torch.compile and CUDA
     graphs; a programmatic dependent launch where :func:`pdl_supported` and :func:`pdl_first_allowed`."""
-    tile = decode_tile(packed.shape[0], x.shape[-1], hfma2=decode_mode(x.device) == 3)
+    tile = decode_tile(packed.shape[0], x.shape[-1], hfma2=decode_mode(x.device) >= 3)
     if tile is None:
         raise ValueError(f"{ROW_OP}: K={x.shape[-1]} is not a multiple of 128")
     return nvfp4_small_gemm(x, packed, scale, global_scale, words=True, xvec=True, bias=bias,

@@ -335,7 +335,7 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"bias {tuple(bias.shape)}, expected ({n},)")
     mode = decode_mode(x.device)
     if tile is None:
-        tile = row_tile(n, k, marlin, slices, hfma2=mode == 3)
+        tile = row_tile(n, k, marlin, slices, hfma2=mode >= 3)
     elif marlin and (tile["block_n"] not in (8, 16, 32, 64, 128, 256, 512) or k % tile["block_k"]
                      or tile["block_k"] % 16 or n % tile["block_n"]):
         raise ValueError(f"tile {tile}: on Marlin's layout block_n is 8 ... 512 (a power of two dividing N={n}) and "
@@ -346,7 +346,7 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     block_n, split_k = tile["block_n"], min(tile["split_k"], k // tile["block_k"])
     blocks = triton.cdiv(n, block_n)
     # forms 3 and 4 of Marlin's layout: x in 4 / 16 bytes; float16 pairs on the checkpoint layout: 4
-    align = x_alignment(tile.get("asum", 0)) if marlin else 4 if mode == 3 else 1
+    align = x_alignment(tile.get("asum", 0)) if marlin else 4 if mode >= 3 else 1
     x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks, x_align=align)
     z = torch.empty_like(out) if zeros else out  # every element gets written
     s_count = len(slices)
