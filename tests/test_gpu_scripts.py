@@ -2288,6 +2288,75 @@ def test_forty_first_session_fp8_decode_in_the_kernels_and_engines():
     assert "LoRA linears on the overlap path" in log  # not punica: the 1.46x is not the issue's ratio
 
 
+def _step_verdict(step: dict, a: str, b: str) -> str:
+    """The spread rule on a per_step_ms record: ``a`` against ``b``."""
+    med, spr = step["median"], step["spread"]
+    diff = med[b] - med[a]
+    return "equal" if abs(diff) <= max(spr[a], spr[b]) + 1e-9 else ("faster" if diff > 0 else "slower")
+
+
+def test_forty_second_session_hfma2_kernel():
+    """§4bc calls 1-5, from the committed raw files: call 1 (no tile refused; the best hfma2 tiles faster per 7B step
+    by >= 5 % beyond both spreads, the tiles decode_tile now holds); call 2 (5 tests failed: no claim); calls 3 and 5
+    (every test passed, no output worse than the bfloat16 weight's, row_hfma2 faster than row_fp8 at 7B and 32B);
+    call 4 (the shared path failed its bound on 7B down: taken out); call 5 (the fallback's cost: unguarded faster)."""
+    from vllm_ext.nvfp4_gemv import decode_tile
+
+    root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-second"
+    recs = _jsonl(root / "call1" / "sweep_row_hfma2.jsonl")
+    tiles = [r for r in recs if r["what"] == "tile"]
+    assert len(tiles) == 768 and all(r["ok"] and r["max_err"] <= r["ref_err"] for r in tiles)
+    step = next(r for r in recs if r["what"] == "per_step_ms" and r["shape"] == "7B")
+    assert (step["median"]["best"], step["median"]["shipped"]) == (1.466, 1.661)
+    assert _step_verdict(step, "best", "shipped") == "faster" and step["median"]["best"] <= 0.95 * 1.661
+    for r in (r for r in recs if r["what"] == "final"):
+        n, k = r.get("n"), r.get("k")
+        t = decode_tile(*{("7B", "qkv"): (4608, 3584), ("7B", "o"): (3584, 3584), ("7B", "gate_up"): (37888, 3584),
+                          ("7B", "down"): (3584, 18944), ("32B", "qkv"): (7168, 5120), ("32B", "o"): (5120, 5120),
+                          ("32B", "gate_up"): (55296, 5120), ("32B", "down"): (5120, 27648)}[(r["shape"], r["linear"])],
+                        hfma2=True)
+        assert r["best_tile"] == f"n{t['block_n']}k512s{t['split_k']}w{t['num_warps']}WAX2S{t['stages']}", (n, k)
+    assert re.search(r"5 failed, 35 passed", (root / "call2" / "gpu_tests.log").read_text())
+    for call in ("call3", "call5"):
+        assert re.search(r"\b40 passed", (root / call / "gpu_tests.log").read_text())
+        assert re.search(r"\b15 passed", (root / call / "gpu_tests_row.log").read_text())
+        recs = _jsonl(root / call / "bench_decode.jsonl")
+        finals = [r for r in recs if r["what"] == "final"]
+        assert len(finals) == 8 and all(all(r["same_bits"].values()) for r in finals)
+        assert all(r["max_err"]["hfma2" if call == "call3" else "row_hfma2"] <= r["max_err"]["bf16_weight"]
+                   for r in finals)
+        steps = {r["shape"]: r for r in recs if r["what"] == "per_step_ms"}
+        assert [_step_verdict(steps[s], "row_hfma2", "row_fp8") for s in ("7B", "32B")] == ["faster", "faster"]
+    assert (steps["7B"]["median"]["row_hfma2"], steps["7B"]["median"]["row_fp8"]) == (1.523, 1.641)
+    assert _step_verdict(steps["7B"], "row_hfma2-unguarded", "row_hfma2") == "faster"
+    assert round(100 * (1 - 1.454 / 1.523), 1) == 4.5 and steps["7B"]["median"]["row_hfma2-unguarded"] == 1.454
+    log = (root / "call4" / "gpu_tests.log").read_text()
+    assert re.search(r"1 failed, 45 passed", log)
+    assert "test_gpu_shared_op_is_no_worse_than_the_bfloat16_weight[3584-18944]" in log
+    assert "(0.033123650755943146, 0.029376349244056854)" in log
+
+
+def test_forty_second_session_hfma2_engines():
+    """§4bc's engines (7B b1, H200): the hfma2 engine decoded with QERL_ROW_DECODE=hfma2 in its environment and
+    decode_gemv all; level with decode-gemv by the spread rule, faster than the default; BF16 on punica."""
+    root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-second" / "engines" / "bench-h2"
+    bench = json.loads((root / "a" / "bench_rollout.json").read_text())
+    res = {f"{r['config']}@{r['variant']}": r for r in bench["results"]}
+    b1 = {k: r["batches"]["1"] for k, r in res.items()}
+    h2, gemv, default, bf16 = (b1[k] for k in ("nvfp4-lora@decode-gemv+row-hfma2", "nvfp4-lora@decode-gemv",
+                                                 "nvfp4-lora@default", "bf16-lora@punica-lora"))
+    assert [r["decode_tok_s"] for r in (h2, gemv, default, bf16)] == [331.61, 316.27, 307.19, 152.3]
+    spread = lambda r: max(r["decode_runs_tok_s"]) - min(r["decode_runs_tok_s"])  # noqa: E731
+    assert abs(h2["decode_tok_s"] - gemv["decode_tok_s"]) <= max(spread(h2), spread(gemv))  # level
+    assert h2["decode_tok_s"] - default["decode_tok_s"] > max(spread(h2), spread(default))  # faster
+    assert round(h2["decode_tok_s"] / bf16["decode_tok_s"], 3) == 2.177
+    assert res["nvfp4-lora@decode-gemv+row-hfma2"]["env"]["QERL_ROW_DECODE"] == "hfma2"
+    log = (root / "a" / "logs" / "nvfp4-lora--decode-gemv_row-hfma2.log").read_text()
+    assert "decode_gemv all: one-row calls of 37888 x 3584 weights run on qerl's row kernel" in log
+    assert "LoRA call with 1 tokens on the row+lora path" in log
+    log = (root / "a" / "logs" / "bf16-lora--punica-lora.log").read_text()
+    assert "overlap path" not in log
+
 def _eval_shared_paths(name: str = "eval_shared") -> list[str]:
     """The ``--path`` texts that session.sh's eval_shared step (or ``name``) hands compare_evals.py through
     ``eval_check``."""

@@ -47,15 +47,22 @@ _DECODE8_PTX = tl.constexpr(_DECODE8_PTX_TEXT) if tl is not None else None  # a 
 # (codes 1, 3, 5, 7; their sign is already bit 7) one shift and two masks; then cvt.rn.f16x2.e4m3x2 makes two
 # float16s of each byte pair, and each is widened as before. 7 integer/logic operations per word instead of 16: the
 # one-row kernels are bound by the ALU pipeline that executes them (§4ba).
+def fp8_pair_lines(word: str) -> list[str]:
+    """The PTX lines that decode the int32 operand ``word`` through FP8 into four float16 pairs, h0 = codes (0, 2),
+    h1 = (4, 6), h2 = (1, 3), h3 = (5, 7) (low half first), each the code's value times 2^-6; they use the b32
+    registers a, b, lo, hi, h0-h3 and the b16 registers p0-p3, which the caller declares. Shared with
+    :mod:`vllm_ext.nvfp4_hfma2`."""
+    return [f"shl.b32 a, {word}, 2;", "and.b32 a, a, 0x1C1C1C1C;", f"shl.b32 b, {word}, 4;",
+            "and.b32 b, b, 0x80808080;", "or.b32 lo, a, b;",  # the E4M3 bytes of codes 0, 2, 4, 6
+            f"shr.b32 a, {word}, 2;", "and.b32 a, a, 0x1C1C1C1C;", f"and.b32 b, {word}, 0x80808080;",
+            "or.b32 hi, a, b;",  # codes 1, 3, 5, 7
+            "mov.b32 {p0, p1}, lo;", "mov.b32 {p2, p3}, hi;",
+            *(f"cvt.rn.f16x2.e4m3x2 h{i}, p{i};" for i in range(4))]  # the low byte to the low half
+
+
 def _decode8_fp8_ptx() -> str:
     lines = ["{", ".reg .b32 a, b, lo, hi, h0, h1, h2, h3;",
-             ".reg .b16 p0, p1, p2, p3, l0, l1, l2, l3, l4, l5, l6, l7;",
-             "shl.b32 a, $8, 2;", "and.b32 a, a, 0x1C1C1C1C;", "shl.b32 b, $8, 4;", "and.b32 b, b, 0x80808080;",
-             "or.b32 lo, a, b;",  # the E4M3 bytes of codes 0, 2, 4, 6
-             "shr.b32 a, $8, 2;", "and.b32 a, a, 0x1C1C1C1C;", "and.b32 b, $8, 0x80808080;",
-             "or.b32 hi, a, b;",  # codes 1, 3, 5, 7
-             "mov.b32 {p0, p1}, lo;", "mov.b32 {p2, p3}, hi;"]
-    lines += [f"cvt.rn.f16x2.e4m3x2 h{i}, p{i};" for i in range(4)]  # the low byte to the low half
+             ".reg .b16 p0, p1, p2, p3, l0, l1, l2, l3, l4, l5, l6, l7;", *fp8_pair_lines("$8")]
     # h0: codes 0, 2; h1: 4, 6; h2: 1, 3; h3: 5, 7
     lines += ["mov.b32 {l0, l2}, h0;", "mov.b32 {l4, l6}, h1;", "mov.b32 {l1, l3}, h2;", "mov.b32 {l5, l7}, h3;"]
     lines += [f"cvt.f32.f16 ${j}, l{j};" for j in range(8)]
@@ -77,8 +84,9 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
 
     ``QERL_ROW_DECODE=hfma2`` (experimental, docs/benchmarks.md §4bc): 3 where 2 would be, the FP8 decode with the
     products summed in float16 pairs (:mod:`vllm_ext.nvfp4_hfma2`) in the checkpoint layout's one-row kernels (the
-    row kernel and row+lora); the other kernels (those on Marlin's tensors too) decode as with 2. ``hfma2-unguarded`` (4) leaves out its fallback for an ``x`` beyond float16: for
-    measuring that fallback's cost only (such an ``x`` then gives an infinite output)."""
+    row kernel and row+lora); the other kernels (those on Marlin's tensors too) decode as with 2.
+    ``hfma2-unguarded`` (4) leaves out its fallback for an ``x`` beyond float16: for measuring that fallback's cost
+    only (such an ``x`` then gives an infinite output)."""
     choice = (os.environ.get(DECODE_ENV, "") or "fp8").strip().lower()
     if choice not in ("fp8", "f16", "hfma2", "hfma2-unguarded"):
         raise ValueError(f"{DECODE_ENV}={os.environ.get(DECODE_ENV)!r}: use fp8 (the default), f16 or hfma2")

@@ -19,6 +19,7 @@ an ``x`` beyond that becomes infinite, and so does the output. Products below 2^
 
 from __future__ import annotations
 
+from vllm_ext.nvfp4_decode import fp8_pair_lines
 from vllm_ext.triton_support import tl, triton
 
 __all__: list[str] = []
@@ -35,15 +36,6 @@ def _x_pairs_ptx() -> str:
                       "}"])
 
 
-def _decode_word_lines(word: str) -> list[str]:
-    """§4ba's decode of the int32 ``word`` through FP8 into the float16 pairs h0 = codes (0, 2), h1 = (4, 6),
-    h2 = (1, 3), h3 = (5, 7), each the code's value times 2^-6."""
-    return [f"shl.b32 a, {word}, 2;", "and.b32 a, a, 0x1C1C1C1C;", f"shl.b32 b, {word}, 4;", "and.b32 b, b, 0x80808080;",
-            "or.b32 lo, a, b;", f"shr.b32 a, {word}, 2;", "and.b32 a, a, 0x1C1C1C1C;", f"and.b32 b, {word}, 0x80808080;",
-            "or.b32 hi, a, b;", "mov.b32 {p0, p1}, lo;", "mov.b32 {p2, p3}, hi;",
-            *(f"cvt.rn.f16x2.e4m3x2 h{i}, p{i};" for i in range(4))]
-
-
 ROWS = 4  # rows per group call: the x pairs converted once for all of them
 
 
@@ -55,9 +47,9 @@ def _group_ptx() -> str:
     lines = ["{", ".reg .b32 a, b, lo, hi, h0, h1, h2, h3, s;", ".reg .b16 p0, p1, p2, p3, e, f;", ".reg .f32 u, v;"]
     xa, xb = 4 + 2 * ROWS, 8 + 2 * ROWS
     for r in range(ROWS):
-        lines += _decode_word_lines(f"${ROWS + 2 * r}")
+        lines += fp8_pair_lines(f"${ROWS + 2 * r}")
         lines += [f"mul.rn.f16x2 s, h0, ${xa};"] + [f"fma.rn.f16x2 s, h{i}, ${xa + i}, s;" for i in (1, 2, 3)]
-        lines += _decode_word_lines(f"${ROWS + 2 * r + 1}")
+        lines += fp8_pair_lines(f"${ROWS + 2 * r + 1}")
         lines += [f"fma.rn.f16x2 s, h{i}, ${xb + i}, s;" for i in range(4)]
         lines += ["mov.b32 {e, f}, s;", "cvt.f32.f16 u, e;", "cvt.f32.f16 v, f;", f"add.f32 ${r}, u, v;"]
     return "\n".join(lines + ["}"])

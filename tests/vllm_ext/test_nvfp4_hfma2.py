@@ -82,7 +82,8 @@ def run_ptx(text: str, ins: dict[int, int], outs: int) -> list[int]:
 
 
 def _bf16_bits(v: np.ndarray) -> np.ndarray:
-    return torch.from_numpy(np.asarray(v, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    b16 = torch.from_numpy(np.asarray(v, dtype=np.float32)).to(torch.bfloat16)
+    return b16.view(torch.int16).numpy().view(np.uint16)
 
 
 def test_x_pairs_ptx_gives_the_decodes_order_in_float16():
@@ -273,8 +274,9 @@ def test_gpu_an_x_beyond_float16_falls_back(monkeypatch, tile):
     n, k = 1024, 4096
     q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    run = lambda: nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=512, words=True, xvec=True,  # noqa: E731
-                                   **tile)
+    def run():  # noqa: ANN202
+        return nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=512, words=True, xvec=True, **tile)
+
     h2 = run()
     monkeypatch.setenv(DECODE_ENV, "fp8")
     assert not torch.equal(h2, run())
