@@ -2329,7 +2329,7 @@ def test_forty_second_session_hfma2_kernel():
         assert [_step_verdict(steps[s], "row_hfma2", "row_fp8") for s in ("7B", "32B")] == ["faster", "faster"]
     assert (steps["7B"]["median"]["row_hfma2"], steps["7B"]["median"]["row_fp8"]) == (1.523, 1.641)
     assert _step_verdict(steps["7B"], "row_hfma2-unguarded", "row_hfma2") == "faster"
-    assert round(100 * (1 - 1.454 / 1.523), 1) == 4.5 and steps["7B"]["median"]["row_hfma2-unguarded"] == 1.454
+    assert steps["7B"]["median"]["row_hfma2-unguarded"] == 1.454  # 4.5 % under row_hfma2's 1.523
     log = (root / "call4" / "gpu_tests.log").read_text()
     assert re.search(r"1 failed, 45 passed", log)
     assert "test_gpu_shared_op_is_no_worse_than_the_bfloat16_weight[3584-18944]" in log
@@ -2356,6 +2356,7 @@ def test_forty_second_session_hfma2_engines():
     assert "LoRA call with 1 tokens on the row+lora path" in log
     log = (root / "a" / "logs" / "bf16-lora--punica-lora.log").read_text()
     assert "overlap path" not in log
+
 
 def _eval_shared_paths(name: str = "eval_shared") -> list[str]:
     """The ``--path`` texts that session.sh's eval_shared step (or ``name``) hands compare_evals.py through

@@ -79,7 +79,8 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
     """The one-row kernels' E2M1 decode, their ``ASM`` constexpr: 0 Triton's integer operations (``asm=False``, or
     by default under the interpreter or off CUDA), 1 the float16 bit moves in PTX (:func:`_decode8_ptx`), 2 the decode
     through FP8 (:func:`_decode8_fp8_ptx`, compute capability 8.9 and later). PTX takes 2 where the GPU has it, unless
-    ``QERL_ROW_DECODE=f16`` (``fp8``, the default, or ``f16``; another value is an error at any launch). Both PTX
+    ``QERL_ROW_DECODE=f16`` (``fp8``, the default, ``f16``, ``hfma2`` or ``hfma2-unguarded``, below; another value
+    is an error at any launch). Both PTX
     decodes give the same output bits. ``asm``: None (by the device), false (0), or true (PTX, 1 or 2 as above).
 
     ``QERL_ROW_DECODE=hfma2`` (experimental, docs/benchmarks.md §4bc): 3 where 2 would be, the FP8 decode with the
@@ -89,7 +90,8 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
     only (such an ``x`` then gives an infinite output)."""
     choice = (os.environ.get(DECODE_ENV, "") or "fp8").strip().lower()
     if choice not in ("fp8", "f16", "hfma2", "hfma2-unguarded"):
-        raise ValueError(f"{DECODE_ENV}={os.environ.get(DECODE_ENV)!r}: use fp8 (the default), f16 or hfma2")
+        raise ValueError(f"{DECODE_ENV}={os.environ.get(DECODE_ENV)!r}: use fp8 (the default), f16 or hfma2 "
+                         "(hfma2-unguarded: for timing hfma2's guard only)")
     if (asm is not None and not asm) or (asm is None and (device.type != "cuda" or _interpreting())):
         return 0
     if choice == "f16" or device.type != "cuda":
@@ -116,7 +118,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_up(ASM: tl.constexpr):
-        """What undoes :func:`_decode8`'s power of two: 2^6 after the FP8 decode (``ASM`` 2), else 2^14."""
+        """What undoes :func:`_decode8`'s power of two: 2^6 after the FP8 decode (``ASM`` 2 or more), else 2^14."""
         if ASM >= 2:
             up = 64.0
         else:
@@ -135,7 +137,8 @@ if triton is not None:
     @triton.jit
     def _decode8(wv, ASM: tl.constexpr):
         """The 8 E2M1 codes of each int32 word of ``wv`` (code j in bits 4j .. 4j + 3) as 8 float32 tensors shaped
-        like ``wv``: code j's value times 2^-14, or times 2^-6 with ``ASM`` 2 (:func:`_decode_up` undoes either).
+        like ``wv``: code j's value times 2^-14, or times 2^-6 with ``ASM`` 2 or more (:func:`_decode_up` undoes
+        either).
         ``ASM`` (:func:`decode_mode`): 1 and 2 in PTX (the interpreter cannot run it; the GPU tests check it), 2 through
         FP8 (sm_89 and later)."""
         if ASM >= 2:

@@ -198,7 +198,8 @@ if triton is not None:
     def _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                   ASM: tl.constexpr, XVEC: tl.constexpr):
         """K tile ``t`` of :func:`_row_dot`: ``[BLOCK_N, WORDS]`` float32 sums of each word's 8 products, times its
-        group's scale (with ``ASM`` 3 or 4, :mod:`vllm_ext.nvfp4_hfma2`'s tile instead: one per group)."""
+        group's scale (with ``ASM`` 3 or 4, :mod:`vllm_ext.nvfp4_hfma2`'s tile instead: ``[BLOCK_N / 4, WORDS / 2,
+        4]``, one per group, row 4 i + r at ``[i, :, r]``)."""
         if ASM >= 3:
             part = _row_tile_hfma2(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N, WORDS)
         else:
@@ -447,6 +448,9 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"global_scale has {global_scale.numel()} values, expected 1")
     if bias is not None and (bias.shape != (n,) or bias.device != x.device):
         problems.append(f"bias {tuple(bias.shape)} on {bias.device}, expected ({n},) on {x.device}")
+    if words and block_k % 64 and decode_mode(x.device, asm) >= 3:
+        problems.append(f"block_k={block_k} with QERL_ROW_DECODE=hfma2 (it takes a multiple of 64: the fallback's "
+                        "quarter tiles)")
     if problems:
         raise ValueError("nvfp4_small_gemm: " + "; ".join(problems))
     if x2.stride(-1) != 1:
@@ -508,16 +512,19 @@ def decode_tile(n: int, k: int, lora: bool = False, hfma2: bool = False) -> dict
     keeps §4m's tile (8 rows, split-K 8, unpipelined): with the adapter's expand in its split-K epilogue, the
     pipelined 32B down tile took 3.56 ms per step's 64 calls against 2.57 (§4n lease 2, H100).
 
-    ``hfma2``: the tile for the products in float16 pairs (``decode_mode`` 3, :mod:`vllm_ext.nvfp4_hfma2`), with or
-    without the adapter, from its sweep on an H200 (docs/benchmarks.md §4bc call 1; 4 rows or more, 1-2 warps):
-    long K 8 rows, split-K 4, 3 stages (2 warps up to K = 20 480, else 1); large N 32 rows, 2 warps, 3 stages; else 4
-    rows, 1 warp, 4 stages, or 16 rows and 3 stages for q/k/v above K = 4 096.
+    ``hfma2``: the tile for the products in float16 pairs (``decode_mode`` 3, :mod:`vllm_ext.nvfp4_hfma2`), from its
+    sweep of the row kernel alone on an H200 (docs/benchmarks.md §4bc call 1; 4 rows or more, 1-2 warps): long K 8
+    rows, split-K 4, 3 stages (2 warps up to K = 20 480, else 1); large N 32 rows, 2 warps, 3 stages; else 4 rows, 1
+    warp, 4 stages, or 16 rows and 3 stages for q/k/v above K = 4 096. The same with the adapter (not swept with it),
+    except beyond K = 20 480, where ``lora`` keeps §4m's tile as above.
 
     None where K is not a multiple of 128."""
     block_k = next((b for b in (512, 256, 128) if k % b == 0), None)
     if block_k is None:
         return None
     if hfma2:
+        if k > 20480 and lora:
+            return dict(block_n=8, block_k=block_k, split_k=8, num_warps=2)
         if k > 8192:
             return dict(block_n=8, block_k=block_k, split_k=4, num_warps=2 if k <= 20480 else 1, stages=3)
         if n > 16384:

@@ -218,7 +218,7 @@ def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, 
     marlin, n = _layout(packed)
     if sum(output_slices) != n or tuple(packed.shape) != ((k // 16, 2 * n) if marlin else (n, k // 2)):
         return f"weight {tuple(packed.shape)} does not fit input {k} and slices {tuple(output_slices)}"
-    tile = row_tile(n, k, marlin, tuple(output_slices))
+    tile = row_tile(n, k, marlin, tuple(output_slices), hfma2=decode_mode(x.device) >= 3)
     if tile is None:
         return (f"Marlin's layout of this weight is padded (N={n}, K={k})" if marlin
                 else f"K={k} is not a multiple of 128")
@@ -363,7 +363,8 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         x2, w, scale.view(torch.int32) if marlin else scale.contiguous(), g, out, ws, cnt,
         out if bias is None else bias.contiguous(), n, k, hp, token_lora_indices, *b, n_first[0], n_first[1], ks,
         float(lora_scale), z,
-        BLOCK_N=block_n, BLOCK_K=tile["block_k"], SPLIT_K=split_k, ASM=mode, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=tile["block_k"], SPLIT_K=split_k, ASM=min(mode, 2) if marlin else mode,
+        HAS_BIAS=bias is not None,
         R=rank, KS_PAD=MAX_CHUNKS, PDL=pdl, STAGES=tile.get("stages", 0), MARLIN=marlin,
         ASUM=int(tile.get("asum", 0)), ZEROS=zeros, num_warps=tile["num_warps"], launch_pdl=pdl,
     )  # fmt: skip

@@ -14,8 +14,10 @@ Numerics. A code's value times 2^-6 (at most 0.09375) is exact in float16, and s
 (bfloat16 has fewer significant bits); each HFMA2 rounds its sum to float16 (2^-11 relative), the group's two lanes
 are added in float32 and times the group's scale in float32, and the groups summed in float32 as in the float32 row
 kernel. A lane sums 8 products of at most 0.09375 |x| each, so no sum overflows where ``x`` fits float16 (|x| < 65 520);
-an ``x`` beyond that becomes infinite, and so does the output. Products below 2^-14 are float16 subnormals, exact to
-2^-25 in the value's units. vLLM's Marlin, for comparison, rounds each weight times its scale to bfloat16 (2^-9)."""
+an ``x`` beyond that makes its programs' sums infinite, and those programs sum their K tiles again with exact float32
+products (:func:`vllm_ext.nvfp4_gemv._row_fallback`; not with ``hfma2-unguarded``, a knob for timing that guard only,
+whose output is then infinite). Products below 2^-14 are float16 subnormals, exact to 2^-25 in the value's units.
+vLLM's Marlin, for comparison, rounds each weight times its scale to bfloat16 (2^-9)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def _x_pairs_ptx() -> str:
                       "}"])
 
 
-ROWS = 4  # rows per group call: the x pairs converted once for all of them
+ROWS = 4  # rows per group call: the x pairs converted once for all of them (the Triton side splits rows in fours)
 
 
 def _group_ptx() -> str:
@@ -45,7 +47,8 @@ def _group_ptx() -> str:
     ``$(4 + 2r)`` and ``$(5 + 2r)``, then ``$12 .. $15`` the first word's ``x`` pairs and ``$16 .. $19`` the second's,
     each in :func:`_x_pairs`' order: (x0, x2), (x4, x6), (x1, x3), (x5, x7) of the word's 8."""
     lines = ["{", ".reg .b32 a, b, lo, hi, h0, h1, h2, h3, s;", ".reg .b16 p0, p1, p2, p3, e, f;", ".reg .f32 u, v;"]
-    xa, xb = 4 + 2 * ROWS, 8 + 2 * ROWS
+    assert ROWS == 4, "_row_tile_hfma2 splits the rows in fours (_rows_last, _split4)"
+    xa, xb = 3 * ROWS, 3 * ROWS + 4  # after the ROWS outputs and the 2 ROWS words
     for r in range(ROWS):
         lines += fp8_pair_lines(f"${ROWS + 2 * r}")
         lines += [f"mul.rn.f16x2 s, h0, ${xa};"] + [f"fma.rn.f16x2 s, h{i}, ${xa + i}, s;" for i in (1, 2, 3)]
@@ -76,12 +79,8 @@ if triton is not None:
         """``xi`` ``[WORDS, 4]`` int32 (each word's 8 values of ``x``, two per int32; bfloat16, or float16 with
         ``X_F16``) -> 4 ``[WORDS]`` int32 tensors of float16 pairs: (x0, x2), (x4, x6), (x1, x3), (x5, x7)."""
         a, b = tl.split(tl.reshape(xi, (xi.shape[0], 2, 2)))  # a: int32s 0 and 2 of the word; b: 1 and 3
-        if X_F16:
-            p, q = tl.inline_asm_elementwise(asm=_X_PAIRS_F16_PTX, constraints="=r,=r,r,r", args=[a, b],
-                                             dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-        else:
-            p, q = tl.inline_asm_elementwise(asm=_X_PAIRS_PTX, constraints="=r,=r,r,r", args=[a, b],
-                                             dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        p, q = tl.inline_asm_elementwise(asm=_X_PAIRS_F16_PTX if X_F16 else _X_PAIRS_PTX, constraints="=r,=r,r,r",
+                                         args=[a, b], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
         x02, x46 = tl.split(p)
         x13, x57 = tl.split(q)
         return x02, x46, x13, x57

@@ -96,7 +96,10 @@ def run_tile(x, packed, scale, gscale, t: dict[str, Any]):  # noqa: ANN001, ANN2
         try:
             return nvfp4_small_gemm(x, packed, scale, gscale, **{k: v for k, v in t.items() if k != "hfma2"})
         finally:
-            os.environ.pop(DECODE_ENV) if had is None else os.environ.__setitem__(DECODE_ENV, had)
+            if had is None:
+                os.environ.pop(DECODE_ENV)
+            else:
+                os.environ[DECODE_ENV] = had
     return nvfp4_small_gemm(x, packed, scale, gscale, **t)
 
 

@@ -165,8 +165,9 @@ def test_decode_mode_hfma2(monkeypatch, capability, mode):
 
 
 def test_hfma2_tiles():
-    """decode_tile's hfma2 table (§4bc call 1's best tiles) on the 7B and 32B linears; the row+lora kernel halves the
-    rows where a block would straddle two slices."""
+    """decode_tile's hfma2 table (§4bc call 1's best tiles) on the 7B and 32B linears; the row+lora kernel takes the
+    same, except beyond K = 20 480 (§4m's tile, as without hfma2), and halves the rows where a block would straddle two
+    slices."""
     from vllm_ext.nvfp4_gemv import decode_tile
     from vllm_ext.nvfp4_gemv_lora import row_tile
 
@@ -178,9 +179,22 @@ def test_hfma2_tiles():
             ((7168, 5120), (5120, 5120), (55296, 5120), (5120, 27648))] == [
                 (16, 1, 1, 3), (4, 1, 1, 4), (32, 1, 2, 3), (8, 4, 1, 3)]
     assert decode_tile(4608, 3584, lora=True, hfma2=True) == decode_tile(4608, 3584, hfma2=True)
+    assert name(decode_tile(5120, 27648, lora=True, hfma2=True)) == (8, 8, 2, 0)  # §4m's tile, as without hfma2
     assert row_tile(37888, 3584, slices=(18944, 18944), hfma2=True)["block_n"] == 32
     assert row_tile(37888 - 16, 3584, slices=(18936, 18936), hfma2=True)["block_n"] == 8  # 18 936 = 8 x 2 367
     assert decode_tile(4608, 3500, hfma2=True) is None
+
+
+def test_hfma2_refuses_a_block_k_of_32(monkeypatch):
+    """nvfp4_small_gemm with the hfma2 mode and block_k 32: a clear error before any launch (the fallback's quarter
+    tiles need a multiple of 64; the mode is stubbed: no GPU here)."""
+    from vllm_ext import nvfp4_gemv
+
+    monkeypatch.setattr(nvfp4_gemv, "decode_mode", lambda device, asm=None: 3)
+    q = nvfp4.quantize(torch.randn(64, 256).to(torch.bfloat16))
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block_k=32 with QERL_ROW_DECODE=hfma2"):
+        nvfp4_gemv.nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_n=8, block_k=32, words=True)
 
 
 def test_compiled_for_hopper_the_loop_issues_fewer_instructions():
@@ -264,8 +278,8 @@ def test_gpu_an_x_beyond_float16_falls_back(monkeypatch, tile):
     """One x of 1e5 (float16 stops at 65 504): the programs whose K tiles hold it sum exact float32 products instead
     (the fallback), so the output is finite. Without split-K every program does: the output is then within the
     bf16 output's rounding of the exact product, as the FP8 kernel's; with split-K the other programs keep their
-    float16 pairs, and the output is within the bf16 weight's error. An x within float16 does not fall back (the
-    output differs from the FP8 kernel's somewhere)."""
+    float16 pairs, and the output is within the bf16 weight's error. An x within float16 does not fall back: the same
+    bits as without the guard (QERL_ROW_DECODE=hfma2-unguarded)."""
     from vllm_ext.nvfp4_decode import DECODE_ENV
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
@@ -274,12 +288,13 @@ def test_gpu_an_x_beyond_float16_falls_back(monkeypatch, tile):
     n, k = 1024, 4096
     q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
     def run():  # noqa: ANN202
         return nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=512, words=True, xvec=True, **tile)
 
     h2 = run()
-    monkeypatch.setenv(DECODE_ENV, "fp8")
-    assert not torch.equal(h2, run())
+    monkeypatch.setenv(DECODE_ENV, "hfma2-unguarded")
+    assert torch.equal(h2, run())
     monkeypatch.setenv(DECODE_ENV, "hfma2")
     x[0, 1234] = 1e5
     h2 = run()
@@ -318,15 +333,16 @@ def test_gpu_row_op_in_a_cuda_graph_from_an_odd_row(monkeypatch):
 
 @pytest.mark.gpu
 @GPU
-@pytest.mark.parametrize("slices, k", [((3584, 512, 512), 3584), ((18944, 18944), 3584), ((3584,), 18944)])
+@pytest.mark.parametrize("slices, k", [((3584, 512, 512), 3584), ((18944, 18944), 3584), ((3584,), 18944),
+                                       ((5120,), 27648)])
 def test_gpu_row_lora_kernel_with_float16_pairs(monkeypatch, slices, k):
     """The row+lora kernel (rank 32, checkpoint layout, its hfma2 tiles): with the adapter's B zero it gives the row
-    op's bits (the same loop and tile); with a real adapter its error against the exact product (base plus adapter,
+    op's bits where both take the same tile (not beyond K = 20 480); with a real adapter its error against the exact product (base plus adapter,
     float64) exceeds the FP8 row+lora kernel's by at most the two row ops' largest difference plus a bfloat16 step
     (the kernel rounds the base before adding the adapter, in both modes)."""
     from vllm_ext import nvfp4_gemv_lora as rl
     from vllm_ext.nvfp4_decode import DECODE_ENV
-    from vllm_ext.nvfp4_gemv import nvfp4_gemv_row
+    from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_gemv_row
 
     _need_hfma2(monkeypatch)
     torch.manual_seed(k + len(slices))
@@ -339,7 +355,8 @@ def test_gpu_row_lora_kernel_with_float16_pairs(monkeypatch, slices, k):
     idx = torch.zeros(1, dtype=torch.int32, device=dev)
     zero_b = tuple(torch.zeros_like(bi) for bi in b)
     row_h2 = nvfp4_gemv_row(x, q.packed, q.scale, q.global_scale)
-    assert torch.equal(rl.launch(x, q.packed, q.scale, q.global_scale, None, a, zero_b, 1.0, slices, idx), row_h2)
+    if decode_tile(n, k, lora=True, hfma2=True) == decode_tile(n, k, hfma2=True):  # not beyond K = 20 480
+        assert torch.equal(rl.launch(x, q.packed, q.scale, q.global_scale, None, a, zero_b, 1.0, slices, idx), row_h2)
     y_h2 = rl.launch(x, q.packed, q.scale, q.global_scale, None, a, b, 1.0, slices, idx)
     monkeypatch.setenv(DECODE_ENV, "fp8")
     y_fp8 = rl.launch(x, q.packed, q.scale, q.global_scale, None, a, b, 1.0, slices, idx)
