@@ -337,9 +337,9 @@ def test_gpu_row_op_in_a_cuda_graph_from_an_odd_row(monkeypatch):
                                        ((5120,), 27648)])
 def test_gpu_row_lora_kernel_with_float16_pairs(monkeypatch, slices, k):
     """The row+lora kernel (rank 32, checkpoint layout, its hfma2 tiles): with the adapter's B zero it gives the row
-    op's bits where both take the same tile (not beyond K = 20 480); with a real adapter its error against the exact product (base plus adapter,
-    float64) exceeds the FP8 row+lora kernel's by at most the two row ops' largest difference plus a bfloat16 step
-    (the kernel rounds the base before adding the adapter, in both modes)."""
+    op's bits where both take the same tile (not beyond K = 20 480); with a real adapter its error against the exact
+    product (base plus adapter, float64) exceeds the FP8 row+lora kernel's by at most the two row ops' largest
+    difference plus a bfloat16 step (the kernel rounds the base before adding the adapter, in both modes)."""
     from vllm_ext import nvfp4_gemv_lora as rl
     from vllm_ext.nvfp4_decode import DECODE_ENV
     from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_gemv_row
