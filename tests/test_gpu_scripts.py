@@ -2259,14 +2259,8 @@ def test_forty_first_session_fp8_decode_in_the_kernels_and_engines():
     finals = [r for r in recs if r["what"] == "final"]
     assert len(finals) == 8 and all(all(r["same_bits"].values()) for r in finals)
     steps = {r["shape"]: r for r in recs if r["what"] == "per_step_ms"}
-
-    def verdict(shape, kernel):  # noqa: ANN001, ANN202
-        med, spr = steps[shape]["median"], steps[shape]["spread"]
-        diff = med[f"{kernel}_f16"] - med[f"{kernel}_fp8"]
-        return "equal" if abs(diff) <= max(spr[f"{kernel}_f16"], spr[f"{kernel}_fp8"]) else (
-            "faster" if diff > 0 else "slower")
-
-    assert [verdict(s, k) for s in ("7B", "32B") for k in ("row", "shared")] == ["faster", "equal", "faster", "faster"]
+    assert [_step_verdict(steps[s], f"{k}_fp8", f"{k}_f16") for s in ("7B", "32B") for k in ("row", "shared")] == [
+        "faster", "equal", "faster", "faster"]
     assert (steps["7B"]["median"]["row_fp8"], steps["7B"]["median"]["row_f16"]) == (1.631, 1.724)
     recs = _jsonl(root / "call10" / "sweep_marlin_row.jsonl")
     assert not any(r["what"] == "tile" and not r.get("ok") for r in recs)
@@ -2278,15 +2272,33 @@ def test_forty_first_session_fp8_decode_in_the_kernels_and_engines():
         assert SWEPT_TILES[(n, k)] == (t["hb"], t["t"], t["split_k"], t["num_warps"], t["stages"], t["asum"])
     bench = json.loads((root / "engines" / "bench-dec" / "a" / "bench_rollout.json").read_text())
     res = {f"{r['config']}@{r['variant']}": r for r in bench["results"]}
-    new, old = (res[f"nvfp4-lora@{v}"]["batches"]["1"] for v in ("default", "row-decode-f16"))
-    assert (new["decode_tok_s"], old["decode_tok_s"]) == (302.21, 303.11)
-    spread = max(max(r["decode_runs_tok_s"]) - min(r["decode_runs_tok_s"]) for r in (new, old))
-    assert abs(new["decode_tok_s"] - old["decode_tok_s"]) <= spread  # level
+    new, old = (res[f"nvfp4-lora@{v}"]["batches"] for v in ("default", "row-decode-f16"))
+    assert (new["1"]["decode_tok_s"], old["1"]["decode_tok_s"]) == (302.21, 303.11)
+    assert _verdict_tok_s(new, old, "1") == "equal"  # level
     assert res["nvfp4-lora@row-decode-f16"]["env"]["QERL_ROW_DECODE"] == "f16"
     assert "QERL_ROW_DECODE" not in res["nvfp4-lora@default"]["env"]
     log = (root / "engines" / "bench-dec" / "a" / "logs" / "bf16-lora--default.log").read_text()
     assert "LoRA linears on the overlap path" in log  # not punica: the 1.46x is not the issue's ratio
 
+
+def test_bf16_weight_error_is_the_bfloat16_weights_largest_error():
+    """check_gemv.bf16_weight_error, the hfma2 sweeps' bound (§4bc): on a weight whose dequantized values bfloat16
+    holds exactly (FP8 scales of 1, global scale 1) only the output's rounding to bfloat16 is left: the largest
+    difference between the exact product and its bfloat16 rounding, at most half a step of the largest output."""
+    import torch
+
+    from qerl_plugin import nvfp4
+
+    cg = _import_script("check_gemv")
+    torch.manual_seed(0)
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    codes = torch.randint(0, 256, (8, 32), dtype=torch.uint8)
+    scale = torch.full((8, 4), 1.0).to(torch.float8_e4m3fn)
+    q = nvfp4.NVFP4Weight(codes, scale, torch.ones(1))
+    exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
+    err = cg.bf16_weight_error(x, q, exact)
+    assert err == (exact.to(torch.bfloat16).double() - exact).abs().max().item()
+    assert err <= 2.0**-9 * exact.abs().max().item()
 
 def _step_verdict(step: dict, a: str, b: str) -> str:
     """The spread rule on a per_step_ms record: ``a`` against ``b``."""
@@ -2309,12 +2321,10 @@ def test_forty_second_session_hfma2_kernel():
     step = next(r for r in recs if r["what"] == "per_step_ms" and r["shape"] == "7B")
     assert (step["median"]["best"], step["median"]["shipped"]) == (1.466, 1.661)
     assert _step_verdict(step, "best", "shipped") == "faster" and step["median"]["best"] <= 0.95 * 1.661
+    linears = _import_script("check_gemv").LINEARS  # (K, N) by shape and linear
     for r in (r for r in recs if r["what"] == "final"):
-        n, k = r.get("n"), r.get("k")
-        t = decode_tile(*{("7B", "qkv"): (4608, 3584), ("7B", "o"): (3584, 3584), ("7B", "gate_up"): (37888, 3584),
-                          ("7B", "down"): (3584, 18944), ("32B", "qkv"): (7168, 5120), ("32B", "o"): (5120, 5120),
-                          ("32B", "gate_up"): (55296, 5120), ("32B", "down"): (5120, 27648)}[(r["shape"], r["linear"])],
-                        hfma2=True)
+        k, n = linears[r["shape"]][r["linear"]]
+        t = decode_tile(n, k, hfma2=True)
         assert r["best_tile"] == f"n{t['block_n']}k512s{t['split_k']}w{t['num_warps']}WAX2S{t['stages']}", (n, k)
     assert re.search(r"5 failed, 35 passed", (root / "call2" / "gpu_tests.log").read_text())
     for call in ("call3", "call5"):
@@ -2342,14 +2352,13 @@ def test_forty_second_session_hfma2_engines():
     root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-second" / "engines" / "bench-h2"
     bench = json.loads((root / "a" / "bench_rollout.json").read_text())
     res = {f"{r['config']}@{r['variant']}": r for r in bench["results"]}
-    b1 = {k: r["batches"]["1"] for k, r in res.items()}
-    h2, gemv, default, bf16 = (b1[k] for k in ("nvfp4-lora@decode-gemv+row-hfma2", "nvfp4-lora@decode-gemv",
-                                                 "nvfp4-lora@default", "bf16-lora@punica-lora"))
-    assert [r["decode_tok_s"] for r in (h2, gemv, default, bf16)] == [331.61, 316.27, 307.19, 152.3]
-    spread = lambda r: max(r["decode_runs_tok_s"]) - min(r["decode_runs_tok_s"])  # noqa: E731
-    assert abs(h2["decode_tok_s"] - gemv["decode_tok_s"]) <= max(spread(h2), spread(gemv))  # level
-    assert h2["decode_tok_s"] - default["decode_tok_s"] > max(spread(h2), spread(default))  # faster
-    assert round(h2["decode_tok_s"] / bf16["decode_tok_s"], 3) == 2.177
+    h2, gemv, default, bf16 = (res[k]["batches"] for k in ("nvfp4-lora@decode-gemv+row-hfma2",
+                                                             "nvfp4-lora@decode-gemv", "nvfp4-lora@default",
+                                                             "bf16-lora@punica-lora"))
+    assert [r["1"]["decode_tok_s"] for r in (h2, gemv, default, bf16)] == [331.61, 316.27, 307.19, 152.3]
+    assert _verdict_tok_s(h2, gemv, "1") == "equal"  # level
+    assert _verdict_tok_s(h2, default, "1") == "faster"
+    assert round(h2["1"]["decode_tok_s"] / bf16["1"]["decode_tok_s"], 3) == 2.177
     assert res["nvfp4-lora@decode-gemv+row-hfma2"]["env"]["QERL_ROW_DECODE"] == "hfma2"
     log = (root / "a" / "logs" / "nvfp4-lora--decode-gemv_row-hfma2.log").read_text()
     assert "decode_gemv all: one-row calls of 37888 x 3584 weights run on qerl's row kernel" in log

@@ -138,6 +138,18 @@ def streamed_weight(n: int, k: int, cold_mib: float, device):  # noqa: ANN001, A
     return w, q, raw_bytes, [(q.packed.clone(), q.scale.clone()) for _ in range(copies_for(raw_bytes, cold_mib))]
 
 
+def bf16_weight_error(x, q, exact) -> float:  # noqa: ANN001
+    """The largest error against ``exact`` (the float64 product with the exact weight) of the product with ``q``'s
+    weight dequantized to bfloat16, rounded to bfloat16: vLLM's Marlin rounds each weight times its scale so. The bound
+    for kernels that do not sum exact products (QERL_ROW_DECODE=hfma2: sweep_row.py, bench_decode.py; §4bc)."""
+    import torch
+
+    from qerl_plugin import nvfp4
+
+    w16 = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.bfloat16).double()
+    return ((x.double() @ w16.t()).to(torch.bfloat16).double() - exact).abs().max().item()
+
+
 def bf16_copies(w, cold_mib: float) -> list:  # noqa: ANN001
     """The BF16 baseline's weight as the sweeps stream it: :func:`copies_for` clones of ``w``, so that one pass over
     them reads at least ``cold_mib`` MiB (as :func:`streamed_weight` gives the NVFP4 ones)."""

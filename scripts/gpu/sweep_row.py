@@ -40,7 +40,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_linear_args, jsonl_recorder, per_step_ms, streamed_weight, tile_4m, tile_name,
+    LAYERS, LINEARS, add_linear_args, bf16_weight_error, jsonl_recorder, per_step_ms, streamed_weight, tile_4m, tile_name,
     timed_interleaved, verdict)
 
 
@@ -229,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
             ref_err = None
             if args.kernel == "hfma2":  # the product with the weight rounded to bfloat16, rounded to bfloat16
-                w16 = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=bf16).double()
-                ref_err = ((x.double() @ w16.t()).to(bf16).double() - exact).abs().max().item()
-                del w16
+                ref_err = bf16_weight_error(x, q, exact)
             copies = len(raws)
             iters = max(args.iters, copies)
             record({"what": "linear", "shape": shape, "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes,
