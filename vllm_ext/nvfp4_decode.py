@@ -84,9 +84,10 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
     decodes give the same output bits. ``asm``: None (by the device), false (0), or true (PTX, 1 or 2 as above).
 
     ``QERL_ROW_DECODE=hfma2`` (experimental, docs/benchmarks.md §4bc): 3 where 2 would be, the FP8 decode with the
-    products summed in float16 pairs (:mod:`vllm_ext.nvfp4_hfma2`) in the one-row kernels of both layouts; the other
-    kernels decode as with 2. ``hfma2-unguarded`` (4) leaves out its fallback for an ``x`` beyond float16: for
-    measuring that fallback's cost only (such an ``x`` then gives an infinite output)."""
+    products summed in float16 pairs (:mod:`vllm_ext.nvfp4_hfma2`) in the checkpoint layout's one-row kernels (the
+    row kernel and row+lora); the other kernels (those on Marlin's tensors too) decode as with 2.
+    ``hfma2-unguarded`` (4) leaves out its fallback for an ``x`` beyond float16: for measuring that fallback's cost
+    only (such an ``x`` then gives an infinite output)."""
     choice = (os.environ.get(DECODE_ENV, "") or "fp8").strip().lower()
     if choice not in ("fp8", "f16", "hfma2", "hfma2-unguarded"):
         raise ValueError(f"{DECODE_ENV}={os.environ.get(DECODE_ENV)!r}: use fp8 (the default), f16 or hfma2 "

@@ -63,40 +63,6 @@ def _x_pairs_f16_ptx() -> str:
     return "\n".join(["{", "prmt.b32 $0, $2, $3, 0x5410;", "prmt.b32 $1, $2, $3, 0x7632;", "}"])
 
 
-def _marlin_group_ptx() -> str:
-    """One group of one word pair's two outputs on Marlin's layout (:mod:`vllm_ext.nvfp4_marlin_row`): the 4 words
-    ``a`` = 0-3 (``$2 .. $5``) of outputs ``b`` = 0, 1, each against its inputs ``2a, 2a + 1`` (``$6 .. $9``, a float16
-    pair) and ``2a + 8, 2a + 9`` (``$10 .. $13``). A word's decoded pairs are (codes 0, 2), (4, 6), (1, 3), (5, 7), whose
-    lanes are the outputs b = 0, 1 (Marlin's nibble order), so each meets one input in both lanes: the pair's low or
-    high float16 repeated (a free operand swizzle in SASS). Outs ``$0``, ``$1``: the two outputs' float32 sums of their
-    16 products (value times 2^-6 times x), in two chains of 8 per lane (words 0-1 and words 2-3), each summed in
-    float16 and the two added in float32: a chain as long as the checkpoint layout's (§4bc call 4: one chain of 16 was
-    worse than the bfloat16 weight on the 7B down projection)."""
-    lines = ["{", ".reg .b32 a, b, lo, hi, h0, h1, h2, h3, s, t, d0, d1, d2, d3;",
-             ".reg .b16 p0, p1, p2, p3, e, f, xl, xh;", ".reg .f32 u, v;"]
-    for w in range(4):
-        acc = "s" if w < 2 else "t"
-        lines += fp8_pair_lines(f"${2 + w}")
-        lines += [f"mov.b32 {{xl, xh}}, ${6 + w};", "mov.b32 d0, {xl, xl};", "mov.b32 d1, {xh, xh};",
-                  f"mov.b32 {{xl, xh}}, ${10 + w};", "mov.b32 d2, {xl, xl};", "mov.b32 d3, {xh, xh};"]
-        lines += [f"mul.rn.f16x2 {acc}, h0, d0;" if w % 2 == 0 else f"fma.rn.f16x2 {acc}, h0, d0, {acc};"]
-        lines += [f"fma.rn.f16x2 {acc}, h{i}, d{i}, {acc};" for i in (1, 2, 3)]
-    lines += ["mov.b32 {e, f}, s;", "cvt.f32.f16 u, e;", "cvt.f32.f16 v, f;",
-              "mov.b32 {e, f}, t;", "cvt.f32.f16 $0, e;", "cvt.f32.f16 $1, f;",
-              "add.f32 $0, $0, u;", "add.f32 $1, $1, v;", "}"]
-    return "\n".join(lines)
-
-
-def _x_pair_f16_ptx() -> str:
-    """``$1``: two bfloat16 of ``x`` (low first) -> ``$0``: the same two as a float16 pair."""
-    return "\n".join(["{", ".reg .b32 a, b;", "shl.b32 a, $1, 16;", "and.b32 b, $1, 0xFFFF0000;",
-                      "cvt.rn.f16x2.f32 $0, b, a;", "}"])
-
-
-_MARLIN_GROUP_PTX_TEXT = _marlin_group_ptx()
-_X_PAIR_F16_PTX_TEXT = _x_pair_f16_ptx()
-_MARLIN_GROUP_PTX = tl.constexpr(_MARLIN_GROUP_PTX_TEXT) if tl is not None else None
-_X_PAIR_F16_PTX = tl.constexpr(_X_PAIR_F16_PTX_TEXT) if tl is not None else None
 _X_PAIRS_PTX_TEXT = _x_pairs_ptx()
 _X_PAIRS_F16_PTX_TEXT = _x_pairs_f16_ptx()
 _X_PAIRS_F16_PTX = tl.constexpr(_X_PAIRS_F16_PTX_TEXT) if tl is not None else None
@@ -163,55 +129,3 @@ if triton is not None:
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
         part = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N // 4, G, 4))
         return part * _rows_last(sg, BLOCK_N, G)
-
-    @triton.jit
-    def _f16_pairs(p, X_F16: tl.constexpr):
-        """int32 pairs of ``x`` (bfloat16, or float16 with ``X_F16``: returned as they are) as float16 pairs."""
-        if X_F16:
-            h = p
-        else:
-            h = tl.inline_asm_elementwise(asm=_X_PAIR_F16_PTX, constraints="=r,r", args=[p], dtype=tl.int32,
-                                          is_pure=True, pack=1)
-        return h
-
-    @triton.jit
-    def _marlin_sums_hfma2(x_ptr, w_ptr, wbase, t, N, HB: tl.constexpr, T: tl.constexpr, ASUM: tl.constexpr):
-        """Groups ``t T .. t T + T - 1`` on Marlin's layout (:func:`vllm_ext.nvfp4_marlin_row._marlin_tile_asum`'s
-        forms 3 and 4: ``x`` as 4-byte pairs or two 16-byte runs per group) with the products in float16 pairs: two
-        ``[T, HB, 4]`` float32 tensors (``[group, h, j]``; outputs ``b`` = 0, 1), each output's 16 products per group
-        summed, before the group's scale."""
-        k3 = (t * T + tl.arange(0, T))[:, None, None]
-        h3 = tl.arange(0, HB)[None, :, None]
-        j3 = tl.arange(0, 4)[None, None, :]
-        X_F16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
-        xw = x_ptr.to(tl.pointer_type(tl.int32))
-        if ASUM == 4:  # [T, 2, 4] int32: half, pair a
-            xg = _f16_pairs(tl.load(xw + k3 * 8 + tl.arange(0, 2)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]),
-                            X_F16)
-            even, odd = tl.split(tl.reshape(xg, (T, 2, 2, 2)))  # [T, 2, 2]: half, a // 2
-            x_a0, x_a2 = tl.split(even)  # [T, 2]: half
-            x_a1, x_a3 = tl.split(odd)
-            l0, u0 = tl.split(x_a0)
-            l1, u1 = tl.split(x_a1)
-            l2, u2 = tl.split(x_a2)
-            l3, u3 = tl.split(x_a3)
-            l0, l1, l2, l3 = l0[:, None, None], l1[:, None, None], l2[:, None, None], l3[:, None, None]
-            u0, u1, u2, u3 = u0[:, None, None], u1[:, None, None], u2[:, None, None], u3[:, None, None]
-        else:  # form 3: pairs a and a + 4 of each group's 8, [T, 1, 1]
-            l0 = _f16_pairs(tl.load(xw + k3 * 8), X_F16)
-            l1 = _f16_pairs(tl.load(xw + k3 * 8 + 1), X_F16)
-            l2 = _f16_pairs(tl.load(xw + k3 * 8 + 2), X_F16)
-            l3 = _f16_pairs(tl.load(xw + k3 * 8 + 3), X_F16)
-            u0 = _f16_pairs(tl.load(xw + k3 * 8 + 4), X_F16)
-            u1 = _f16_pairs(tl.load(xw + k3 * 8 + 5), X_F16)
-            u2 = _f16_pairs(tl.load(xw + k3 * 8 + 6), X_F16)
-            u3 = _f16_pairs(tl.load(xw + k3 * 8 + 7), X_F16)
-        wrow = w_ptr + wbase + k3 * (2 * N) + h3 * 16 + j3
-        w0 = tl.load(wrow)
-        w1 = tl.load(wrow + 4)
-        w2 = tl.load(wrow + 8)
-        w3 = tl.load(wrow + 12)
-        return tl.inline_asm_elementwise(
-            asm=_MARLIN_GROUP_PTX, constraints="=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
-            args=[w0, w1, w2, w3, l0, l1, l2, l3, u0, u1, u2, u3], dtype=(tl.float32, tl.float32),
-            is_pure=True, pack=1)

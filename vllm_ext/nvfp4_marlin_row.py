@@ -71,7 +71,6 @@ from vllm_ext.triton_support import tl, triton
 __all__ = ["ASUM_FORMS", "MARLIN_ROW_OP", "SWEPT_TILES", "TILES_ENV", "marlin_divisor", "marlin_row_gemm",
            "marlin_row_tile", "marlin_unpadded", "nvfp4_marlin_row", "shared_layout", "x_alignment"]
 
-LAST_COMPILED = None  # the last launch's compiled kernel (its PTX: the GPU tests check which decode it took)
 CHUNK = 64  # outputs per chunk of Marlin's layout; a program takes HB eighths of one (HB >= 8: whole chunks)
 # a JSON file of tiles by weight shape, {"N,K": {"hb": ..., "t": ..., "split_k": ..., "num_warps": ..., "stages": ...,
 # optionally "asum": 0-4}} (what scripts/gpu/sweep_marlin_row.py writes), taken before marlin_row_tile's
@@ -122,7 +121,6 @@ if triton is not None:
 
     from vllm_ext.nvfp4_decode import _decode8, _decode_up
     from vllm_ext.nvfp4_gemv import _finish
-    from vllm_ext.nvfp4_hfma2 import _marlin_sums_hfma2
 
     @triton.jit
     def _marlin_scale(b):
@@ -212,9 +210,7 @@ if triton is not None:
         k3 = (t * T + tl.arange(0, T))[:, None, None]
         h3 = tl.arange(0, HB)[None, :, None]
         j3 = tl.arange(0, 4)[None, None, :]
-        if ASUM >= 3 and ASM >= 3:  # the products in float16 pairs (vllm_ext.nvfp4_hfma2)
-            q0, q1 = _marlin_sums_hfma2(x_ptr, w_ptr, wbase, t, N, HB, T, ASUM)
-        elif ASUM >= 2:
+        if ASUM >= 2:
             BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
             xw = x_ptr.to(tl.pointer_type(tl.int32))  # forms 3 and 4: x as 4-byte pairs
             if ASUM == 4:
@@ -253,20 +249,6 @@ if triton is not None:
     @triton.jit
     def _marlin_row_dot(x_ptr, w_ptr, s_ptr, pid_n, pid_k, N, K, HB: tl.constexpr, T: tl.constexpr,
                         SPLIT_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr, ASUM: tl.constexpr):
-        """:func:`_marlin_row_loop`; with ``ASM`` 3 (forms 3 and 4: the products in float16 pairs), a program whose
-        sums are not all finite (an ``x`` of its groups beyond float16's range: a lane sums 8 products of at most
-        0.09375 |x| each) runs its loop again unpipelined with the FP8 decode's exact float32 products. ``ASM`` 4:
-        the same without that check (a measurement of its cost only)."""
-        tot = _marlin_row_loop(x_ptr, w_ptr, s_ptr, pid_n, pid_k, N, K, HB, T, SPLIT_K, ASM, STAGES, ASUM)
-        if ASM == 3 and ASUM >= 3:
-            bad = tl.max(((tot != tot) | (tl.abs(tot) == float("inf"))).to(tl.int32), axis=0)
-            if bad != 0:
-                tot = _marlin_row_loop(x_ptr, w_ptr, s_ptr, pid_n, pid_k, N, K, HB, T, SPLIT_K, 2, 0, ASUM)
-        return tot
-
-    @triton.jit
-    def _marlin_row_loop(x_ptr, w_ptr, s_ptr, pid_n, pid_k, N, K, HB: tl.constexpr, T: tl.constexpr,
-                         SPLIT_K: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr, ASUM: tl.constexpr):
         """``sum_k x[k] W[n, k]`` in float32, before the global scale, for the outputs :func:`_marlin_rows` names,
         over the loop steps ``pid_k, pid_k + SPLIT_K, ...`` (``T`` groups each). ``STAGES`` > 0: the loop
         software-pipelined that many stages deep; ``ASUM``: see :func:`_marlin_tile_asum`."""
@@ -442,10 +424,9 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     split_k = min(split_k, k // (16 * t))
     x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks, x_align=x_alignment(asum))
     b = out if bias is None else bias.contiguous()
-    global LAST_COMPILED
-    LAST_COMPILED = _marlin_row_kernel[(blocks, split_k)](
+    _marlin_row_kernel[(blocks, split_k)](
         x2, qweight, scale.view(torch.int32), divisor.reshape(1).to(torch.float32), out, ws, cnt, b, n, k,
-        HB=hb, T=t, SPLIT_K=split_k, ASM=decode_mode(x.device, asm), HAS_BIAS=bias is not None,
+        HB=hb, T=t, SPLIT_K=split_k, ASM=min(decode_mode(x.device, asm), 2), HAS_BIAS=bias is not None,
         STAGES=stages, PDL=pdl, ASUM=int(asum), num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

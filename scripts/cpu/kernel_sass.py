@@ -119,8 +119,7 @@ def run(asm: int = 1) -> list[dict]:
         kernel = compile_sm90(nvfp4_marlin_row._marlin_row_kernel, MARLIN_PTRS,
                                 dict(HB=hb, T=t, SPLIT_K=sk, ASM=asm, HAS_BIAS=False, STAGES=0, PDL=False,
                                      ASUM=asum), warps, ALIGNED)
-        rows.append(summary(f"shared {name} (h{hb}t{t}s{sk}w{warps})",
-                            main_loop(disassemble(kernel.asm["cubin"]), "HFMA2" if asm >= 3 and asum >= 3 else None),
+        rows.append(summary(f"shared {name} (h{hb}t{t}s{sk}w{warps})", main_loop(disassemble(kernel.asm["cubin"])),
                             t * hb * 16 / (32 * warps)))
     tiles = ROW_TILES
     if asm == 3:  # the hfma2 kernel at its own 7B tiles, and at the FP8 kernel's gate/up tile (§4bb's gate)
@@ -174,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wgmma", action="store_true", help="the few-row wgmma GEMM on both layouts instead (§4ay)")
     p.add_argument("--fp8", action="store_true", help="the one-row kernels with the decode through FP8 (§4ba)")
     p.add_argument("--hfma2", action="store_true",
-                   help="the one-row kernels with their products in float16 pairs (vllm_ext.nvfp4_hfma2, §4bc): "
-                        "the row kernel at its hfma2 tiles, shared's forms 3 and 4 (the others as with --fp8)")
+                   help="the row kernel with its products in float16 pairs (vllm_ext.nvfp4_hfma2, §4bc); the shared "
+                        "forms as with --fp8")
     args = p.parse_args(argv)
     rows = run_wgmma() if args.wgmma else run(3 if args.hfma2 else 2 if args.fp8 else 1)
     for r in rows:

@@ -18,9 +18,7 @@ For each linear:
 
 Without vLLM (a bare machine) Marlin's tensors come from ``vllm_ext.bench.marlin_pack`` (equal to vLLM's repack), a
 tile's error is bounded as in sweep_row.py (the bf16 output's rounding of the exact product), and Marlin is not
-timed (docs/benchmarks.md §4ba). With ``QERL_ROW_DECODE=hfma2`` (every launch then sums its products in float16
-pairs: forms 3 and 4, and the checkpoint-layout row kernel), a tile's largest error must be at most that of the
-product with the weight dequantized to bfloat16, as in ``sweep_row.py --kernel hfma2`` (docs/benchmarks.md §4bc).
+timed (docs/benchmarks.md §4ba).
 
 "Faster" where the difference of the medians exceeds both spreads. ``--gate FILE``: read a finished sweep's
 ``sweep_marlin_row.jsonl`` instead; exit 0 where its best 7B decode step is faster than Marlin's by that rule, else 3
@@ -46,8 +44,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_linear_args, bf16_weight_error, jsonl_recorder, per_step_ms, streamed_weight,
-    timed_interleaved, verdict)
+    LAYERS, LINEARS, add_linear_args, jsonl_recorder, per_step_ms, streamed_weight, timed_interleaved, verdict)
 
 
 def sweep_tiles(quick: bool = False, grid: str = "first") -> list[dict[str, int]]:
@@ -179,9 +176,6 @@ def main(argv: list[str] | None = None) -> int:
             if have_vllm:
                 marlin_err = (marlin_call(m0)().double() - exact).abs().max().item()
                 tol = marlin_err + 2.0**-8 * exact.abs().max().item()
-            elif os.environ.get("QERL_ROW_DECODE", "").startswith("hfma2"):  # float16 pairs: not exact products,
-                # so sweep_row.py --kernel hfma2's bound: the error of the product with the weight in bfloat16
-                tol = bf16_weight_error(x, q, exact)
             else:  # sweep_row.py's bound: the bf16 output's rounding of the exact product, and 1e-4 of its largest
                 tol = None
             iters = max(args.iters, len(ms))

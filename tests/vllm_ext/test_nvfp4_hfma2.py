@@ -57,8 +57,6 @@ def run_ptx(text: str, ins: dict[int, int], outs: int) -> list[int]:
             continue
         if m := re.fullmatch(r"mov\.b32 \{(\S+), (\S+)\}, (\S+)", line):
             regs[m[1]], regs[m[2]] = val(m[3]) & 0xFFFF, val(m[3]) >> 16
-        elif m := re.fullmatch(r"mov\.b32 (\S+), \{(\S+), (\S+)\}", line):
-            regs[m[1]] = (val(m[2]) & 0xFFFF) | ((val(m[3]) & 0xFFFF) << 16)
         elif m := re.fullmatch(r"cvt\.rn\.f16x2\.e4m3x2 (\S+), (\S+)", line):
             two = torch.tensor([val(m[2]) & 0xFF, (val(m[2]) >> 8) & 0xFF], dtype=torch.uint8)
             lo, hi = (_hbits(v) for v in two.view(torch.float8_e4m3fn).double().tolist())  # exact in float16
@@ -144,49 +142,6 @@ def test_group_ptx_sums_four_rows_as_the_float16_model_says():
             codes = [E2M1[(word_pair[w] >> (4 * j)) & 15] * 2.0**-6 for w in range(2) for j in range(8)]
             exact = float(np.dot(codes, x16))
             assert abs(got - exact) <= 2.0**-10 * float(np.sum(np.abs(np.array(codes) * x16))) + 2.0**-24, (trial, r)
-
-
-# Marlin's repack (vllm_ext.nvfp4_marlin_row's docstring): nibble q of word a holds output b, input 16 t + r
-MARLIN_NIBBLE = {(0, 0): 0, (0, 8): 1, (1, 0): 2, (1, 8): 3, (0, 1): 4, (0, 9): 5, (1, 1): 6, (1, 9): 7}  # (b, r-2a)
-
-
-def test_marlin_group_ptx_sums_both_outputs_as_the_float16_model_says():
-    """Marlin's layout: a group's 4 words against its 16 inputs (x as float16 pairs). Each output b is the model's
-    float32 bit for bit: its lane sums, in the order a = 0-3 and inputs 2a, 2a + 1, 2a + 8, 2a + 9, the nibble that
-    Marlin's repack put there (the module docstring's table), in two chains (words 0-1, words 2-3) with each product
-    and sum rounded to float16 once, the two chains added in float32."""
-    from vllm_ext.nvfp4_hfma2 import _MARLIN_GROUP_PTX_TEXT, _X_PAIR_F16_PTX_TEXT
-
-    rng = np.random.default_rng(5)
-    for trial in range(80):
-        x16 = (rng.normal(size=16) * (10.0 ** rng.integers(-2, 3))).astype(np.float16)
-        h = x16.view(np.uint16).astype(int)
-        words = [int(rng.integers(0, 2**32)) for _ in range(4)]
-        if trial == 0:
-            words = [0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567]
-        pairs = [h[2 * i] | (h[2 * i + 1] << 16) for i in range(8)]  # x[2i], x[2i + 1]
-        ins = {2 + a: words[a] for a in range(4)}
-        ins.update({6 + a: pairs[a] for a in range(4)})  # inputs 2a, 2a + 1
-        ins.update({10 + a: pairs[4 + a] for a in range(4)})  # inputs 2a + 8, 2a + 9
-        outs = run_ptx(_MARLIN_GROUP_PTX_TEXT, ins, 2)
-        xs = x16.astype(np.float64)
-        for b in range(2):
-            chains = []
-            for pair in ((0, 1), (2, 3)):
-                acc = None
-                for a in pair:
-                    for dr in (0, 1, 8, 9):
-                        code = (words[a] >> (4 * MARLIN_NIBBLE[(b, dr)])) & 15
-                        prod = E2M1[code] * 2.0**-6 * xs[2 * a + dr]
-                        acc = _h(_hbits(prod if acc is None else prod + acc))
-                chains.append(np.float32(acc))
-            got = float(np.array([outs[b]], dtype=np.uint32).view(np.float32)[0])
-            assert got == float(chains[1] + chains[0]), (trial, b)
-    x = np.array([1.5, -3.25e-3], dtype=np.float32)
-    b16 = _bf16_bits(x)
-    (p,) = run_ptx(_X_PAIR_F16_PTX_TEXT, {1: int(b16[0]) | (int(b16[1]) << 16)}, 1)
-    xb = torch.from_numpy(x).to(torch.bfloat16).double().numpy()
-    assert [p & 0xFFFF, p >> 16] == [_hbits(xb[0]), _hbits(xb[1])]
 
 
 @pytest.mark.parametrize("capability,mode", [((9, 0), 3), ((8, 9), 3), ((8, 6), 1)])
@@ -415,65 +370,3 @@ def test_gpu_row_lora_kernel_with_float16_pairs(monkeypatch, slices, k):
     base_diff = (row_h2.double() - row_fp8.double()).abs().max().item()
     assert err_h2 <= err_fp8 + base_diff + 2.0**-8 * y_fp8.double().abs().max().item(), (err_h2, err_fp8, base_diff)
 
-
-@pytest.mark.gpu
-@GPU
-@pytest.mark.parametrize("n,k", [(4608, 3584), (37888, 3584), (3584, 18944), (5120, 27648)])
-def test_gpu_shared_op_is_no_worse_than_the_bfloat16_weight(monkeypatch, n, k):
-    """decode_gemv "shared"'s op on Marlin's tensors (marlin_pack) with QERL_ROW_DECODE=hfma2, at its shipped tiles
-    (forms 3 and 4): within the bf16-dequantized product's error, the same bits twice, float16 pairs in the PTX; an x of
-    1e5 falls back (finite, within the same bound)."""
-    from vllm_ext.bench.marlin_pack import marlin_pack
-    from vllm_ext.nvfp4_marlin_row import marlin_row_tile, nvfp4_marlin_row
-
-    _need_hfma2(monkeypatch)
-    assert marlin_row_tile(n, k)["asum"] >= 3
-    torch.manual_seed(n + 2 * k)
-    q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
-    qw, s, d = marlin_pack(q.packed, q.scale, q.global_scale)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    y = nvfp4_marlin_row(x, qw, s, d)
-    assert torch.equal(y, nvfp4_marlin_row(x, qw, s, d))
-    from vllm_ext import nvfp4_marlin_row as mr
-
-    assert "fma.rn.f16x2" in mr.LAST_COMPILED.asm["ptx"]
-    err, ref = _errors(y, x, q)
-    assert err <= ref, (err, ref)
-    x[0, 777] = 1e5
-    y = nvfp4_marlin_row(x, qw, s, d)
-    assert torch.isfinite(y).all()
-    err, ref = _errors(y, x, q)
-    assert err <= ref, (err, ref)
-
-
-@pytest.mark.gpu
-@GPU
-@pytest.mark.parametrize("slices, k", [((3584, 512, 512), 3584), ((3584,), 18944)])
-def test_gpu_row_lora_kernel_on_marlins_tensors_with_float16_pairs(monkeypatch, slices, k):
-    """The row+lora kernel on Marlin's tensors (rank 32) with hfma2: its error against the exact product exceeds the
-    FP8 kernel's by at most the two shared ops' largest difference plus a bfloat16 step."""
-    from vllm_ext import nvfp4_gemv_lora as rl
-    from vllm_ext.bench.marlin_pack import marlin_pack
-    from vllm_ext.nvfp4_decode import DECODE_ENV
-    from vllm_ext.nvfp4_marlin_row import nvfp4_marlin_row
-
-    _need_hfma2(monkeypatch)
-    torch.manual_seed(k + 7)
-    dev, bf16 = torch.device("cuda"), torch.bfloat16
-    n = sum(slices)
-    q = nvfp4.quantize((torch.randn(n, k, device=dev) * 0.02).to(bf16))
-    qw, s, d = marlin_pack(q.packed, q.scale, q.global_scale)
-    x = torch.randn(1, k, device=dev, dtype=bf16)
-    a = tuple((torch.randn(1, 1, 32, k, device=dev) / k**0.5).to(bf16) for _ in slices)
-    b = tuple((torch.randn(1, 1, sl, 32, device=dev) * 0.05).to(bf16) for sl in slices)
-    idx = torch.zeros(1, dtype=torch.int32, device=dev)
-    y_h2 = rl.launch(x, qw, s, d, None, a, b, 1.0, slices, idx)
-    base_h2 = nvfp4_marlin_row(x, qw, s, d)
-    monkeypatch.setenv(DECODE_ENV, "fp8")
-    y_fp8 = rl.launch(x, qw, s, d, None, a, b, 1.0, slices, idx)
-    base_fp8 = nvfp4_marlin_row(x, qw, s, d)
-    lora = torch.cat([(x.double() @ ai[0, 0].double().t()) @ bi[0, 0].double().t() for ai, bi in zip(a, b)], dim=-1)
-    err_h2, _ = _errors(y_h2, x, q, lora)
-    err_fp8, _ = _errors(y_fp8, x, q, lora)
-    base_diff = (base_h2.double() - base_fp8.double()).abs().max().item()
-    assert err_h2 <= err_fp8 + base_diff + 2.0**-8 * y_fp8.double().abs().max().item(), (err_h2, err_fp8, base_diff)

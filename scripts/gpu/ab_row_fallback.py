@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Which fallback the hfma2 row kernel keeps (docs/benchmarks.md §4be call 2): the row op with
+``QERL_ROW_DECODE=hfma2`` as in this tree (its fallback one loop over quarter tiles), the same op from a copy of
+``vllm_ext`` whose ``nvfp4_gemv.py`` is ``--old FILE`` (the nested loops of ``2096e51``), the op without the guard
+(``hfma2-unguarded``) and the FP8 row kernel, timed in one process and interleaved, on the weights every sweep here
+streams from HBM (check_gemv.streamed_weight), per linear and per 7B and 32B step:
+
+    git show 2096e51:vllm_ext/nvfp4_gemv.py > /tmp/old_gemv.py
+    PYTHONPATH=. python3 scripts/gpu/ab_row_fallback.py --old /tmp/old_gemv.py --out $OUT
+
+The copy is imported as the package ``vx_old`` (its imports and its torch ops' namespace renamed, so both register).
+Without an ``x`` beyond float16 no fallback runs, so the three hfma2 outputs must be the same bits; exit 1 otherwise.
+"faster" where the medians differ by more than both spreads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT, ROOT / "scripts" / "gpu"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from check_gemv import (  # noqa: E402
+    LINEARS, add_linear_args, jsonl_recorder, step_lines, streamed_weight, timed_interleaved, verdict)
+
+KEYS = ("flat", "nested", "unguarded", "fp8")  # decode modes: hfma2 (this tree, the copy), hfma2-unguarded, fp8
+MODES = {"flat": "hfma2", "nested": "hfma2", "unguarded": "hfma2-unguarded", "fp8": "fp8"}
+
+
+def old_package(old_gemv: Path, into: Path) -> str:
+    """A copy of ``vllm_ext`` as ``vx_old`` under ``into``, with ``old_gemv`` as its nvfp4_gemv.py; its name."""
+    dest = into / "vx_old"
+    shutil.copytree(ROOT / "vllm_ext", dest, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copyfile(old_gemv, dest / "nvfp4_gemv.py")
+    for f in dest.rglob("*.py"):
+        text = re.sub(r"\bvllm_ext\b", "vx_old", f.read_text())
+        f.write_text(text.replace('"qerl::', '"qerl_old::'))
+    sys.path.insert(0, str(into))
+    return "vx_old"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--old", type=Path, required=True, help="the nvfp4_gemv.py to compare with (the nested fallback)")
+    add_linear_args(p, "7B,32B")
+    args = p.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("ab_row_fallback: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    from vllm_ext.bench.kernels import capture_graph
+    from vllm_ext.nvfp4_decode import DECODE_ENV, decode_mode
+    from vllm_ext.nvfp4_gemv import nvfp4_gemv_row
+
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    os.environ.pop(DECODE_ENV, None)
+    if decode_mode(dev) != 2:
+        print("ab_row_fallback: hfma2 needs compute capability 8.9 or later", file=sys.stderr)
+        return 1
+    old_row = importlib.import_module(old_package(args.old, Path(tempfile.mkdtemp()))
+                                      + ".nvfp4_gemv").nvfp4_gemv_row
+    record = jsonl_recorder(args.out, "ab_row_fallback.jsonl")
+    record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "old": str(args.old), "shapes": args.shapes})
+    finals, unequal = [], 0
+    for shape in args.shapes.split(","):
+        for lname in args.linears.split(","):
+            k, n = LINEARS[shape][lname]
+            _, q, raw_bytes, raws = streamed_weight(n, k, args.cold_mib, dev)
+            x = torch.randn(1, k, device=dev, dtype=bf16)
+            gs = q.global_scale.reshape(1).float()
+            iters = max(args.iters, len(raws))
+            graphs, outs = {}, {}
+            for key in KEYS:
+                os.environ[DECODE_ENV] = MODES[key]  # read at each launch: the graph keeps the kernel it captured
+                fn = old_row if key == "nested" else nvfp4_gemv_row
+                outs[key] = fn(x, *raws[0], gs)
+                graphs[key] = (capture_graph([(lambda a=a, b=b, fn=fn: fn(x, a, b, gs)) for a, b in raws], iters),
+                               iters)
+            os.environ.pop(DECODE_ENV, None)
+            same = {key: bool(torch.equal(outs["flat"], outs[key])) for key in ("nested", "unguarded")}
+            unequal += sum(not v for v in same.values())
+            res = timed_interleaved(graphs, args.reps)
+            del graphs
+            fin = {"what": "final", "shape": shape, "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes,
+                   "same_bits_as_flat": same, **res, "flat_vs_nested": verdict(res["flat"], res["nested"]),
+                   "unguarded_vs_flat": verdict(res["unguarded"], res["flat"])}
+            record(fin)
+            finals.append(fin)
+    cell = lambda r: f"{r['median_us']:>12.2f} ±{r['spread_us']:<6.2f}"  # noqa: E731
+    lines = ["", f"hfma2 row op, fallback in one loop (flat) against nested: µs per call, median of {args.reps} "
+             "(spread)", f"{'shape':<5} {'linear':<8}" + "".join(f"{key:>20}" for key in KEYS)
+             + "  flat vs nested; unguarded vs flat"]
+    for f in finals:
+        lines.append(f"{f['shape']:<5} {f['linear']:<8}" + "".join(cell(f[key]) for key in KEYS)
+                     + f"  {f['flat_vs_nested']}; {f['unguarded_vs_flat']}")
+    lines += step_lines(finals, args.shapes, args.linears, KEYS, record)
+    lines.append(f"hfma2 outputs that differ from the flat fallback's: {unequal}")
+    print("\n".join(lines), flush=True)
+    return 1 if unequal else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
