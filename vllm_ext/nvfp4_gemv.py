@@ -246,15 +246,14 @@ if triton is not None:
                       SPLIT_K: tl.constexpr):
         """The same K tiles as :func:`_row_loop`, with the FP8 decode's exact float32 products (``ASM`` 2), in
         quarter tiles and unpipelined: a small loop, so that it does not raise the kernel's registers (a copy of the
-        pipelined loop took the 4-row tile from 60 to 104). One loop over the quarter tiles, not one nested in the
-        other: with the nested pair, ptxas gave the main loop 4-7 % more instructions (sm_90 SASS: 276 against 259 per
-        trip on the 7B q/k/v tile, 800 against 756 on gate/up, 268 against 249 on down; 261, 759 and 251 with one
-        loop), docs/benchmarks.md §4be. Rare: an ``x`` beyond float16."""
+        pipelined loop took the 4-row tile from 60 to 104). Rare: an ``x`` beyond float16. These nested loops make
+        ptxas compile the main loop 4-7 % longer (sm_90 SASS); one loop over the quarter tiles (``6a7d782``) did not,
+        but measured level with this one per 7B step (docs/benchmarks.md §4be), so this one stays."""
         W4: tl.constexpr = BLOCK_K // 32
         acc = tl.zeros((BLOCK_N, W4), dtype=tl.float32)
-        for i in range(0, 4 * tl.cdiv(K // BLOCK_K - pid_k, SPLIT_K)):
-            q = 4 * (pid_k + (i // 4) * SPLIT_K) + i % 4
-            acc += _row_tile_f32(x_ptr, w_ptr, s_ptr, rn, n_ok, q, K // 8, K // 16, BLOCK_N, W4, 2, True)
+        for t in range(pid_k, K // BLOCK_K, SPLIT_K):
+            for q in range(4):
+                acc += _row_tile_f32(x_ptr, w_ptr, s_ptr, rn, n_ok, 4 * t + q, K // 8, K // 16, BLOCK_N, W4, 2, True)
         return tl.sum(acc, axis=1)
 
     @triton.jit
