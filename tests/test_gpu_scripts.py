@@ -2367,6 +2367,92 @@ def test_forty_second_session_hfma2_engines():
     assert "overlap path" not in log
 
 
+def test_ab_row_fallback_imports_a_second_copy_beside_this_tree(tmp_path):
+    """ab_row_fallback.py's copy of vllm_ext: importable beside the real one, with the other nvfp4_gemv.py in it, its
+    imports pointing at the copy and its torch ops in their own namespace (both register)."""
+    import inspect
+
+    import torch
+
+    ab = _import_script("ab_row_fallback")
+    from vllm_ext import nvfp4_gemv
+
+    other = tmp_path / "other_gemv.py"
+    other.write_text(inspect.getsource(nvfp4_gemv).replace("Rare: an ``x`` beyond float16.", "Rare (other copy).", 1))
+    name = ab.old_package(other, tmp_path / "pkg")
+    try:
+        mod = importlib.import_module(name + ".nvfp4_gemv")
+        assert "Rare (other copy)." in Path(mod.__file__).read_text()
+        assert mod.nvfp4_gemv_row is not nvfp4_gemv.nvfp4_gemv_row
+        assert hasattr(torch.ops.qerl_old, "nvfp4_gemv_row") and hasattr(torch.ops.qerl, "nvfp4_gemv_row")
+        assert not any("vllm_ext" in line for line in Path(mod.__file__).read_text().splitlines()
+                       if line.lstrip().startswith(("from ", "import ")))
+    finally:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
+        sys.path.remove(str(tmp_path / "pkg"))
+
+
+def test_forty_third_session_guard_and_two_chains():
+    """§4be, from the committed raw files. Call 1: every GPU test passed, no output worse than the bfloat16 weight's
+    or unequal where it should be equal; the one-loop guard's gap 2.37 % per 7B step (above the 2.25 % asked: fail);
+    shared with two chains slower than FP8 (fail). Call 2: the one-loop fallback level with the nested one per 7B step
+    (so the nested loops came back), faster per 32B step. The final tree's GPU tests passed."""
+    root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-third"
+    assert re.search(r"\b48 passed", (root / "call1" / "gpu_tests.log").read_text())
+    assert re.search(r"\b15 passed", (root / "call1" / "gpu_tests_row.log").read_text())
+    recs = _jsonl(root / "call1" / "bench_decode.jsonl")
+    finals = [r for r in recs if r["what"] == "final"]
+    assert len(finals) == 8 and all(all(r["same_bits"].values()) for r in finals)
+    assert all(r["max_err"][k] <= r["max_err"]["bf16_weight"] for r in finals for k in ("row_hfma2", "shared_hfma2"))
+    steps = {r["shape"]: r for r in recs if r["what"] == "per_step_ms"}
+    med = steps["7B"]["median"]
+    assert (med["row_hfma2"], med["row_hfma2-unguarded"]) == (1.479, 1.444)
+    assert round(100 * (med["row_hfma2"] - med["row_hfma2-unguarded"]) / med["row_hfma2"], 2) == 2.37 > 2.25
+    assert [_step_verdict(steps[s], "row_hfma2", "row_fp8") for s in ("7B", "32B")] == ["faster", "faster"]
+    assert _step_verdict(steps["7B"], "shared_hfma2", "shared_fp8") == "slower"
+    assert (med["shared_hfma2"], med["shared_fp8"]) == (2.002, 1.802)
+    recs = _jsonl(root / "call2" / "ab_row_fallback.jsonl")
+    assert all(all(r["same_bits_as_flat"].values()) for r in recs if r["what"] == "final")
+    steps = {r["shape"]: r for r in recs if r["what"] == "per_step_ms"}
+    assert (steps["7B"]["median"]["flat"], steps["7B"]["median"]["nested"]) == (1.493, 1.529)
+    assert [_step_verdict(steps[s], "flat", "nested") for s in ("7B", "32B")] == ["equal", "faster"]
+    assert re.search(r"\b42 passed", (root / "final-tests" / "final_gpu_tests.log").read_text())
+
+
+def test_forty_third_session_32b_engines():
+    """§4be's 32B engines at batch 1 (H200, random weights, LoRA r32): hfma2 (decode_gemv all) faster than the
+    default (shared) by the spread rule, 2.309x and 2.197x BF16 + punica; in call 3's run hfma2 faster than the FP8
+    row kernel with the same copy, by 0.9 %. Call 4's diagnostic: the row op alone gains far more from hfma2 than the
+    row+lora path that the engine runs."""
+    root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-third"
+
+    def engines(sub: str) -> dict:
+        bench = json.loads((root / sub / "a" / "bench_rollout.json").read_text())
+        return {f"{r['config']}@{r['variant']}": r for r in bench["results"]}
+
+    res = engines("engines-32b/bench-32bh")
+    h2, default, bf16 = (res[k]["batches"] for k in ("nvfp4-lora@decode-gemv+row-hfma2", "nvfp4-lora@default",
+                                                       "bf16-lora@punica-lora"))
+    assert [r["1"]["decode_tok_s"] for r in (h2, default, bf16)] == [103.34, 98.34, 44.76]
+    assert _verdict_tok_s(h2, default, "1") == "faster"
+    assert [round(r["1"]["decode_tok_s"] / bf16["1"]["decode_tok_s"], 3) for r in (h2, default)] == [2.309, 2.197]
+    assert res["nvfp4-lora@decode-gemv+row-hfma2"]["env"]["QERL_ROW_DECODE"] == "hfma2"
+    log = (root / "engines-32b" / "bench-32bh" / "a" / "logs" / "nvfp4-lora--decode-gemv_row-hfma2.log").read_text()
+    assert "decode_gemv all: one-row calls of 55296 x 5120 weights run on qerl's row kernel" in log
+    assert "LoRA call with 1 tokens on the row+lora path" in log
+    res = engines("call3-32b/bench-32bg")
+    h2, gemv = (res[k]["batches"] for k in ("nvfp4-lora@decode-gemv+row-hfma2", "nvfp4-lora@decode-gemv"))
+    assert [r["1"]["decode_tok_s"] for r in (h2, gemv)] == [103.31, 102.41]
+    assert _verdict_tok_s(h2, gemv, "1") == "faster"
+    steps = {m: json.loads((root / "call4-diag" / m / "check_row_lora.json").read_text())["steps"]
+             for m in ("fp8", "hfma2")}
+    row = [steps[m]["row"]["median_ms"] for m in ("fp8", "hfma2")]
+    lora = [steps[m]["row_lora_pdl"]["median_ms"] for m in ("fp8", "hfma2")]
+    assert (row, lora) == ([6.5643, 5.9762], [7.4961, 7.3623])
+    assert row[0] - row[1] > 4 * (lora[0] - lora[1])
+
+
 def _eval_shared_paths(name: str = "eval_shared") -> list[str]:
     """The ``--path`` texts that session.sh's eval_shared step (or ``name``) hands compare_evals.py through
     ``eval_check``."""

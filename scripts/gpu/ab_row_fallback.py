@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
-"""Which fallback the hfma2 row kernel keeps (docs/benchmarks.md §4be call 2): the row op with
-``QERL_ROW_DECODE=hfma2`` as in this tree (its fallback one loop over quarter tiles), the same op from a copy of
-``vllm_ext`` whose ``nvfp4_gemv.py`` is ``--old FILE`` (the nested loops of ``2096e51``), the op without the guard
-(``hfma2-unguarded``) and the FP8 row kernel, timed in one process and interleaved, on the weights every sweep here
-streams from HBM (check_gemv.streamed_weight), per linear and per 7B and 32B step:
+"""Two versions of the hfma2 row kernel's fallback in one run (docs/benchmarks.md §4be call 2, §4bf item 3): the row
+op with ``QERL_ROW_DECODE=hfma2`` from this tree and from a copy of ``vllm_ext`` whose ``nvfp4_gemv.py`` is ``--other
+FILE``, with the op without the guard (``hfma2-unguarded``) and the FP8 row kernel, timed in one process and
+interleaved, on the weights every sweep here streams from HBM (check_gemv.streamed_weight), per linear and per 7B and
+32B step. ``--labels`` names this tree's version and the other's (default ``tree,other``). §4bf item 3, the one-loop
+fallback of ``6a7d782`` against the nested loops this tree has:
 
-    git show 2096e51:vllm_ext/nvfp4_gemv.py > /tmp/old_gemv.py
-    PYTHONPATH=. python3 scripts/gpu/ab_row_fallback.py --old /tmp/old_gemv.py --out $OUT
+    git show 6a7d782:vllm_ext/nvfp4_gemv.py > /tmp/flat_gemv.py
+    PYTHONPATH=. python3 scripts/gpu/ab_row_fallback.py --other /tmp/flat_gemv.py --labels nested,flat --reps 15
 
-The copy is imported as the package ``vx_old`` (its imports and its torch ops' namespace renamed, so both register).
-Without an ``x`` beyond float16 no fallback runs, so the three hfma2 outputs must be the same bits; exit 1 otherwise.
-"faster" where the medians differ by more than both spreads.
+(§4be call 2 ran this script as of ``3aae4ca``, whose tree had the one loop, with ``--old`` the file of ``2096e51``;
+its keys were ``flat`` and ``nested``.) The copy is imported as the package ``vx_old`` (its imports and its torch
+ops' namespace renamed, so both register). Without an ``x`` beyond float16 no fallback runs, so the three hfma2
+outputs must be the same bits; exit 1 otherwise. "faster" where the medians differ by more than both spreads.
 """
 
 from __future__ import annotations
@@ -32,12 +34,11 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
 from check_gemv import (  # noqa: E402
     LINEARS, add_linear_args, jsonl_recorder, step_lines, streamed_weight, timed_interleaved, verdict)
 
-KEYS = ("flat", "nested", "unguarded", "fp8")  # decode modes: hfma2 (this tree, the copy), hfma2-unguarded, fp8
-MODES = {"flat": "hfma2", "nested": "hfma2", "unguarded": "hfma2-unguarded", "fp8": "fp8"}
 
 
 def old_package(old_gemv: Path, into: Path) -> str:
-    """A copy of ``vllm_ext`` as ``vx_old`` under ``into``, with ``old_gemv`` as its nvfp4_gemv.py; its name."""
+    """A copy of ``vllm_ext`` as ``vx_old`` under ``into``, with ``old_gemv`` as its nvfp4_gemv.py; its name (put on
+    ``sys.path``)."""
     dest = into / "vx_old"
     shutil.copytree(ROOT / "vllm_ext", dest, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copyfile(old_gemv, dest / "nvfp4_gemv.py")
@@ -50,9 +51,13 @@ def old_package(old_gemv: Path, into: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--old", type=Path, required=True, help="the nvfp4_gemv.py to compare with (the nested fallback)")
+    p.add_argument("--other", type=Path, required=True, help="the nvfp4_gemv.py to compare this tree's with")
+    p.add_argument("--labels", default="tree,other", help="names of this tree's version and the other's")
     add_linear_args(p, "7B,32B")
     args = p.parse_args(argv)
+    tree, other = args.labels.split(",")
+    keys = (tree, other, "unguarded", "fp8")
+    modes = {tree: "hfma2", other: "hfma2", "unguarded": "hfma2-unguarded", "fp8": "fp8"}
 
     import torch
 
@@ -68,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     if decode_mode(dev) != 2:
         print("ab_row_fallback: hfma2 needs compute capability 8.9 or later", file=sys.stderr)
         return 1
-    old_row = importlib.import_module(old_package(args.old, Path(tempfile.mkdtemp()))
-                                      + ".nvfp4_gemv").nvfp4_gemv_row
+    other_row = importlib.import_module(old_package(args.other, Path(tempfile.mkdtemp()))
+                                        + ".nvfp4_gemv").nvfp4_gemv_row
     record = jsonl_recorder(args.out, "ab_row_fallback.jsonl")
     record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "old": str(args.old), "shapes": args.shapes})
+            "other": str(args.other), "labels": [tree, other], "shapes": args.shapes})
     finals, unequal = [], 0
     for shape in args.shapes.split(","):
         for lname in args.linears.split(","):
@@ -82,31 +87,31 @@ def main(argv: list[str] | None = None) -> int:
             gs = q.global_scale.reshape(1).float()
             iters = max(args.iters, len(raws))
             graphs, outs = {}, {}
-            for key in KEYS:
-                os.environ[DECODE_ENV] = MODES[key]  # read at each launch: the graph keeps the kernel it captured
-                fn = old_row if key == "nested" else nvfp4_gemv_row
+            for key in keys:
+                os.environ[DECODE_ENV] = modes[key]  # read at each launch: the graph keeps the kernel it captured
+                fn = other_row if key == other else nvfp4_gemv_row
                 outs[key] = fn(x, *raws[0], gs)
                 graphs[key] = (capture_graph([(lambda a=a, b=b, fn=fn: fn(x, a, b, gs)) for a, b in raws], iters),
                                iters)
             os.environ.pop(DECODE_ENV, None)
-            same = {key: bool(torch.equal(outs["flat"], outs[key])) for key in ("nested", "unguarded")}
+            same = {key: bool(torch.equal(outs[tree], outs[key])) for key in (other, "unguarded")}
             unequal += sum(not v for v in same.values())
             res = timed_interleaved(graphs, args.reps)
             del graphs
             fin = {"what": "final", "shape": shape, "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes,
-                   "same_bits_as_flat": same, **res, "flat_vs_nested": verdict(res["flat"], res["nested"]),
-                   "unguarded_vs_flat": verdict(res["unguarded"], res["flat"])}
+                   f"same_bits_as_{tree}": same, **res, f"{tree}_vs_{other}": verdict(res[tree], res[other]),
+                   f"unguarded_vs_{tree}": verdict(res["unguarded"], res[tree])}
             record(fin)
             finals.append(fin)
     cell = lambda r: f"{r['median_us']:>12.2f} ±{r['spread_us']:<6.2f}"  # noqa: E731
-    lines = ["", f"hfma2 row op, fallback in one loop (flat) against nested: µs per call, median of {args.reps} "
-             "(spread)", f"{'shape':<5} {'linear':<8}" + "".join(f"{key:>20}" for key in KEYS)
-             + "  flat vs nested; unguarded vs flat"]
+    lines = ["", f"hfma2 row op, {tree} against {other}: µs per call, median of {args.reps} (spread)",
+             f"{'shape':<5} {'linear':<8}" + "".join(f"{key:>20}" for key in keys)
+             + f"  {tree} vs {other}; unguarded vs {tree}"]
     for f in finals:
-        lines.append(f"{f['shape']:<5} {f['linear']:<8}" + "".join(cell(f[key]) for key in KEYS)
-                     + f"  {f['flat_vs_nested']}; {f['unguarded_vs_flat']}")
-    lines += step_lines(finals, args.shapes, args.linears, KEYS, record)
-    lines.append(f"hfma2 outputs that differ from the flat fallback's: {unequal}")
+        lines.append(f"{f['shape']:<5} {f['linear']:<8}" + "".join(cell(f[key]) for key in keys)
+                     + f"  {f[f'{tree}_vs_{other}']}; {f[f'unguarded_vs_{tree}']}")
+    lines += step_lines(finals, args.shapes, args.linears, keys, record)
+    lines.append(f"hfma2 outputs that differ from {tree}'s: {unequal}")
     print("\n".join(lines), flush=True)
     return 1 if unequal else 0
 
