@@ -2393,6 +2393,19 @@ def test_ab_row_fallback_imports_a_second_copy_beside_this_tree(tmp_path):
         sys.path.remove(str(tmp_path / "pkg"))
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the message of a machine without a CUDA GPU")
+def test_decode_timings_refuse_a_machine_without_a_gpu(capsys, monkeypatch):
+    """bench_decode.py and ab_row_fallback.py, through check_gemv.fp8_decode_device: exit 1 and a message naming the
+    script on a machine without a CUDA GPU, QERL_ROW_DECODE left as it was."""
+    monkeypatch.setenv("QERL_ROW_DECODE", "hfma2")
+    assert _import_script("check_gemv").fp8_decode_device("x") is None
+    assert _import_script("bench_decode").main(["--out", "/nonexistent"]) == 1
+    assert _import_script("ab_row_fallback").main(["--other", "/nonexistent"]) == 1
+    err = capsys.readouterr().err
+    assert "bench_decode: needs a CUDA GPU" in err and "ab_row_fallback: needs a CUDA GPU" in err
+    assert os.environ["QERL_ROW_DECODE"] == "hfma2"
+
+
 def test_forty_third_session_guard_and_two_chains():
     """§4be, from the committed raw files. Call 1: every GPU test passed, no output worse than the bfloat16 weight's
     or unequal where it should be equal; the one-loop guard's gap 2.37 % per 7B step (above the 2.25 % asked: fail);

@@ -32,7 +32,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LINEARS, add_linear_args, jsonl_recorder, step_lines, streamed_weight, timed_interleaved, verdict)
+    LINEARS, add_linear_args, fp8_decode_device, jsonl_recorder, step_lines, streamed_weight, timed_interleaved,
+    verdict)
 
 
 
@@ -61,18 +62,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    if not torch.cuda.is_available():
-        print("ab_row_fallback: needs a CUDA GPU", file=sys.stderr)
+    dev = fp8_decode_device("ab_row_fallback")
+    if dev is None:
         return 1
     from vllm_ext.bench.kernels import capture_graph
-    from vllm_ext.nvfp4_decode import DECODE_ENV, decode_mode
+    from vllm_ext.nvfp4_decode import DECODE_ENV
     from vllm_ext.nvfp4_gemv import nvfp4_gemv_row
 
-    dev, bf16 = torch.device("cuda"), torch.bfloat16
-    os.environ.pop(DECODE_ENV, None)
-    if decode_mode(dev) != 2:
-        print("ab_row_fallback: hfma2 needs compute capability 8.9 or later", file=sys.stderr)
-        return 1
+    bf16 = torch.bfloat16
     other_row = importlib.import_module(old_package(args.other, Path(tempfile.mkdtemp()))
                                         + ".nvfp4_gemv").nvfp4_gemv_row
     record = jsonl_recorder(args.out, "ab_row_fallback.jsonl")

@@ -33,8 +33,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LINEARS, add_linear_args, bf16_weight_error, jsonl_recorder, step_lines, streamed_weight, timed_interleaved,
-    verdict)
+    LINEARS, add_linear_args, bf16_weight_error, fp8_decode_device, jsonl_recorder, step_lines, streamed_weight,
+    timed_interleaved, verdict)
 
 KEYS = ("row_f16", "row_fp8", "shared_f16", "shared_fp8", "row_hfma2", "row_hfma2-unguarded")
 
@@ -46,23 +46,19 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    if not torch.cuda.is_available():
-        print("bench_decode: needs a CUDA GPU", file=sys.stderr)
+    dev = fp8_decode_device("bench_decode")
+    if dev is None:
         return 1
     import triton
 
     from qerl_plugin import nvfp4
     from vllm_ext.bench.kernels import capture_graph
     from vllm_ext.bench.marlin_pack import marlin_pack
-    from vllm_ext.nvfp4_decode import DECODE_ENV, decode_mode
+    from vllm_ext.nvfp4_decode import DECODE_ENV
     from vllm_ext.nvfp4_gemv import nvfp4_gemv_row
     from vllm_ext.nvfp4_marlin_row import nvfp4_marlin_row
 
-    dev, bf16 = torch.device("cuda"), torch.bfloat16
-    os.environ.pop(DECODE_ENV, None)
-    if decode_mode(dev) != 2:
-        print("bench_decode: the decode through FP8 needs compute capability 8.9 or later", file=sys.stderr)
-        return 1
+    bf16 = torch.bfloat16
     record = jsonl_recorder(args.out, "bench_decode.jsonl")
     record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "cold_mib": args.cold_mib, "shapes": args.shapes})

@@ -138,6 +138,25 @@ def streamed_weight(n: int, k: int, cold_mib: float, device):  # noqa: ANN001, A
     return w, q, raw_bytes, [(q.packed.clone(), q.scale.clone()) for _ in range(copies_for(raw_bytes, cold_mib))]
 
 
+def fp8_decode_device(prog: str):  # noqa: ANN201
+    """The CUDA device for a timing of the one-row kernels' decode modes, with ``QERL_ROW_DECODE`` cleared (each graph
+    sets it); None, after a message naming ``prog``, without a CUDA GPU or without the decode through FP8 (compute
+    capability 8.9 and later), which the hfma2 mode needs too. Shared by bench_decode.py and ab_row_fallback.py."""
+    import torch
+
+    from vllm_ext.nvfp4_decode import DECODE_ENV, decode_mode
+
+    if not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA GPU", file=sys.stderr)
+        return None
+    dev = torch.device("cuda")
+    os.environ.pop(DECODE_ENV, None)
+    if decode_mode(dev) != 2:
+        print(f"{prog}: the decode through FP8 needs compute capability 8.9 or later", file=sys.stderr)
+        return None
+    return dev
+
+
 def bf16_weight_error(x, q, exact) -> float:  # noqa: ANN001
     """The largest error against ``exact`` (the float64 product with the exact weight) of the product with ``q``'s
     weight dequantized to bfloat16, rounded to bfloat16: vLLM's Marlin rounds each weight times its scale so. The bound
