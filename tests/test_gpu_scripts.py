@@ -2390,7 +2390,29 @@ def test_ab_row_fallback_imports_a_second_copy_beside_this_tree(tmp_path):
     finally:
         for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
             del sys.modules[key]
-        sys.path.remove(str(tmp_path / "pkg"))
+        if str(tmp_path / "pkg") in sys.path:
+            sys.path.remove(str(tmp_path / "pkg"))
+
+
+def test_ab_row_fallback_takes_only_the_fallback_and_checks_its_labels(capsys):
+    """--fallback-from: this tree's nvfp4_gemv.py with only _row_fallback from the other file (a change elsewhere in
+    that file is not taken); a file without the function, and labels that are not two distinct names other than the
+    fixed columns, are refused with exit 2 and a message, before any GPU work."""
+    ab = _import_script("ab_row_fallback")
+    ours = (ROOT / "vllm_ext" / "nvfp4_gemv.py").read_text()
+    assert ab.FALLBACK.search(ours) and "for q in range(4)" in ab.FALLBACK.search(ours).group(0)
+    theirs = ours.replace("for q in range(4):", "for q in range(4):  # theirs", 1)
+    theirs = theirs.replace("SMALL_MAX_K = 8192", "SMALL_MAX_K = 4096", 1)  # outside the fallback: not taken
+    got = ab.with_fallback_from(theirs)
+    assert got == ours.replace("for q in range(4):", "for q in range(4):  # theirs", 1) != ours
+    with pytest.raises(ValueError, match="no _row_fallback"):
+        ab.with_fallback_from("def f():\n    pass\n")
+    assert ab.labels("nested,flat") == ("nested", "flat")
+    for bad in ("a", "a,a", "a,fp8", "unguarded,b", "a,b,c", ",b"):
+        with pytest.raises(ValueError, match="two distinct names"):
+            ab.labels(bad)
+    assert ab.main(["--other", str(ROOT / "vllm_ext" / "nvfp4_gemv.py"), "--labels", "x,x"]) == 2
+    assert "two distinct names" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the message of a machine without a CUDA GPU")
@@ -2400,7 +2422,7 @@ def test_decode_timings_refuse_a_machine_without_a_gpu(capsys, monkeypatch):
     monkeypatch.setenv("QERL_ROW_DECODE", "hfma2")
     assert _import_script("check_gemv").fp8_decode_device("x") is None
     assert _import_script("bench_decode").main(["--out", "/nonexistent"]) == 1
-    assert _import_script("ab_row_fallback").main(["--other", "/nonexistent"]) == 1
+    assert _import_script("ab_row_fallback").main(["--other", str(ROOT / "vllm_ext" / "nvfp4_gemv.py")]) == 1
     err = capsys.readouterr().err
     assert "bench_decode: needs a CUDA GPU" in err and "ab_row_fallback: needs a CUDA GPU" in err
     assert os.environ["QERL_ROW_DECODE"] == "hfma2"
@@ -2412,8 +2434,11 @@ def test_forty_third_session_guard_and_two_chains():
     shared with two chains slower than FP8 (fail). Call 2: the one-loop fallback level with the nested one per 7B step
     (so the nested loops came back), faster per 32B step. The final tree's GPU tests passed."""
     root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-third"
-    assert re.search(r"\b48 passed", (root / "call1" / "gpu_tests.log").read_text())
-    assert re.search(r"\b15 passed", (root / "call1" / "gpu_tests_row.log").read_text())
+    for log, passed in (("call1/gpu_tests.log", 48), ("call1/gpu_tests_row.log", 15),
+                        ("final-tests/final_gpu_tests.log", 42), ("final-tests-2/final_gpu_tests.log", 42)):
+        text = (root / log).read_text()
+        assert re.search(rf"^{passed} passed, \d+ deselected", text, re.M) and "rc=0 " in text, log
+        assert not re.search(r"\b(failed|error)", text), log
     recs = _jsonl(root / "call1" / "bench_decode.jsonl")
     finals = [r for r in recs if r["what"] == "final"]
     assert len(finals) == 8 and all(all(r["same_bits"].values()) for r in finals)
@@ -2430,7 +2455,8 @@ def test_forty_third_session_guard_and_two_chains():
     steps = {r["shape"]: r for r in recs if r["what"] == "per_step_ms"}
     assert (steps["7B"]["median"]["flat"], steps["7B"]["median"]["nested"]) == (1.493, 1.529)
     assert [_step_verdict(steps[s], "flat", "nested") for s in ("7B", "32B")] == ["equal", "faster"]
-    assert re.search(r"\b42 passed", (root / "final-tests" / "final_gpu_tests.log").read_text())
+    ab = _import_script("ab_row_fallback")  # so the nested loops are this tree's
+    assert "for q in range(4)" in ab.FALLBACK.search((ROOT / "vllm_ext" / "nvfp4_gemv.py").read_text()).group(0)
 
 
 def test_forty_third_session_32b_engines():
@@ -2454,10 +2480,15 @@ def test_forty_third_session_32b_engines():
     log = (root / "engines-32b" / "bench-32bh" / "a" / "logs" / "nvfp4-lora--decode-gemv_row-hfma2.log").read_text()
     assert "decode_gemv all: one-row calls of 55296 x 5120 weights run on qerl's row kernel" in log
     assert "LoRA call with 1 tokens on the row+lora path" in log
+    g_h2, g_def = (res[k]["greedy"] for k in ("nvfp4-lora@decode-gemv+row-hfma2", "nvfp4-lora@default"))
+    assert g_h2["tokens"] == g_def["tokens"] and [len(t) for t in g_h2["tokens"]] == [32] * 4
+    assert g_h2["chosen_logprobs"] == g_def["chosen_logprobs"]
     res = engines("call3-32b/bench-32bg")
     h2, gemv = (res[k]["batches"] for k in ("nvfp4-lora@decode-gemv+row-hfma2", "nvfp4-lora@decode-gemv"))
     assert [r["1"]["decode_tok_s"] for r in (h2, gemv)] == [103.31, 102.41]
     assert _verdict_tok_s(h2, gemv, "1") == "faster"
+    assert round(100 * (103.31 / 102.41 - 1), 1) == 0.9
+    assert len({res[k]["memory"]["weights_bytes"] for k in res}) == 1  # the same copy in both
     steps = {m: json.loads((root / "call4-diag" / m / "check_row_lora.json").read_text())["steps"]
              for m in ("fp8", "hfma2")}
     row = [steps[m]["row"]["median_ms"] for m in ("fp8", "hfma2")]

@@ -247,7 +247,7 @@ if triton is not None:
         """The same K tiles as :func:`_row_loop`, with the FP8 decode's exact float32 products (``ASM`` 2), in
         quarter tiles and unpipelined: a small loop, so that it does not raise the kernel's registers (a copy of the
         pipelined loop took the 4-row tile from 60 to 104). Rare: an ``x`` beyond float16. These nested loops make
-        ptxas compile the main loop 4-7 % longer (sm_90 SASS); one loop over the quarter tiles (``6a7d782``) did not,
+        ptxas compile the main loop 6-8 % longer (sm_90 SASS); one loop over the quarter tiles (``6a7d782``) did not,
         but measured level with this one per 7B step (docs/benchmarks.md §4be), so this one stays."""
         W4: tl.constexpr = BLOCK_K // 32
         acc = tl.zeros((BLOCK_N, W4), dtype=tl.float32)

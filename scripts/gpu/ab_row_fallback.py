@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
 """Two versions of the hfma2 row kernel's fallback in one run (docs/benchmarks.md §4be call 2, §4bf item 3): the row
-op with ``QERL_ROW_DECODE=hfma2`` from this tree and from a copy of ``vllm_ext`` whose ``nvfp4_gemv.py`` is ``--other
-FILE``, with the op without the guard (``hfma2-unguarded``) and the FP8 row kernel, timed in one process and
-interleaved, on the weights every sweep here streams from HBM (check_gemv.streamed_weight), per linear and per 7B and
-32B step. ``--labels`` names this tree's version and the other's (default ``tree,other``). §4bf item 3, the one-loop
-fallback of ``6a7d782`` against the nested loops this tree has:
+op with ``QERL_ROW_DECODE=hfma2`` from this tree and from a second copy of ``vllm_ext``, with the op without the guard
+(``hfma2-unguarded``) and the FP8 row kernel, timed in one process and interleaved, on the weights every sweep here
+streams from HBM (check_gemv.streamed_weight), per linear and per 7B and 32B step. The copy's ``nvfp4_gemv.py`` is
+``--other FILE`` as it is, or (``--fallback-from FILE``) this tree's with only ``_row_fallback`` taken from FILE, so
+that nothing else differs. ``--labels`` names this tree's version and the other's (default ``tree,other``); the
+verdicts read ``<tree>_vs_<other>``. §4bf item 3, the one-loop fallback of ``6a7d782`` against this tree's nested
+loops (make the file where git is, carry it to the GPU machine):
 
-    git show 6a7d782:vllm_ext/nvfp4_gemv.py > /tmp/flat_gemv.py
-    PYTHONPATH=. python3 scripts/gpu/ab_row_fallback.py --other /tmp/flat_gemv.py --labels nested,flat --reps 15
+    git show 6a7d782:vllm_ext/nvfp4_gemv.py > flat_gemv.py
+    PYTHONPATH=. python3 scripts/gpu/ab_row_fallback.py --fallback-from flat_gemv.py --labels nested,flat --reps 15
 
-(§4be call 2 ran this script as of ``3aae4ca``, whose tree had the one loop, with ``--old`` the file of ``2096e51``;
-its keys were ``flat`` and ``nested``.) The copy is imported as the package ``vx_old`` (its imports and its torch
-ops' namespace renamed, so both register). Without an ``x`` beyond float16 no fallback runs, so the three hfma2
-outputs must be the same bits; exit 1 otherwise. "faster" where the medians differ by more than both spreads.
+(``flat`` faster shows as ``nested_vs_flat: slower``.) §4be call 2 ran this script as of ``3aae4ca``, whose tree had
+the one loop, with ``--old`` the file of ``2096e51``; its keys were ``flat`` and ``nested``. The copy is imported as the
+package ``vx_old`` (its imports and its torch ops' namespace renamed, so both register), from a folder removed at
+the end. Without an ``x`` beyond float16 no fallback runs, so the three hfma2 outputs must be the same bits; exit 1
+otherwise. "faster" where the medians differ by more than both spreads.
 """
 
 from __future__ import annotations
@@ -35,6 +38,25 @@ from check_gemv import (  # noqa: E402
     LINEARS, add_linear_args, fp8_decode_device, jsonl_recorder, step_lines, streamed_weight, timed_interleaved,
     verdict)
 
+FALLBACK = re.compile(r"    @triton\.jit\n    def _row_fallback\(.*?(?=\n    @triton\.jit\n)", re.S)
+
+
+def with_fallback_from(source: str) -> str:
+    """This tree's nvfp4_gemv.py with its ``_row_fallback`` (decorator to the next ``@triton.jit``) replaced by the
+    one in ``source`` (the text of another nvfp4_gemv.py). A ValueError where either has no such function."""
+    ours = (ROOT / "vllm_ext" / "nvfp4_gemv.py").read_text()
+    theirs = FALLBACK.search(source)
+    if theirs is None or FALLBACK.search(ours) is None:
+        raise ValueError("no _row_fallback (from '@triton.jit' to the next) in one of the two nvfp4_gemv.py files")
+    return FALLBACK.sub(lambda _: theirs.group(0), ours, count=1)
+
+
+def labels(text: str) -> tuple[str, str]:
+    """``--labels``: two distinct names, neither a column of its own (unguarded, fp8). A ValueError otherwise."""
+    names = tuple(text.split(","))
+    if len(names) != 2 or len(set(names)) != 2 or set(names) & {"unguarded", "fp8"} or not all(names):
+        raise ValueError(f"--labels {text!r}: two distinct names, e.g. nested,flat (not unguarded or fp8)")
+    return names
 
 
 def old_package(old_gemv: Path, into: Path) -> str:
@@ -52,29 +74,49 @@ def old_package(old_gemv: Path, into: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--other", type=Path, required=True, help="the nvfp4_gemv.py to compare this tree's with")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--other", type=Path, help="the nvfp4_gemv.py to compare this tree's with, as it is")
+    src.add_argument("--fallback-from", type=Path, help="this tree's nvfp4_gemv.py with this file's _row_fallback")
     p.add_argument("--labels", default="tree,other", help="names of this tree's version and the other's")
     add_linear_args(p, "7B,32B")
     args = p.parse_args(argv)
-    tree, other = args.labels.split(",")
-    keys = (tree, other, "unguarded", "fp8")
-    modes = {tree: "hfma2", other: "hfma2", "unguarded": "hfma2-unguarded", "fp8": "fp8"}
-
-    import torch
-
+    try:
+        tree, other = labels(args.labels)
+        other_text = (with_fallback_from(args.fallback_from.read_text()) if args.fallback_from
+                      else args.other.read_text())
+    except (OSError, ValueError) as e:
+        print(f"ab_row_fallback: {e}", file=sys.stderr)
+        return 2
     dev = fp8_decode_device("ab_row_fallback")
     if dev is None:
         return 1
+    work = Path(tempfile.mkdtemp())
+    try:
+        other_file = work / "other_gemv.py"
+        other_file.write_text(other_text)
+        other_row = importlib.import_module(old_package(other_file, work / "pkg") + ".nvfp4_gemv").nvfp4_gemv_row
+        return _run(args, dev, tree, other, other_row)
+    finally:
+        if str(work / "pkg") in sys.path:
+            sys.path.remove(str(work / "pkg"))
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, dev, tree: str, other: str, other_row) -> int:  # noqa: ANN001
+    """The timing itself (see the module docstring), once the other version is imported as ``other_row``."""
+    import torch
+
     from vllm_ext.bench.kernels import capture_graph
     from vllm_ext.nvfp4_decode import DECODE_ENV
     from vllm_ext.nvfp4_gemv import nvfp4_gemv_row
 
     bf16 = torch.bfloat16
-    other_row = importlib.import_module(old_package(args.other, Path(tempfile.mkdtemp()))
-                                        + ".nvfp4_gemv").nvfp4_gemv_row
+    keys = (tree, other, "unguarded", "fp8")
+    modes = {tree: "hfma2", other: "hfma2", "unguarded": "hfma2-unguarded", "fp8": "fp8"}
     record = jsonl_recorder(args.out, "ab_row_fallback.jsonl")
     record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "other": str(args.other), "labels": [tree, other], "shapes": args.shapes})
+            "other": str(args.other or args.fallback_from), "fallback_only": bool(args.fallback_from),
+            "labels": [tree, other], "shapes": args.shapes})
     finals, unequal = [], 0
     for shape in args.shapes.split(","):
         for lname in args.linears.split(","):

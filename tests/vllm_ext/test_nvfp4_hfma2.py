@@ -281,7 +281,8 @@ def test_gpu_an_x_beyond_float16_falls_back(monkeypatch, tile):
     bf16 output's rounding of the exact product, as the FP8 kernel's; with split-K the other programs keep their
     float16 pairs, and the output is within the bf16 weight's error. An x within float16 does not fall back: the same
     bits as without the guard (QERL_ROW_DECODE=hfma2-unguarded). Split-K 3 over 8 K tiles gives programs 3, 3 and 2
-    tiles; a second x of -7e4 in the last tile makes a program of 3 fall back too."""
+    tiles; a second x of -7e4, in K tile 6 (program 0 of 3 tiles there; with split-K 2 the same program as the first,
+    so the other keeps its float16 pairs), makes a program of 3 tiles fall back too."""
     from vllm_ext.nvfp4_decode import DECODE_ENV
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
@@ -299,7 +300,7 @@ def test_gpu_an_x_beyond_float16_falls_back(monkeypatch, tile):
     assert torch.equal(h2, run())
     monkeypatch.setenv(DECODE_ENV, "hfma2")
     x[0, 1234] = 1e5
-    x[0, 4000] = -7e4
+    x[0, 3300] = -7e4
     h2 = run()
     assert torch.isfinite(h2).all()
     err, ref = _errors(h2, x, q)
