@@ -450,7 +450,8 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"global_scale has {global_scale.numel()} values, expected 1")
     if bias is not None and (bias.shape != (n,) or bias.device != x.device):
         problems.append(f"bias {tuple(bias.shape)} on {bias.device}, expected ({n},) on {x.device}")
-    if words and block_k % 64 and decode_mode(x.device, asm) >= 3:
+    mode = decode_mode(x.device, asm) if words else 0  # the one-row kernel's decode (read once: checked, launched)
+    if block_k % 64 and mode >= 3:
         problems.append(f"block_k={block_k} with QERL_ROW_DECODE=hfma2 (it takes a multiple of 64: the fallback's "
                         "quarter tiles)")
     if problems:
@@ -472,7 +473,6 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     b = out if bias is None else bias.contiguous()  # unused without a bias
     global LAST_COMPILED
     if words:
-        mode = decode_mode(x.device, asm)
         if mode >= 3 and x2.data_ptr() % 4:  # float16 pairs read x as int32s
             x2 = x2.clone()
         LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](

@@ -40,8 +40,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_linear_args, bf16_weight_error, jsonl_recorder, per_step_ms, streamed_weight, tile_4m, tile_name,
-    timed_interleaved, verdict)
+    LAYERS, LINEARS, add_linear_args, bf16_weight_error, jsonl_recorder, per_step_ms, streamed_weight, tile_4m,
+    tile_name, timed_interleaved, verdict)
 
 
 def sweep_tiles(block_ns: list[int], splits: list[int], warps: list[int], stages: list[int],
