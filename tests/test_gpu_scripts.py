@@ -2415,16 +2415,74 @@ def test_ab_row_fallback_takes_only_the_fallback_and_checks_its_labels(capsys):
     assert "two distinct names" in capsys.readouterr().err
 
 
+def test_sweep_row_lora_grid_slices_and_gate():
+    """scripts/gpu/sweep_row_lora.py (§4bf item 2): the grid is §4bf's (block_n 4-32, warps 1-2, stages 0/3/4, split-K
+    1-8; block_k 512) in row_tile's keys; every linear's slices add up to its N, and each slice is a multiple of the
+    largest block_n (no tile refused for straddling two); the gate asks for 5 % and more than both spreads."""
+    sw = _import_script("sweep_row_lora")
+    tiles = sw.lora_tiles([4, 8, 16, 32], [1, 2, 4, 8], [1, 2], [0, 3, 4])
+    assert len(tiles) == 96 and len({sw.tile_name(t) for t in tiles}) == 96
+    assert all(set(t) == {"block_n", "block_k", "split_k", "num_warps", "stages"} and t["block_k"] == 512
+               for t in tiles)
+    assert len(sw.lora_tiles([2, 4], [1], [1], [0])) == 1  # hfma2 takes at least 4 rows
+    linears = _import_script("check_gemv").LINEARS
+    for shape, groups in sw.SLICES.items():
+        assert set(groups) == set(linears[shape])
+        for name, slices in groups.items():
+            assert sum(slices) == linears[shape][name][1] and all(s % 32 == 0 for s in slices)
+    step, spread = {"fp8": 10.0, "best": 9.5}, {"fp8": 0.1, "best": 0.2}
+    assert sw.gate(step, spread) == {"saved_ms": 0.5, "saved_fraction": 0.05, "beyond_spreads": True, "pass": True}
+    assert not sw.gate({"fp8": 10.0, "best": 9.6}, spread)["pass"]  # 4 %
+    got = sw.gate(step, {"fp8": 0.6, "best": 0.2})  # 5 %, within a spread
+    assert got["beyond_spreads"] is False and got["pass"] is False
+
+
+def test_sweep_row_lora_reference_and_bound():
+    """sweep_row_lora.exact_and_bound on the CPU: the float64 result equals x (W + ΔW)ᵀ + bias with ΔW the slices'
+    B_s A_s stacked (the merged adapter, computed another way); the bound is the error of the bfloat16 weight's result
+    through the kernel's roundings plus 2^-8 of the largest output, so above that alone and small against the
+    output."""
+    import torch
+
+    from qerl_plugin import nvfp4
+
+    sw = _import_script("sweep_row_lora")
+    torch.manual_seed(1)
+    slices, k, r = (64, 32, 32), 256, 8
+    q = nvfp4.quantize((torch.randn(sum(slices), k) * 0.02).to(torch.bfloat16))
+    x = torch.randn(1, k).to(torch.bfloat16)
+    bias = torch.randn(sum(slices)).to(torch.bfloat16)
+    a, b = sw.adapter(slices, k, r, torch.device("cpu"))
+    exact, bound = sw.exact_and_bound(x, q, bias, a, b, slices)
+    delta = torch.cat([b_[0, 0].double() @ a_[0, 0].double() for a_, b_ in zip(a, b)])
+    w = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double()
+    want = x.double() @ (w + delta).t() + bias.double()
+    assert torch.allclose(exact, want, rtol=1e-12, atol=1e-12)
+    slack = 2.0**-8 * exact.abs().max().item()
+    assert slack < bound < slack + 0.05 * exact.abs().max().item()
+    assert sw.exact_and_bound(x, q, None, a, b, slices)[0].sub(exact - bias.double()).abs().max() < 1e-12
+
+
+def test_sweep_row_lora_refuses_unknown_names(capsys):
+    """sweep_row_lora.py: a shape or linear it has no slices for is refused with exit 2 and a message naming it and
+    the choices, before any GPU work."""
+    assert _import_script("sweep_row_lora").main(["--shapes", "7B,14B", "--linears", "qkv,lm_head"]) == 2
+    err = capsys.readouterr().err
+    assert "'14B'" in err and "'lm_head'" in err and "['32B', '7B']" in err
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the message of a machine without a CUDA GPU")
 def test_decode_timings_refuse_a_machine_without_a_gpu(capsys, monkeypatch):
-    """bench_decode.py and ab_row_fallback.py, through check_gemv.fp8_decode_device: exit 1 and a message naming the
-    script on a machine without a CUDA GPU, QERL_ROW_DECODE left as it was."""
+    """bench_decode.py, ab_row_fallback.py and sweep_row_lora.py, through check_gemv.fp8_decode_device: exit 1 and a
+    message naming the script on a machine without a CUDA GPU, QERL_ROW_DECODE left as it was."""
     monkeypatch.setenv("QERL_ROW_DECODE", "hfma2")
     assert _import_script("check_gemv").fp8_decode_device("x") is None
     assert _import_script("bench_decode").main(["--out", "/nonexistent"]) == 1
     assert _import_script("ab_row_fallback").main(["--other", str(ROOT / "vllm_ext" / "nvfp4_gemv.py")]) == 1
+    assert _import_script("sweep_row_lora").main(["--out", "/nonexistent"]) == 1
     err = capsys.readouterr().err
     assert "bench_decode: needs a CUDA GPU" in err and "ab_row_fallback: needs a CUDA GPU" in err
+    assert "sweep_row_lora: needs a CUDA GPU" in err
     assert os.environ["QERL_ROW_DECODE"] == "hfma2"
 
 

@@ -141,7 +141,8 @@ def streamed_weight(n: int, k: int, cold_mib: float, device):  # noqa: ANN001, A
 def fp8_decode_device(prog: str):  # noqa: ANN201
     """The CUDA device for a timing of the one-row kernels' decode modes, with ``QERL_ROW_DECODE`` cleared (each graph
     sets it); None, after a message naming ``prog``, without a CUDA GPU or without the decode through FP8 (compute
-    capability 8.9 and later), which the hfma2 mode needs too. Shared by bench_decode.py and ab_row_fallback.py."""
+    capability 8.9 and later), which the hfma2 mode needs too. Shared by bench_decode.py, ab_row_fallback.py and
+    sweep_row_lora.py."""
     import torch
 
     from vllm_ext.nvfp4_decode import DECODE_ENV, decode_mode
