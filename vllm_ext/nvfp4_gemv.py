@@ -517,16 +517,22 @@ def decode_tile(n: int, k: int, lora: bool = False, hfma2: bool = False) -> dict
     ``hfma2``: the tile for the products in float16 pairs (``decode_mode`` 3, :mod:`vllm_ext.nvfp4_hfma2`), from its
     sweep of the row kernel alone on an H200 (docs/benchmarks.md §4bc call 1; 4 rows or more, 1-2 warps): long K 8
     rows, split-K 4, 3 stages (2 warps up to K = 20 480, else 1); large N 32 rows, 2 warps, 3 stages; else 4 rows, 1
-    warp, 4 stages, or 16 rows and 3 stages for q/k/v above K = 4 096. The same with the adapter (not swept with it),
-    except beyond K = 20 480, where ``lora`` keeps §4m's tile as above.
+    warp, 4 stages, or 16 rows and 3 stages for q/k/v above K = 4 096. With ``lora`` (the row+lora kernel), from its
+    sweep with the adapter on an H200 (§4bg, scripts/gpu/sweep_row_lora.py; a tile taken where it beat the one before
+    by more than both spreads): long K 16 rows, split-K 4, 1 warp, 3 stages; large N 16 rows up to K = 4 096 (7B),
+    else 32, 2 warps, 3 stages; else 4 rows, 1 warp, 4 stages (q/k/v above K = 4 096 too).
 
     None where K is not a multiple of 128."""
     block_k = next((b for b in (512, 256, 128) if k % b == 0), None)
     if block_k is None:
         return None
+    if hfma2 and lora:
+        if k > 8192:
+            return dict(block_n=16, block_k=block_k, split_k=4, num_warps=1, stages=3)
+        if n > 16384:
+            return dict(block_n=16 if k <= 4096 else 32, block_k=block_k, split_k=1, num_warps=2, stages=3)
+        return dict(block_n=4, block_k=block_k, split_k=1, num_warps=1, stages=4)
     if hfma2:
-        if k > 20480 and lora:
-            return dict(block_n=8, block_k=block_k, split_k=8, num_warps=2)
         if k > 8192:
             return dict(block_n=8, block_k=block_k, split_k=4, num_warps=2 if k <= 20480 else 1, stages=3)
         if n > 16384:

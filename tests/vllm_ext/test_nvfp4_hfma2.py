@@ -165,9 +165,9 @@ def test_decode_mode_hfma2(monkeypatch, capability, mode):
 
 
 def test_hfma2_tiles():
-    """decode_tile's hfma2 table (§4bc call 1's best tiles) on the 7B and 32B linears; the row+lora kernel takes the
-    same, except beyond K = 20 480 (§4m's tile, as without hfma2), and halves the rows where a block would straddle two
-    slices."""
+    """decode_tile's hfma2 table (§4bc call 1's best tiles) on the 7B and 32B linears; the row+lora kernel's (§4bg's
+    sweep with the adapter, taken where faster than before: 7B gate/up and down, 32B q/k/v and down), whose rows
+    row_tile halves where a block would straddle two slices."""
     from vllm_ext.nvfp4_gemv import decode_tile
     from vllm_ext.nvfp4_gemv_lora import row_tile
 
@@ -178,10 +178,15 @@ def test_hfma2_tiles():
     assert [name(decode_tile(n, k, hfma2=True)) for n, k in
             ((7168, 5120), (5120, 5120), (55296, 5120), (5120, 27648))] == [
                 (16, 1, 1, 3), (4, 1, 1, 4), (32, 1, 2, 3), (8, 4, 1, 3)]
-    assert decode_tile(4608, 3584, lora=True, hfma2=True) == decode_tile(4608, 3584, hfma2=True)
-    assert name(decode_tile(5120, 27648, lora=True, hfma2=True)) == (8, 8, 2, 0)  # §4m's tile, as without hfma2
-    assert row_tile(37888, 3584, slices=(18944, 18944), hfma2=True)["block_n"] == 32
-    assert row_tile(37888 - 16, 3584, slices=(18936, 18936), hfma2=True)["block_n"] == 8  # 18 936 = 8 x 2 367
+    assert [name(decode_tile(n, k, lora=True, hfma2=True)) for n, k in
+            ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944))] == [
+                (4, 1, 1, 4), (4, 1, 1, 4), (16, 1, 2, 3), (16, 4, 1, 3)]
+    assert [name(decode_tile(n, k, lora=True, hfma2=True)) for n, k in
+            ((7168, 5120), (5120, 5120), (55296, 5120), (5120, 27648))] == [
+                (4, 1, 1, 4), (4, 1, 1, 4), (32, 1, 2, 3), (16, 4, 1, 3)]
+    assert row_tile(37888, 3584, slices=(18944, 18944), hfma2=True)["block_n"] == 16
+    assert row_tile(55296, 5120, slices=(27648, 27648), hfma2=True)["block_n"] == 32
+    assert row_tile(55296 - 16, 5120, slices=(27640, 27640), hfma2=True)["block_n"] == 8  # 27 640 = 8 x 3 455
     assert decode_tile(4608, 3500, hfma2=True) is None
 
 
@@ -338,15 +343,15 @@ def test_gpu_row_op_in_a_cuda_graph_from_an_odd_row(monkeypatch):
 @pytest.mark.gpu
 @GPU
 @pytest.mark.parametrize("slices, k", [((3584, 512, 512), 3584), ((18944, 18944), 3584), ((3584,), 18944),
-                                       ((5120,), 27648)])
+                                       ((5120, 1024, 1024), 5120), ((5120,), 27648)])
 def test_gpu_row_lora_kernel_with_float16_pairs(monkeypatch, slices, k):
-    """The row+lora kernel (rank 32, checkpoint layout, its hfma2 tiles): with the adapter's B zero it gives the row
-    op's bits where both take the same tile (not beyond K = 20 480); with a real adapter its error against the exact
+    """The row+lora kernel (rank 32, checkpoint layout, its hfma2 tiles): with the adapter's B zero it gives the bits
+    of the row kernel at the same tile; with a real adapter its error against the exact
     product (base plus adapter, float64) exceeds the FP8 row+lora kernel's by at most the two row ops' largest
     difference plus a bfloat16 step (the kernel rounds the base before adding the adapter, in both modes)."""
     from vllm_ext import nvfp4_gemv_lora as rl
     from vllm_ext.nvfp4_decode import DECODE_ENV
-    from vllm_ext.nvfp4_gemv import decode_tile, nvfp4_gemv_row
+    from vllm_ext.nvfp4_gemv import nvfp4_gemv_row, nvfp4_small_gemm
 
     _need_hfma2(monkeypatch)
     torch.manual_seed(k + len(slices))
@@ -359,8 +364,9 @@ def test_gpu_row_lora_kernel_with_float16_pairs(monkeypatch, slices, k):
     idx = torch.zeros(1, dtype=torch.int32, device=dev)
     zero_b = tuple(torch.zeros_like(bi) for bi in b)
     row_h2 = nvfp4_gemv_row(x, q.packed, q.scale, q.global_scale)
-    if decode_tile(n, k, lora=True, hfma2=True) == decode_tile(n, k, hfma2=True):  # not beyond K = 20 480
-        assert torch.equal(rl.launch(x, q.packed, q.scale, q.global_scale, None, a, zero_b, 1.0, slices, idx), row_h2)
+    same_tile = nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, words=True, xvec=True,
+                                 **rl.row_tile(n, k, slices=slices, hfma2=True))
+    assert torch.equal(rl.launch(x, q.packed, q.scale, q.global_scale, None, a, zero_b, 1.0, slices, idx), same_tile)
     y_h2 = rl.launch(x, q.packed, q.scale, q.global_scale, None, a, b, 1.0, slices, idx)
     monkeypatch.setenv(DECODE_ENV, "fp8")
     y_fp8 = rl.launch(x, q.packed, q.scale, q.global_scale, None, a, b, 1.0, slices, idx)
