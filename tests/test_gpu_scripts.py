@@ -2555,6 +2555,71 @@ def test_forty_third_session_32b_engines():
     assert row[0] - row[1] > 4 * (lora[0] - lora[1])
 
 
+
+def test_forty_fourth_session_fallback_and_row_lora_sweep():
+    """§4bg calls 1-2, from the committed raw files: every GPU test passed; the one-loop fallback level with the nested
+    one per 7B step (closed), faster per 32B step; the row+lora sweep refused no hfma2 tile, every tile's largest error
+    the FP8 path's, the FP8 path itself outside the first bound on 32B q/k/v only (inside the widened one); the gate
+    passed at both shapes; decode_tile(lora, hfma2) holds the best tiles where they beat the tiles then shipped, and
+    those tiles elsewhere."""
+    from vllm_ext.nvfp4_gemv_lora import row_tile
+
+    root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-fourth"
+    for log, passed in (("call1/gpu_tests.log", 30), ("call3-tests/gpu_tests.log", 31),
+                        ("final-tests/final_gpu_tests.log", 56)):
+        text = (root / log).read_text()
+        assert re.search(rf"^{passed} passed, \d+ deselected", text, re.M) and "rc=0" in text, log
+        assert not re.search(r"\b(failed|error)", text), log
+    recs = _jsonl(root / "call1" / "ab_row_fallback.jsonl")
+    assert recs[0]["labels"] == ["nested", "flat"] and recs[0]["fallback_only"]
+    assert all(all(r["same_bits_as_nested"].values()) for r in recs if r["what"] == "final")
+    steps = {r["shape"]: r for r in recs if r["what"] == "per_step_ms"}
+    assert (steps["7B"]["median"]["nested"], steps["7B"]["median"]["flat"]) == (1.523, 1.489)
+    assert [_step_verdict(steps[s], "nested", "flat") for s in ("7B", "32B")] == ["equal", "slower"]
+    sw = _import_script("sweep_row_lora")
+    first, second = _jsonl(root / "call1" / "sweep_row_lora.jsonl"), _jsonl(root / "call2" / "sweep_row_lora.jsonl")
+    refused = [(r["shape"], r["linear"]) for r in first if r.get("mode") == "fp8_shipped" and not r["ok"]]
+    assert refused == [("32B", "qkv")]
+    fp8 = {(r["shape"], r["linear"]): r for r in first + second if r.get("mode") == "fp8_shipped"}  # call 2's at 32B
+    assert all(r["ok"] for r in fp8.values()) and fp8[("32B", "qkv")]["max_err"] == 0.03249255103151949
+    for recs, shape in ((first, "7B"), (second, "32B")):
+        mine = [r for r in recs if r.get("shape") == shape]
+        tiles = [r for r in mine if r.get("mode") == "hfma2" and r["what"] == "tile"]
+        assert len(tiles) == 4 * 96 and all(r["ok"] for r in tiles)
+        assert all(r["max_err"] <= fp8[(shape, r["linear"])]["max_err"] for r in tiles)
+        step = next(r for r in mine if r["what"] == "per_step_ms")
+        got = sw.gate(step["median"], step["spread"])
+        assert got["pass"] and got == {k: v for k, v in next(r for r in mine if r["what"] == "gate").items()
+                                       if k in got}
+        assert round(got["saved_fraction"], 3) == {"7B": 0.125, "32B": 0.132}[shape]
+        for fin in (r for r in mine if r["what"] == "final"):
+            lin = next(r for r in mine if r["what"] == "linear" and r["linear"] == fin["linear"])
+            want = fin["best_tile"] if fin["best_vs_hfma2"] == "faster" else lin["shipped"]["hfma2"]
+            assert {k: v for k, v in row_tile(lin["n"], lin["k"], slices=tuple(lin["slices"]), hfma2=True).items()
+                    if v or k != "stages"} == {k: v for k, v in want.items() if v or k != "stages"}, fin["linear"]
+        assert sum(f["best_vs_hfma2"] == "faster" for f in mine if f["what"] == "final") == 2
+
+
+def test_forty_fourth_session_engines():
+    """§4bg's engines at batch 1 (H200, random weights, LoRA r32, one run per shape): hfma2 with the new row+lora tiles
+    faster than FP8 (both decode_gemv all, the same copy) at 32B (planned) and 7B (added), 2.508x and 2.234x BF16 +
+    punica; the same greedy tokens; the hfma2 engine ran the row+lora path at one token."""
+    root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-fourth"
+    want = {"32b": ([109.83, 100.1, 43.79], [2.508, 2.286]), "7b": ([340.82, 303.02, 152.53], [2.234, 1.987])}
+    for shape, (tok_s, ratios) in want.items():
+        bench = json.loads((root / f"engines-{shape}" / f"bench-{shape}i" / "a" / "bench_rollout.json").read_text())
+        res = {f"{r['config']}@{r['variant']}": r for r in bench["results"]}
+        keys = ("nvfp4-lora@decode-gemv+row-hfma2", "nvfp4-lora@decode-gemv", "bf16-lora@punica-lora")
+        h2, fp8, bf16 = (res[k]["batches"] for k in keys)
+        assert [r["1"]["decode_tok_s"] for r in (h2, fp8, bf16)] == tok_s
+        assert _verdict_tok_s(h2, fp8, "1") == "faster"
+        assert [round(r["1"]["decode_tok_s"] / bf16["1"]["decode_tok_s"], 3) for r in (h2, fp8)] == ratios
+        assert res[keys[0]]["env"]["QERL_ROW_DECODE"] == "hfma2" and "QERL_ROW_DECODE" not in res[keys[1]]["env"]
+        assert res[keys[0]]["memory"]["weights_bytes"] == res[keys[1]]["memory"]["weights_bytes"]
+        assert res[keys[0]]["greedy"]["tokens"] == res[keys[1]]["greedy"]["tokens"]
+        log = (root / f"engines-{shape}" / f"bench-{shape}i" / "a" / "logs" / "nvfp4-lora--decode-gemv_row-hfma2.log")
+        assert "LoRA call with 1 tokens on the row+lora path" in log.read_text()
+
 def _eval_shared_paths(name: str = "eval_shared") -> list[str]:
     """The ``--path`` texts that session.sh's eval_shared step (or ``name``) hands compare_evals.py through
     ``eval_check``."""
