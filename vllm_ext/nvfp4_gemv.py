@@ -520,7 +520,8 @@ def decode_tile(n: int, k: int, lora: bool = False, hfma2: bool = False) -> dict
     warp, 4 stages, or 16 rows and 3 stages for q/k/v above K = 4 096. With ``lora`` (the row+lora kernel), from its
     sweep with the adapter on an H200 (§4bg, scripts/gpu/sweep_row_lora.py; a tile taken where it beat the one before
     by more than both spreads): long K 16 rows, split-K 4, 1 warp, 3 stages; large N 16 rows up to K = 4 096 (7B),
-    else 32, 2 warps, 3 stages; else 4 rows, 1 warp, 4 stages (q/k/v above K = 4 096 too).
+    else 32, 2 warps, 3 stages; else 4 rows, 1 warp, 4 stages (q/k/v above K = 4 096 too). Only the 7B and 32B shapes
+    were swept; other models get these tiles by their N and K.
 
     None where K is not a multiple of 128."""
     block_k = next((b for b in (512, 256, 128) if k % b == 0), None)

@@ -99,10 +99,11 @@ def exact_and_bound(x, q, bias, a, b, slices):  # noqa: ANN001, ANN201
     """The float64 result with the exact (dequantized) weight, the bias and the adapter (scale 1); and the bound for
     hfma2: the largest error against it of the result with the weight rounded to bfloat16 (as vLLM's Marlin rounds
     each weight times its scale) through the kernel's roundings to bfloat16 (the base output with its bias, the
-    adapter's ``h`` and update, their sum), as vLLM's BF16 path with punica rounds them, plus one rounding of the
-    largest output (2^-8 of it): the base output rounded before the update is added lands on another bfloat16 than
-    the emulation's where the two differ before rounding, so without it the FP8 path itself was refused (§4bg call 1,
-    the 32B q/k/v: 0.0325 against 0.0303)."""
+    adapter's ``h`` and update, their sum), as vLLM's BF16 path with punica rounds them, plus 2^-8 of the largest
+    output (between a half and a full bfloat16 step there): the base output, rounded before the update is added, can
+    land one bfloat16 away from the emulation's where the two differ before rounding; without it the FP8 path itself
+    was refused (§4bg call 1, the 32B q/k/v: 0.0325 against 0.0303). The check catches a broken tile; it does not rank
+    tiles (in §4bg every tile's largest error was the FP8 path's)."""
     import torch
 
     from qerl_plugin import nvfp4
