@@ -7,6 +7,7 @@ later, §4ba). The two PTX decodes give the same output bits."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -73,6 +74,8 @@ _DECODE8_FP8_PTX_TEXT = _decode8_fp8_ptx()
 _DECODE8_FP8_PTX = tl.constexpr(_DECODE8_FP8_PTX_TEXT) if tl is not None else None
 DECODE_ENV = "QERL_ROW_DECODE"
 _FP8_CVT: dict[str, bool] = {}
+_HFMA2_LOGGED: set[str] = set()
+logger = logging.getLogger("qerl.vllm.nvfp4")
 
 
 def decode_mode(device: torch.device, asm: bool | None = None) -> int:
@@ -86,7 +89,8 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
     products summed in float16 pairs (:mod:`vllm_ext.nvfp4_hfma2`) in the checkpoint layout's one-row kernels (the
     row kernel and row+lora); the other kernels (those on Marlin's tensors too) decode as with 2.
     ``hfma2-unguarded`` (4) leaves out its fallback for an ``x`` beyond float16: for measuring that fallback's cost
-    only (such an ``x`` then gives an infinite output)."""
+    only (such an ``x`` then gives an infinite output). The first launch in either mode on a device logs a warning
+    that says so (the evidence, in a run's log, that the mode was on)."""
     choice = (os.environ.get(DECODE_ENV, "") or "fp8").strip().lower()
     if choice not in ("fp8", "f16", "hfma2", "hfma2-unguarded"):
         raise ValueError(f"{DECODE_ENV}={os.environ.get(DECODE_ENV)!r}: use fp8 (the default), f16 or hfma2 "
@@ -100,7 +104,12 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
         _FP8_CVT[key] = torch.cuda.get_device_capability(device) >= (8, 9)
     if not _FP8_CVT[key]:
         return 1
-    return {"hfma2": 3, "hfma2-unguarded": 4}.get(choice, 2)
+    mode = {"hfma2": 3, "hfma2-unguarded": 4}.get(choice, 2)
+    if mode >= 3 and key not in _HFMA2_LOGGED:  # once per device: the evidence in a run's log that the mode was on
+        _HFMA2_LOGGED.add(key)
+        logger.warning("qerl: %s=%s on %s: the checkpoint layout's one-row kernels (row op, row+lora) sum their "
+                       "products in float16 pairs", DECODE_ENV, choice, key)
+    return mode
 
 
 if triton is not None:

@@ -164,6 +164,31 @@ def test_decode_mode_hfma2(monkeypatch, capability, mode):
         nvfp4_decode.decode_mode(dev)
 
 
+def test_decode_mode_logs_hfma2_once_per_device(monkeypatch, caplog):
+    """The first launch with QERL_ROW_DECODE=hfma2 on a device logs a warning naming the mode and the device (the
+    evidence in a run's log that the mode was on); later launches, and the default mode, log nothing. (The capability
+    is stubbed: no GPU here.)"""
+    import logging
+
+    from vllm_ext import nvfp4_decode
+
+    monkeypatch.setattr(nvfp4_decode, "_FP8_CVT", {})
+    monkeypatch.setattr(nvfp4_decode, "_HFMA2_LOGGED", set())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with caplog.at_level(logging.WARNING, logger="qerl.vllm.nvfp4"):
+        monkeypatch.setenv(nvfp4_decode.DECODE_ENV, "fp8")
+        assert nvfp4_decode.decode_mode(torch.device("cuda", 0)) == 2
+        assert not caplog.records
+        monkeypatch.setenv(nvfp4_decode.DECODE_ENV, "hfma2")
+        for _ in range(3):
+            assert nvfp4_decode.decode_mode(torch.device("cuda", 0)) == 3
+        assert nvfp4_decode.decode_mode(torch.device("cuda", 1)) == 3
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [f"qerl: QERL_ROW_DECODE=hfma2 on cuda:{i}: the checkpoint layout's one-row kernels (row op, "
+                        "row+lora) sum their products in float16 pairs" for i in (0, 1)]
+
+
 def test_hfma2_tiles():
     """decode_tile's hfma2 table (§4bc call 1's best tiles) on the 7B and 32B linears; the row+lora kernel's (§4bg's
     sweep with the adapter, taken where faster than before: 7B gate/up and down, 32B q/k/v and down), whose rows
