@@ -2573,10 +2573,11 @@ def test_forty_fourth_session_fallback_and_row_lora_sweep():
 
     root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-fourth"
     for log, passed in (("call1/gpu_tests.log", 30), ("call3-tests/gpu_tests.log", 31),
-                        ("final-tests/final_gpu_tests.log", 56)):
+                        ("final-tests/final_gpu_tests.log", 56), ("logcheck/gpu_tests.log", 21)):
         text = (root / log).read_text()
         assert re.search(rf"^{passed} passed, \d+ deselected", text, re.M) and "rc=0" in text, log
         assert not re.search(r"\b(failed|error)", text), log
+    assert (root / "logcheck" / "log.txt").read_text().count("qerl: QERL_ROW_DECODE=hfma2 on cuda:0") == 1
     recs = _jsonl(root / "call1" / "ab_row_fallback.jsonl")
     assert recs[0]["labels"] == ["nested", "flat"] and recs[0]["fallback_only"]
     assert all(all(r["same_bits_as_nested"].values()) for r in recs if r["what"] == "final")
