@@ -2493,17 +2493,23 @@ def test_decode_timings_refuse_a_machine_without_a_gpu(capsys, monkeypatch):
     assert os.environ["QERL_ROW_DECODE"] == "hfma2"
 
 
+def _assert_gpu_tests_passed(root: Path, logs: dict[str, int]) -> None:
+    """Each pytest log under ``root`` (relative path -> tests passed) ends with that many passed, some deselected,
+    exit status 0 (a line ``rc=0`` from the device command) and no failure or error."""
+    for log, passed in logs.items():
+        text = (root / log).read_text()
+        assert re.search(rf"^{passed} passed, \d+ deselected", text, re.M), log
+        assert re.search(r"^rc=0\b", text, re.M) and not re.search(r"\b(failed|error)", text), log
+
+
 def test_forty_third_session_guard_and_two_chains():
     """§4be, from the committed raw files. Call 1: every GPU test passed, no output worse than the bfloat16 weight's
     or unequal where it should be equal; the one-loop guard's gap 2.37 % per 7B step (above the 2.25 % asked: fail);
     shared with two chains slower than FP8 (fail). Call 2: the one-loop fallback level with the nested one per 7B step
     (so the nested loops came back), faster per 32B step. The final tree's GPU tests passed."""
     root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-third"
-    for log, passed in (("call1/gpu_tests.log", 48), ("call1/gpu_tests_row.log", 15),
-                        ("final-tests/final_gpu_tests.log", 42), ("final-tests-2/final_gpu_tests.log", 42)):
-        text = (root / log).read_text()
-        assert re.search(rf"^{passed} passed, \d+ deselected", text, re.M) and "rc=0 " in text, log
-        assert not re.search(r"\b(failed|error)", text), log
+    _assert_gpu_tests_passed(root, {"call1/gpu_tests.log": 48, "call1/gpu_tests_row.log": 15,
+                                    "final-tests/final_gpu_tests.log": 42, "final-tests-2/final_gpu_tests.log": 42})
     recs = _jsonl(root / "call1" / "bench_decode.jsonl")
     finals = [r for r in recs if r["what"] == "final"]
     assert len(finals) == 8 and all(all(r["same_bits"].values()) for r in finals)
@@ -2572,11 +2578,8 @@ def test_forty_fourth_session_fallback_and_row_lora_sweep():
     from vllm_ext.nvfp4_gemv_lora import row_tile
 
     root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-fourth"
-    for log, passed in (("call1/gpu_tests.log", 30), ("call3-tests/gpu_tests.log", 31),
-                        ("final-tests/final_gpu_tests.log", 56), ("logcheck/gpu_tests.log", 21)):
-        text = (root / log).read_text()
-        assert re.search(rf"^{passed} passed, \d+ deselected", text, re.M) and "rc=0" in text, log
-        assert not re.search(r"\b(failed|error)", text), log
+    _assert_gpu_tests_passed(root, {"call1/gpu_tests.log": 30, "call3-tests/gpu_tests.log": 31,
+                                    "final-tests/final_gpu_tests.log": 56, "logcheck/gpu_tests.log": 21})
     assert (root / "logcheck" / "log.txt").read_text().count("qerl: QERL_ROW_DECODE=hfma2 on cuda:0") == 1
     recs = _jsonl(root / "call1" / "ab_row_fallback.jsonl")
     assert recs[0]["labels"] == ["nested", "flat"] and recs[0]["fallback_only"]

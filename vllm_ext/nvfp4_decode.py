@@ -83,7 +83,8 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
     by default under the interpreter or off CUDA), 1 the float16 bit moves in PTX (:func:`_decode8_ptx`), 2 the decode
     through FP8 (:func:`_decode8_fp8_ptx`, compute capability 8.9 and later). PTX takes 2 where the GPU has it, unless
     ``QERL_ROW_DECODE=f16`` (``fp8``, the default, ``f16``, ``hfma2`` or ``hfma2-unguarded``, below; another value
-    is an error at any launch). Both PTX decodes give the same output bits. ``asm``: None (by the device), false (0), or true (PTX, 1 or 2 as above).
+    is an error at any launch). Both PTX decodes give the same output bits. ``asm``: None (by the device), false (0),
+    or true (PTX, 1 or 2 as above).
 
     ``QERL_ROW_DECODE=hfma2`` (experimental, docs/benchmarks.md §4bc): 3 where 2 would be, the FP8 decode with the
     products summed in float16 pairs (:mod:`vllm_ext.nvfp4_hfma2`) in the checkpoint layout's one-row kernels (the

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import re
 import shutil
 import sys
@@ -35,8 +34,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LINEARS, add_linear_args, fp8_decode_device, jsonl_recorder, step_lines, streamed_weight, timed_interleaved,
-    verdict)
+    LINEARS, add_linear_args, decode_env, fp8_decode_device, jsonl_recorder, step_lines, streamed_weight,
+    timed_interleaved, verdict)
 
 FALLBACK = re.compile(r"    @triton\.jit\n    def _row_fallback\(.*?(?=\n    @triton\.jit\n)", re.S)
 
@@ -107,7 +106,6 @@ def _run(args: argparse.Namespace, dev, tree: str, other: str, other_row) -> int
     import torch
 
     from vllm_ext.bench.kernels import capture_graph
-    from vllm_ext.nvfp4_decode import DECODE_ENV
     from vllm_ext.nvfp4_gemv import nvfp4_gemv_row
 
     bf16 = torch.bfloat16
@@ -127,12 +125,11 @@ def _run(args: argparse.Namespace, dev, tree: str, other: str, other_row) -> int
             iters = max(args.iters, len(raws))
             graphs, outs = {}, {}
             for key in keys:
-                os.environ[DECODE_ENV] = modes[key]  # read at each launch: the graph keeps the kernel it captured
                 fn = other_row if key == other else nvfp4_gemv_row
-                outs[key] = fn(x, *raws[0], gs)
-                graphs[key] = (capture_graph([(lambda a=a, b=b, fn=fn: fn(x, a, b, gs)) for a, b in raws], iters),
-                               iters)
-            os.environ.pop(DECODE_ENV, None)
+                with decode_env(modes[key]):  # read at each launch: the graph keeps the kernel it captured
+                    outs[key] = fn(x, *raws[0], gs)
+                    graphs[key] = (capture_graph([(lambda a=a, b=b, fn=fn: fn(x, a, b, gs)) for a, b in raws],
+                                                 iters), iters)
             same = {key: bool(torch.equal(outs[tree], outs[key])) for key in (other, "unguarded")}
             unequal += sum(not v for v in same.values())
             res = timed_interleaved(graphs, args.reps)

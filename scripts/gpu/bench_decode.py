@@ -22,7 +22,6 @@ the exact product must be at most that of the product with the weight dequantize
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,8 +32,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LINEARS, add_linear_args, bf16_weight_error, fp8_decode_device, jsonl_recorder, step_lines, streamed_weight,
-    timed_interleaved, verdict)
+    LINEARS, add_linear_args, bf16_weight_error, decode_env, fp8_decode_device, jsonl_recorder, step_lines,
+    streamed_weight, timed_interleaved, verdict)
 
 KEYS = ("row_f16", "row_fp8", "shared_f16", "shared_fp8", "row_hfma2", "row_hfma2-unguarded")
 
@@ -54,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     from qerl_plugin import nvfp4
     from vllm_ext.bench.kernels import capture_graph
     from vllm_ext.bench.marlin_pack import marlin_pack
-    from vllm_ext.nvfp4_decode import DECODE_ENV
     from vllm_ext.nvfp4_gemv import nvfp4_gemv_row
     from vllm_ext.nvfp4_marlin_row import nvfp4_marlin_row
 
@@ -83,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
             graphs, outs = {}, {}
             for key in KEYS:
                 kernel, decode = key.split("_")
-                os.environ[DECODE_ENV] = decode  # read at each launch: the graph keeps the kernel it captured
                 fn, copies = (row, raws) if kernel == "row" else (shared, packs)
-                outs[key] = fn(*copies[0])
-                graphs[key] = (capture_graph([(lambda a=a, b=b, fn=fn: fn(a, b)) for a, b in copies], iters), iters)
-            os.environ.pop(DECODE_ENV, None)
+                with decode_env(decode):  # read at each launch: the graph keeps the kernel it captured
+                    outs[key] = fn(*copies[0])
+                    graphs[key] = (capture_graph([(lambda a=a, b=b, fn=fn: fn(a, b)) for a, b in copies], iters),
+                                   iters)
             same = {kernel: bool(torch.equal(outs[f"{kernel}_f16"], outs[f"{kernel}_fp8"]))
                     for kernel in ("row", "shared")}
             # without an x beyond float16 the fallback does not run: guarded and unguarded give the same bits

@@ -27,6 +27,7 @@ Writes $OUT/check_gemv.jsonl (one JSON object per measurement) and prints the ta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -158,6 +159,23 @@ def fp8_decode_device(prog: str):  # noqa: ANN201
     return dev
 
 
+@contextlib.contextmanager
+def decode_env(mode: str):  # noqa: ANN201
+    """``QERL_ROW_DECODE`` set to ``mode`` inside the block, as it was after it: the mode is read at each launch, and a
+    captured CUDA graph keeps the kernel it launched. Shared by the scripts that time the decode modes side by side."""
+    from vllm_ext.nvfp4_decode import DECODE_ENV
+
+    had = os.environ.get(DECODE_ENV)
+    os.environ[DECODE_ENV] = mode
+    try:
+        yield
+    finally:
+        if had is None:
+            os.environ.pop(DECODE_ENV, None)
+        else:
+            os.environ[DECODE_ENV] = had
+
+
 def bf16_weight_error(x, q, exact) -> float:  # noqa: ANN001
     """The largest error against ``exact`` (the float64 product with the exact weight) of the product with ``q``'s
     weight dequantized to bfloat16, rounded to bfloat16: vLLM's Marlin rounds each weight times its scale so. The bound
@@ -247,18 +265,27 @@ def per_step_ms(finals: list[dict[str, Any]], keys: tuple[str, ...], layers: int
     return {k: total(k, "median_us") for k in keys}, {k: total(k, "spread_us") for k in keys}
 
 
-def step_lines(finals: list[dict[str, Any]], shapes: str, linears: str, keys: tuple[str, ...],
-               record: Callable[..., None]) -> list[str]:
-    """For each of ``shapes`` whose ``linears`` all finished in ``finals``: its decode step's medians and spreads over
-    ``keys`` (:func:`per_step_ms`), recorded as a ``per_step_ms`` row, and a line describing it."""
-    lines = []
+def shape_steps(finals: list[dict[str, Any]], shapes: str, linears: str,
+                keys: tuple[str, ...]) -> list[tuple[str, list[dict[str, Any]], dict, dict]]:
+    """``(shape, its finals, medians, spreads)`` for each of ``shapes`` whose ``linears`` all finished in ``finals``:
+    its decode step over ``keys`` (:func:`per_step_ms`)."""
+    out = []
     for shape in shapes.split(","):
         sel = [f for f in finals if f["shape"] == shape]
         if len(sel) == len(linears.split(",")):
-            step, spread = per_step_ms(sel, keys, LAYERS[shape])
-            record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
-            lines.append(f"per {shape} step (x{LAYERS[shape]}): " + ", ".join(
-                f"{key} {step[key]:.3f} (±{spread[key]:.3f})" for key in keys))
+            out.append((shape, sel, *per_step_ms(sel, keys, LAYERS[shape])))
+    return out
+
+
+def step_lines(finals: list[dict[str, Any]], shapes: str, linears: str, keys: tuple[str, ...],
+               record: Callable[..., None]) -> list[str]:
+    """For each of ``shapes`` whose ``linears`` all finished in ``finals``: its decode step's medians and spreads over
+    ``keys`` (:func:`shape_steps`), recorded as a ``per_step_ms`` row, and a line describing it."""
+    lines = []
+    for shape, _, step, spread in shape_steps(finals, shapes, linears, keys):
+        record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
+        lines.append(f"per {shape} step (x{LAYERS[shape]}): " + ", ".join(
+            f"{key} {step[key]:.3f} (±{spread[key]:.3f})" for key in keys))
     return lines
 
 

@@ -40,8 +40,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_linear_args, bf16_weight_error, jsonl_recorder, per_step_ms, streamed_weight, tile_4m,
-    tile_name, timed_interleaved, verdict)
+    LAYERS, LINEARS, add_linear_args, bf16_weight_error, decode_env, jsonl_recorder, per_step_ms, streamed_weight,
+    tile_4m, tile_name, timed_interleaved, verdict)
 
 
 def sweep_tiles(block_ns: list[int], splits: list[int], warps: list[int], stages: list[int],
@@ -88,18 +88,9 @@ def run_tile(x, packed, scale, gscale, t: dict[str, Any]):  # noqa: ANN001, ANN2
                                 bits=t.get("bits", False), wgmma=t.get("wgmma", False))
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
-    if t.get("hfma2"):  # the decode mode is read at each launch (a captured graph keeps the kernel it launched)
-        from vllm_ext.nvfp4_decode import DECODE_ENV
-
-        had = os.environ.get(DECODE_ENV)
-        os.environ[DECODE_ENV] = "hfma2"
-        try:
+    if t.get("hfma2"):
+        with decode_env("hfma2"):
             return nvfp4_small_gemm(x, packed, scale, gscale, **{k: v for k, v in t.items() if k != "hfma2"})
-        finally:
-            if had is None:
-                os.environ.pop(DECODE_ENV)
-            else:
-                os.environ[DECODE_ENV] = had
     return nvfp4_small_gemm(x, packed, scale, gscale, **t)
 
 
@@ -127,16 +118,23 @@ def _compile(tiles: list[dict[str, Any]], rows: int = 1) -> int:
     return failed
 
 
-def precompile(tiles: list[dict[str, Any]], jobs: int, rows: int = 1) -> None:
-    """Compile the sweep's kernels for ``rows`` rows of ``x`` in ``jobs`` processes at once (one Triton compile takes
-    ~1 s of one core)."""
-    import functools
+def failures_in_pool(compile_chunk, tiles: list[dict[str, Any]], jobs: int) -> int:  # noqa: ANN001
+    """``compile_chunk`` (a picklable function of a list of tiles, returning how many failed) over ``tiles`` dealt to
+    ``jobs`` spawned processes at once (one Triton compile takes ~1 s of one core): the failures summed. Shared by
+    sweep_row.py and sweep_row_lora.py."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     chunks = [tiles[i::jobs] for i in range(jobs)]
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        failed = sum(pool.map(functools.partial(_compile, rows=rows), chunks))
+        return sum(pool.map(compile_chunk, chunks))
+
+
+def precompile(tiles: list[dict[str, Any]], jobs: int, rows: int = 1) -> None:
+    """Compile the sweep's kernels for ``rows`` rows of ``x`` in ``jobs`` processes at once."""
+    import functools
+
+    failed = failures_in_pool(functools.partial(_compile, rows=rows), tiles, jobs)
     print(json.dumps({"what": "precompiled", "tiles": len(tiles), "rows": rows, "jobs": jobs, "failed": failed}),
           flush=True)
 

@@ -27,7 +27,6 @@ Exit 1 where a shipped tile's check failed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -40,9 +39,9 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_linear_args, fp8_decode_device, jsonl_recorder, per_step_ms, step_lines, streamed_weight,
-    tile_name, timed_interleaved, verdict)
-from sweep_row import ints, sweep_tiles, try_tiles  # noqa: E402
+    LINEARS, add_linear_args, decode_env, fp8_decode_device, jsonl_recorder, shape_steps, step_lines,
+    streamed_weight, tile_name, timed_interleaved, verdict)
+from sweep_row import failures_in_pool, ints, sweep_tiles, try_tiles  # noqa: E402
 
 SLICES = {  # the output slices of each linear (their sum is LINEARS' N)
     "7B": {"qkv": (3584, 512, 512), "o": (3584,), "gate_up": (18944, 18944), "down": (3584,)},
@@ -50,23 +49,6 @@ SLICES = {  # the output slices of each linear (their sum is LINEARS' N)
 }
 KEYS = ("fp8", "hfma2", "best")
 GATE_FRACTION = 0.05
-
-
-@contextlib.contextmanager
-def decode_env(mode: str):  # noqa: ANN201
-    """``QERL_ROW_DECODE`` set to ``mode`` inside the block, as it was after it: the mode is read at each launch, and a
-    captured CUDA graph keeps the kernel it launched."""
-    from vllm_ext.nvfp4_decode import DECODE_ENV
-
-    had = os.environ.get(DECODE_ENV)
-    os.environ[DECODE_ENV] = mode
-    try:
-        yield
-    finally:
-        if had is None:
-            os.environ.pop(DECODE_ENV, None)
-        else:
-            os.environ[DECODE_ENV] = had
 
 
 def lora_tiles(block_ns: list[int], splits: list[int], warps: list[int], stages: list[int]) -> list[dict[str, int]]:
@@ -159,12 +141,8 @@ def _compile(tiles: list[dict[str, int]], rank: int) -> int:
 def precompile(tiles: list[dict[str, int]], jobs: int, rank: int) -> None:
     """:func:`_compile` over ``tiles`` in ``jobs`` processes at once."""
     import functools
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
-    chunks = [tiles[i::jobs] for i in range(jobs)]
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        failed = sum(pool.map(functools.partial(_compile, rank=rank), chunks))
+    failed = failures_in_pool(functools.partial(_compile, rank=rank), tiles, jobs)
     print(json.dumps({"what": "precompiled", "tiles": len(tiles), "jobs": jobs, "failed_calls": failed}), flush=True)
 
 
@@ -265,16 +243,12 @@ def main(argv: list[str] | None = None) -> int:
                      + "".join(cell(f[key]) for key in KEYS)
                      + f"  {f['best_vs_fp8']}; {f['hfma2_vs_fp8']}; {f['best_vs_hfma2']}")
     lines += step_lines(finals, args.shapes, args.linears, KEYS, record)
-    for shape in args.shapes.split(","):
-        sel = [f for f in finals if f["shape"] == shape]
-        if len(sel) == len(args.linears.split(",")):
-            step, spread = per_step_ms(sel, KEYS, LAYERS[shape])
-            g = {"what": "gate", "shape": shape, **gate(step, spread),
-                 "tiles": {f["linear"]: f["best_tile"] for f in sel}}
-            record(g)
-            lines.append(f"gate, per {shape} step: best hfma2 tiles {100 * g['saved_fraction']:+.1f} % under fp8 "
-                         f"({g['saved_ms']:+.3f} ms; beyond both spreads: {g['beyond_spreads']}) -> "
-                         f"{'pass' if g['pass'] else 'fail'}")
+    for shape, sel, step, spread in shape_steps(finals, args.shapes, args.linears, KEYS):
+        g = {"what": "gate", "shape": shape, **gate(step, spread), "tiles": {f["linear"]: f["best_tile"] for f in sel}}
+        record(g)
+        lines.append(f"gate, per {shape} step: best hfma2 tiles {100 * g['saved_fraction']:+.1f} % under fp8 "
+                     f"({g['saved_ms']:+.3f} ms; beyond both spreads: {g['beyond_spreads']}) -> "
+                     f"{'pass' if g['pass'] else 'fail'}")
     lines.append(f"hfma2 tiles refused (error beyond the bound, or not the same bits twice): {refused}")
     if broken:
         lines.append(f"FP8 at its shipped tile failed the check (no timing): {', '.join(broken)}")
