@@ -2478,6 +2478,21 @@ def test_sweep_row_lora_refuses_unknown_names(capsys):
     assert "'14B'" in err and "'lm_head'" in err and "['32B', '7B']" in err
 
 
+def test_decode_env_sets_and_restores_the_mode(monkeypatch):
+    """check_gemv.decode_env (sweep_row, sweep_row_lora, bench_decode, ab_row_fallback): QERL_ROW_DECODE is the mode
+    inside the block and as it was after it, whether it was unset or set, and after an exception too."""
+    decode_env = _import_script("check_gemv").decode_env
+    monkeypatch.delenv("QERL_ROW_DECODE", raising=False)
+    with decode_env("hfma2"):
+        assert os.environ["QERL_ROW_DECODE"] == "hfma2"
+    assert "QERL_ROW_DECODE" not in os.environ
+    monkeypatch.setenv("QERL_ROW_DECODE", "f16")
+    with pytest.raises(RuntimeError, match="inside"), decode_env("fp8"):
+        assert os.environ["QERL_ROW_DECODE"] == "fp8"
+        raise RuntimeError("inside")
+    assert os.environ["QERL_ROW_DECODE"] == "f16"
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the message of a machine without a CUDA GPU")
 def test_decode_timings_refuse_a_machine_without_a_gpu(capsys, monkeypatch):
     """bench_decode.py, ab_row_fallback.py and sweep_row_lora.py, through check_gemv.fp8_decode_device: exit 1 and a
