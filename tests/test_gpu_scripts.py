@@ -1244,6 +1244,42 @@ def test_per_step_ms_sums_medians_and_spreads_over_linears_times_layers():
     assert step == {"a": 1.12, "b": 0.7} and spread == {"a": 0.021, "b": 0.028}
 
 
+def _step_final(shape, linear, rows=None, **times):
+    """A sweep's final record of one linear: each of ``times`` a (median, spread) in µs per call."""
+    return {"what": "final", "shape": shape, "linear": linear, **({} if rows is None else {"rows": rows}),
+            **{key: {"median_us": med, "spread_us": spr} for key, (med, spr) in times.items()}}
+
+
+LINEARS4 = ("qkv", "o", "gate_up", "down")
+
+
+def test_sweep_row_step_lines_record_and_describe_each_finished_shape():
+    """sweep_row.decode_step_lines: a shape whose four linears all finished gets a per_step_ms row (best, shipped and
+    §4m's tiles: the linears' µs summed, times 28 or 64 layers, in ms) and a line, in the order of --shapes; a shape
+    with a linear missing gets neither."""
+    sw = _import_script("sweep_row")
+    finals = [_step_final("32B", lin, best=(10.0, 0.0), shipped=(20.0, 0.25), stages0=(25.0, 0.5)) for lin in LINEARS4]
+    finals += [_step_final("7B", lin, best=(10.0 * i, 1.0 * i), shipped=(12.0 + 10 * (i - 1), 0.5),
+                           stages0=(15.0 + 10 * (i - 1), 0.0)) for i, lin in enumerate(LINEARS4, 1)]
+    recs = []
+    lines = sw.decode_step_lines(finals, "7B,32B", "qkv,o,gate_up,down", recs.append)
+    assert recs == [{"what": "per_step_ms", "shape": "7B", "median": {"best": 2.8, "shipped": 3.024, "stages0": 3.36},
+                     "spread": {"best": 0.28, "shipped": 0.056, "stages0": 0.0}},
+                    {"what": "per_step_ms", "shape": "32B", "median": {"best": 2.56, "shipped": 5.12, "stages0": 6.4},
+                     "spread": {"best": 0.0, "shipped": 0.064, "stages0": 0.128}}]
+    assert [list(r) for r in recs] == [["what", "shape", "median", "spread"]] * 2
+    assert lines == ["per 7B decode step (x28): best tiles 2.800 ms (±0.280), shipped 3.024 (±0.056), §4m kernel "
+                     "3.360 (±0.000)",
+                     "per 32B decode step (x64): best tiles 2.560 ms (±0.000), shipped 5.120 (±0.064), §4m kernel "
+                     "6.400 (±0.128)"]
+    recs = []
+    assert sw.decode_step_lines(finals[1:], "32B,7B", "qkv,o,gate_up,down", recs.append) == lines[:1]
+    assert [r["shape"] for r in recs] == ["7B"]
+    assert sw.decode_step_lines(finals, "7B", "qkv,o", recs.append) == [] and len(recs) == 1
+
+
+
+
 # ---------------------------------------------------------------------------------------------------------
 # check_actor_kernels.py: the actor at the same peak memory (docs/benchmarks.md §4u)
 

@@ -32,7 +32,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 for path in (ROOT, ROOT / "scripts" / "gpu"):
@@ -40,7 +40,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_linear_args, bf16_weight_error, decode_env, jsonl_recorder, per_step_ms, streamed_weight,
+    LAYERS, LINEARS, add_linear_args, bf16_weight_error, decode_env, jsonl_recorder, shape_steps, streamed_weight,
     tile_4m, tile_name, timed_interleaved, verdict)
 
 
@@ -185,6 +185,20 @@ def try_tiles(tiles: list[dict[str, Any]], call, exact, time_us, record, base: d
     return swept, bad
 
 
+def decode_step_lines(finals: list[dict[str, Any]], shapes: str, linears: str,
+                      record: Callable[..., None]) -> list[str]:
+    """For each of ``shapes`` whose ``linears`` all finished in ``finals``: its decode step over the fastest, the
+    shipped and §4m's tiles (:func:`check_gemv.shape_steps`), recorded as a ``per_step_ms`` row, and a line describing
+    it."""
+    lines = []
+    for shape, _, step, spread in shape_steps(finals, shapes, linears, ("best", "shipped", "stages0")):
+        record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
+        lines.append(f"per {shape} decode step (x{LAYERS[shape]}): best tiles {step['best']:.3f} ms "
+                     f"(±{spread['best']:.3f}), shipped {step['shipped']:.3f} (±{spread['shipped']:.3f}), "
+                     f"§4m kernel {step['stages0']:.3f} (±{spread['stages0']:.3f})")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sweep_args(p, shapes="7B,32B", block_n="4,8,16", warps="1,2,4")
@@ -275,14 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{f['shape']:<5} {f['linear']:<8} {f['best_tile']:<18}{cell(f['best'])}{cell(f['stages0']):>26}"
                      f"{cell(f['shipped'])}{f['best_gb_s']:>10.0f}{f['stages0_gb_s']:>10.0f}  {f['best_vs_stages0']} "
                      f"(vs shipped: {f['best_vs_shipped']})")
-    for shape in args.shapes.split(","):
-        sel = [f for f in finals if f["shape"] == shape]
-        if len(sel) == len(args.linears.split(",")):
-            step, spread = per_step_ms(sel, ("best", "shipped", "stages0"), LAYERS[shape])
-            record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
-            lines.append(f"per {shape} decode step (x{LAYERS[shape]}): best tiles {step['best']:.3f} ms "
-                         f"(±{spread['best']:.3f}), shipped {step['shipped']:.3f} (±{spread['shipped']:.3f}), "
-                         f"§4m kernel {step['stages0']:.3f} (±{spread['stages0']:.3f})")
+    lines += decode_step_lines(finals, args.shapes, args.linears, record)
     lines.append(f"tiles refused (error beyond the bf16 rounding, or not the same bits twice): {bad}")
     print("\n".join(lines), flush=True)
     return 1 if bad else 0
