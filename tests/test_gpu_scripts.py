@@ -1278,6 +1278,27 @@ def test_sweep_row_step_lines_record_and_describe_each_finished_shape():
     assert sw.decode_step_lines(finals, "7B", "qkv,o", recs.append) == [] and len(recs) == 1
 
 
+def test_sweep_marlin_row_step_lines_over_the_keys_timed():
+    """sweep_marlin_row.decode_step_lines, called by main with one shape's finals: a per_step_ms row over the keys
+    timed (Marlin only with vLLM), the linears' µs summed times the layers in ms, and a line of them in that order;
+    nothing for a shape with a linear missing."""
+    sw = _import_script("sweep_marlin_row")
+    sel = [_step_final("7B", lin, best=(10.0, 0.5), rule=(20.0, 0.0), checkpoint_row=(15.0, 1.0), marlin=(25.0, 2.0))
+           for lin in LINEARS4]
+    recs = []
+    keys = ("best", "rule", "checkpoint_row")
+    assert sw.decode_step_lines(sel, "7B", "qkv,o,gate_up,down", keys, recs.append) == [
+        "per 7B decode step (x28): best 1.120 ms (±0.056), rule 2.240 ms (±0.000), checkpoint_row 1.680 ms (±0.112)"]
+    assert recs == [{"what": "per_step_ms", "shape": "7B",
+                     "median": {"best": 1.12, "rule": 2.24, "checkpoint_row": 1.68},
+                     "spread": {"best": 0.056, "rule": 0.0, "checkpoint_row": 0.112}}]
+    assert list(recs[0]) == ["what", "shape", "median", "spread"] and list(recs[0]["median"]) == list(keys)
+    recs = []
+    assert sw.decode_step_lines(sel, "7B", "qkv,o,gate_up,down", keys + ("marlin",), recs.append)[0].endswith(
+        ", marlin 2.800 ms (±0.224)")
+    assert recs[0]["median"]["marlin"] == 2.8 and recs[0]["spread"]["marlin"] == 0.224
+    assert sw.decode_step_lines(sel[:3], "7B", "qkv,o,gate_up,down", keys, recs.append) == [] and len(recs) == 1
+
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 for path in (ROOT, ROOT / "scripts" / "gpu"):
@@ -44,7 +44,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_linear_args, jsonl_recorder, per_step_ms, streamed_weight, timed_interleaved, verdict)
+    LAYERS, LINEARS, add_linear_args, jsonl_recorder, shape_steps, streamed_weight, timed_interleaved, verdict)
 
 
 def sweep_tiles(quick: bool = False, grid: str = "first") -> list[dict[str, int]]:
@@ -115,6 +115,18 @@ def gate(path: str | Path, shape: str = "7B") -> tuple[bool, str]:
     return faster, (f"{shape} decode step: best tiles {med['best']:.3f} ms (±{spread['best']:.3f}), Marlin "
                     f"{med['marlin']:.3f} ms (±{spread['marlin']:.3f}), checkpoint row kernel "
                     f"{med['checkpoint_row']:.3f} ms: {'faster than Marlin' if faster else 'not faster than Marlin'}")
+
+
+def decode_step_lines(finals: list[dict[str, Any]], shapes: str, linears: str, keys: tuple[str, ...],
+                      record: Callable[..., None]) -> list[str]:
+    """For each of ``shapes`` whose ``linears`` all finished in ``finals``: its decode step over ``keys``
+    (:func:`check_gemv.shape_steps`), recorded as a ``per_step_ms`` row, and a line describing it in ms."""
+    lines = []
+    for shape, _, step, spread in shape_steps(finals, shapes, linears, keys):
+        record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
+        lines.append(f"per {shape} decode step (x{LAYERS[shape]}): " + ", ".join(
+            f"{key} {step[key]:.3f} ms (±{spread[key]:.3f})" for key in step))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,18 +251,14 @@ def main(argv: list[str] | None = None) -> int:
              f"{'shape':<6}{'linear':<9}{'best tile':<14}{'best':>15}{'rule':>15}{'ckpt row':>15}{'marlin':>15}"
              f"{'GB/s':>7}  vs ckpt row / vs marlin"]
     cell = lambda r: f"{r['median_us']:>9.2f} ±{r['spread_us']:<4.2f}"  # noqa: E731
+    keys = ("best", "rule", "checkpoint_row") + (("marlin",) if have_vllm else ())
     for shape, sel in finals.items():
         for f in sel:
             lines.append(f"{shape:<6}{f['linear']:<9}{f['tile']:<14}{cell(f['best'])}{cell(f['rule'])}"
                          f"{cell(f['checkpoint_row'])}{cell(f['marlin']) if 'marlin' in f else ' ' * 15}"
                          f"{f['best_gb_s']:>7.0f}  {f['best_vs_checkpoint_row']} / {f['best_vs_marlin']}; "
                          f"{f['best_vs_rule']} than the rule ({f['rule_tile']})")
-        if len(sel) == len(args.linears.split(",")):
-            keys = ("best", "rule", "checkpoint_row") + (("marlin",) if have_vllm else ())
-            step, spread = per_step_ms(sel, keys, LAYERS[shape])
-            record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
-            lines.append(f"per {shape} decode step (x{LAYERS[shape]}): " + ", ".join(
-                f"{key} {step[key]:.3f} ms (±{spread[key]:.3f})" for key in step))
+        lines += decode_step_lines(sel, shape, args.linears, keys, record)
     lines.append(f"tiles refused for error or non-reproducible split-K: {bad}; tiles file: "
                  f"{out_dir / 'marlin_row_tiles.json'}")
     print("\n".join(lines), flush=True)
