@@ -1300,6 +1300,39 @@ def test_sweep_marlin_row_step_lines_over_the_keys_timed():
     assert sw.decode_step_lines(sel[:3], "7B", "qkv,o,gate_up,down", keys, recs.append) == [] and len(recs) == 1
 
 
+def test_sweep_humming_step_lines_per_shape_and_row_count():
+    """sweep_humming.decode_step_lines: for each shape, then each row count, whose four linears all finished: a
+    per_step_ms row (the linears' µs summed times the layers, in ms), humming's verdict against Marlin on the step and
+    the count of its linears refused by the check, and a line; a (shape, rows) with a linear missing gets neither."""
+    sh = _import_script("sweep_humming")
+    r1 = [dict(_step_final("7B", lin, 1, humming=(5.0 * i, 0.5), marlin=(10.0 * i, 1.0), bf16=(20.0 * i, 2.0)),
+               refused=lin == "gate_up") for i, lin in enumerate(LINEARS4, 1)]
+    r8 = [dict(_step_final("7B", lin, 8, humming=(1.0, 0.0), marlin=(2.0, 0.0), bf16=(3.0, 0.0)), refused=False)
+          for lin in LINEARS4[:3]]
+    r64 = [dict(_step_final("7B", lin, 64, humming=(10.0, 1.0), marlin=(10.5, 1.0), bf16=(10.0, 0.0)), refused=False)
+           for lin in LINEARS4]
+    big = [dict(_step_final("32B", lin, 1, humming=(10.0, 0.0), marlin=(20.0, 0.0), bf16=(30.0, 0.0)), refused=False)
+           for lin in LINEARS4]
+    recs = []
+    lines = sh.decode_step_lines(big + r64 + r8 + r1, "7B,32B", [1, 8, 64], "qkv,o,gate_up,down", recs.append)
+    assert recs == [
+        {"what": "per_step_ms", "shape": "7B", "rows": 1, "median": {"humming": 1.4, "marlin": 2.8, "bf16": 5.6},
+         "spread": {"humming": 0.056, "marlin": 0.112, "bf16": 0.224}, "humming_vs_marlin": "faster",
+         "refused_cases": 1},
+        {"what": "per_step_ms", "shape": "7B", "rows": 64, "median": {"humming": 1.12, "marlin": 1.176, "bf16": 1.12},
+         "spread": {"humming": 0.112, "marlin": 0.112, "bf16": 0.0}, "humming_vs_marlin": "equal", "refused_cases": 0},
+        {"what": "per_step_ms", "shape": "32B", "rows": 1, "median": {"humming": 2.56, "marlin": 5.12, "bf16": 7.68},
+         "spread": {"humming": 0.0, "marlin": 0.0, "bf16": 0.0}, "humming_vs_marlin": "faster", "refused_cases": 0}]
+    assert all(list(r) == ["what", "shape", "rows", "median", "spread", "humming_vs_marlin", "refused_cases"]
+               for r in recs)
+    assert lines == [
+        "per 7B decode step (x28), 1 rows: humming 1.400 ms (±0.056), marlin 2.800 ms (±0.112), bf16 5.600 ms "
+        "(±0.224); humming vs Marlin: faster (1 of its linears refused by the check)",
+        "per 7B decode step (x28), 64 rows: humming 1.120 ms (±0.112), marlin 1.176 ms (±0.112), bf16 1.120 ms "
+        "(±0.000); humming vs Marlin: equal",
+        "per 32B decode step (x64), 1 rows: humming 2.560 ms (±0.000), marlin 5.120 ms (±0.000), bf16 7.680 ms "
+        "(±0.000); humming vs Marlin: faster"]
+
 
 # ---------------------------------------------------------------------------------------------------------
 # check_actor_kernels.py: the actor at the same peak memory (docs/benchmarks.md §4u)

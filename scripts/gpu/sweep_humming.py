@@ -27,7 +27,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 for path in (ROOT, ROOT / "scripts" / "gpu"):
@@ -35,7 +35,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_linear_args, bf16_copies, bf16_graph, jsonl_recorder, per_step_ms, streamed_weight,
+    LAYERS, LINEARS, add_linear_args, bf16_copies, bf16_graph, jsonl_recorder, shape_steps, streamed_weight,
     timed_interleaved, verdict)
 
 KEYS = ("humming", "marlin", "bf16")
@@ -81,6 +81,28 @@ def gate(path: str | Path, rows: tuple[int, ...] = GATE_ROWS, min_ms: float = GA
             return True, "gate passed: " + "; ".join(found)
     return False, f"gate not passed (humming faster by >= {min_ms} ms per 7B step at {' or '.join(map(str, rows))} " \
                   "rows): " + "; ".join(found)
+
+
+def decode_step_lines(finals: list[dict[str, Any]], shapes: str, rows_list: list[int], linears: str,
+                      record: Callable[..., None]) -> list[str]:
+    """For each of ``shapes``, at each of ``rows_list``, whose ``linears`` all finished in ``finals``: its decode step
+    over KEYS (:func:`check_gemv.shape_steps` on the finals at those rows) and humming's verdict against Marlin on it,
+    recorded as a ``per_step_ms`` row with the count of its linears the check refused, and a line describing it."""
+    lines = []
+    for shape in shapes.split(","):
+        for rows in rows_list:
+            at_rows = [f for f in finals if f["rows"] == rows]
+            for _, sel, step, spread in shape_steps(at_rows, shape, linears, KEYS):
+                faster = verdict({"median_us": step["humming"], "spread_us": spread["humming"]},
+                                 {"median_us": step["marlin"], "spread_us": spread["marlin"]})
+                n_refused = sum(bool(f["refused"]) for f in sel)
+                record({"what": "per_step_ms", "shape": shape, "rows": rows, "median": step, "spread": spread,
+                        "humming_vs_marlin": faster, "refused_cases": n_refused})
+                lines.append(f"per {shape} decode step (x{LAYERS[shape]}), {rows} rows: "
+                             + ", ".join(f"{k_} {step[k_]:.3f} ms (±{spread[k_]:.3f})" for k_ in KEYS)
+                             + f"; humming vs Marlin: {faster}"
+                             + (f" ({n_refused} of its linears refused by the check)" if n_refused else ""))
+    return lines
 
 
 def probe() -> int:
@@ -221,21 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{f['shape']:<5} {f['linear']:<8}{f['rows']:>5}" + "".join(cell(f[k_]) for k_ in KEYS)
                      + f"{f['humming_gb_s']:>9.0f}{f['marlin_gb_s']:>9.0f}  {f['humming_vs_marlin']}"
                      + f" ({f['marlin_over_humming']:.3f}x)" + (" [refused]" if f["refused"] else ""))
-    for shape in args.shapes.split(","):
-        for rows in rows_list:
-            sel = [f for f in finals if f["shape"] == shape and f["rows"] == rows]
-            if len(sel) != len(args.linears.split(",")):
-                continue
-            step, spread = per_step_ms(sel, KEYS, LAYERS[shape])
-            faster = verdict({"median_us": step["humming"], "spread_us": spread["humming"]},
-                             {"median_us": step["marlin"], "spread_us": spread["marlin"]})
-            n_refused = sum(bool(f["refused"]) for f in sel)
-            record({"what": "per_step_ms", "shape": shape, "rows": rows, "median": step, "spread": spread,
-                    "humming_vs_marlin": faster, "refused_cases": n_refused})
-            lines.append(f"per {shape} decode step (x{LAYERS[shape]}), {rows} rows: "
-                         + ", ".join(f"{k_} {step[k_]:.3f} ms (±{spread[k_]:.3f})" for k_ in KEYS)
-                         + f"; humming vs Marlin: {faster}"
-                         + (f" ({n_refused} of its linears refused by the check)" if n_refused else ""))
+    lines += decode_step_lines(finals, args.shapes, rows_list, args.linears, record)
     lines.append(f"cases refused (humming's error beyond 2 x Marlin's and the bf16 rounding, or bits differing): "
                  f"{refused}")
     print("\n".join(lines), flush=True)
