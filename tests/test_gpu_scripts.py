@@ -2836,3 +2836,87 @@ def test_gluon_bench_steps_name_configs_and_variants_that_exist(name):
     for run in args.runs:
         config, variant = run.split("@")
         assert config in args.configs and variant in args.variants, run
+
+
+def test_real_row_error_summary_and_reading():
+    """real_row_error.py's per-layer reading (§4bi's diagnostic) from per-row errors written out here: within where
+    hfma2's largest error is at most the bound's largest (not row by row), the rows beyond their own bound counted
+    apart, inputs beyond float16 counted per row."""
+    import torch
+
+    rre = _import_script("real_row_error")
+    exact = torch.tensor([[1.0, -3.0], [0.5, 2.0], [4.0, 0.0]], dtype=torch.float64)
+    y = torch.tensor([[1.0, -3.015625], [0.5, 2.0], [4.0, 0.0]], dtype=torch.bfloat16)
+    assert rre.row_errors(y, exact).tolist() == [0.015625, 0.0, 0.0]
+    x = torch.tensor([[1.0, 70000.0], [2.0, 3.0], [-65504.0, 1.0]])
+    fp8, h2, bound = (torch.tensor(v, dtype=torch.float64)
+                      for v in ([1e-3, 0, 2e-3], [3e-3, 1e-3, 1e-3], [4e-3, 0, 1e-3]))
+    d = rre.layer_summary(fp8, h2, bound, exact, x)
+    assert d["max_err"] == {"fp8": 2e-3, "hfma2": 3e-3, "bound": 4e-3} and d["within"] and d["fp8_within"]
+    assert d["rows_hfma2_beyond_row_bound"] == 1 and d["rows_fp8_beyond_row_bound"] == 1  # row 1 and row 2
+    assert d["rows"] == 3 and d["rows_x_beyond_float16"] == 1 and d["max_abs_x"] == 70000.0 and d["max_abs_out"] == 4.0
+    assert abs(d["rms_row_err"]["hfma2"] - (11e-6 / 3) ** 0.5) < 1e-12
+    d2 = rre.layer_summary(fp8, h2 * 2, bound, exact, x)
+    assert not d2["within"]
+    assert rre.reading([{**d, "layer": 0}, {**d, "layer": 1}]).startswith("within: ") and "all 2 layers" in \
+        rre.reading([{**d, "layer": 0}, {**d, "layer": 1}])
+    assert rre.reading([{**d, "layer": 0}, {**d2, "layer": 1}]).startswith("beyond: ") and "[1] of 2" in \
+        rre.reading([{**d, "layer": 0}, {**d2, "layer": 1}])
+
+
+def test_real_row_error_captures_each_down_proj_input(tiny_qwen2_dir, tmp_path):
+    """real_row_error.capture on a tiny Qwen2 (CPU), with and without a PEFT adapter: one row per token of each
+    example's chat text plus response, the rows equal to act(gate(h)) * up(h) taken from the MLP's own input by a
+    second hook, the model's linears on their NVFP4 round trip, and the down_proj weights the codec's quantization of
+    the checkpoint's."""
+    import shutil
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qerl_plugin import nvfp4
+
+    rre = _import_script("real_row_error")
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_qwen2_dir, model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    tok.save_pretrained(model_dir)
+    items = [(0, [{"role": "user", "content": "ab"}], "7"), (1, [{"role": "user", "content": "xyz"}], "")]
+    ckpt = load_file(str(next(model_dir.glob("*.safetensors"))))
+    adapter = tmp_path / "lora"
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj", "up_proj"],
+                                                 init_lora_weights=False))
+    peft_model.save_pretrained(adapter)
+    for adapter_dir in (None, str(adapter)):
+        xs, owner, weights = rre.capture(str(model_dir), adapter_dir, items, torch.device("cpu"))
+        assert owner == [0] * 5 + [1] * 5  # "<ab>7" and "<xyz>": one token per character
+        for i, q in weights.items():
+            want = nvfp4.quantize(ckpt[f"model.layers.{i}.mlp.down_proj.weight"])
+            assert torch.equal(q.packed, want.packed) and torch.equal(q.scale.view(torch.uint8),
+                                                                      want.scale.view(torch.uint8))
+        # the reference: the same model built independently, the MLP's input hooked and its product recomputed
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        for name, p in ref.named_parameters():
+            if p.dim() == 2 and ".layers." in name:
+                w = nvfp4.quantize(p.data)
+                p.data.copy_(nvfp4.dequantize(w.packed, w.scale, w.global_scale, dtype=torch.bfloat16))
+        if adapter_dir:
+            from peft import PeftModel
+
+            ref = PeftModel.from_pretrained(ref, adapter_dir)
+        layers = ref.base_model.model.model.layers if adapter_dir else ref.model.layers
+        seen = {i: [] for i in range(len(layers))}
+        for i, layer in enumerate(layers):
+            mlp = layer.mlp
+            mlp.register_forward_pre_hook(lambda m, a, i=i: seen[i].append(
+                (m.act_fn(m.gate_proj(a[0])) * m.up_proj(a[0])).flatten(0, -2)))
+        with torch.no_grad():
+            for text in ("<ab>7", "<xyz>"):
+                ref(input_ids=tok(text, return_tensors="pt", add_special_tokens=False).input_ids)
+        for i, x in xs.items():
+            assert x.dtype == torch.bfloat16 and torch.equal(x, torch.cat(seen[i]))
