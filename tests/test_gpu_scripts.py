@@ -2920,3 +2920,63 @@ def test_real_row_error_captures_each_down_proj_input(tiny_qwen2_dir, tmp_path):
                 ref(input_ids=tok(text, return_tensors="pt", add_special_tokens=False).input_ids)
         for i, x in xs.items():
             assert x.dtype == torch.bfloat16 and torch.equal(x, torch.cat(seen[i]))
+
+
+def test_forty_fifth_session_hfma2_on_a_real_model():
+    """§4bi, from the committed raw files. Item 1: the three SmolLM2 runs recomputed with compare_evals (not void: the
+    hfma2 log names the method, the row+lora path and the mode; the FP8 logs lack the mode's warning): the same
+    accuracy, a floor of 0, 6 responses differing where 4 are allowed, so fail. Item 2: 273 GPU tests passed, none
+    failed, the five skips those named in §4bi. The refactor's smoke run exited 0 twice. The diagnostic's reading
+    recomputed from its per-layer maxima: beyond on layer 26 only, no input beyond float16."""
+    ce = _import_script("compare_evals")
+    root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-fifth"
+    ev = root / "machine1" / "eval_hfma2"
+    runs = {m: ce.load(ev / f"{m}.jsonl") for m in ("all", "all2", "hfma2")}
+    paths = _eval_shared_paths("eval_hfma2")
+    assert paths == ["qerl's nvfp4 method on the NVFP4A16", "on the row+lora path", "QERL_ROW_DECODE=hfma2 on cuda:0"]
+    out = ce.compare(runs["all"], runs["all2"], runs["hfma2"], log_text=(ev / "hfma2.log").read_text(), paths=paths)
+    assert out["verdict"] == "fail" and out["accuracy"] == {"reference": 0.775, "floor": 0.775, "candidate": 0.775}
+    assert (out["differ_reference_floor"], out["differ_reference_candidate"], out["allowed_differ"]) == (0, 6, 4)
+    assert out["rows_differing"] == [84, 140, 142, 176, 186, 199]
+    assert json.loads((ev / "compare.json").read_text()) == out
+    for m in ("all", "all2"):
+        log = (ev / f"{m}.log").read_text()
+        assert paths[2] not in log and paths[1] in log and paths[0] in log
+    tests = (root / "machine1" / "gputests" / "stdout.log").read_text()
+    assert re.search(r"^273 passed, 5 skipped, 1310 deselected", tests, re.M) and not re.search(r"\bfailed\b", tests)
+    skips = re.findall(r"^SKIPPED \[(\d+)\] \S+: (.*)$", tests, re.M)
+    assert sorted((int(n), why.split(" (")[0]) for n, why in skips) == [
+        (1, "humming-kernels"), (1, "needs 2 CUDA GPUs"), (3, "humming-kernels")]
+    assert "gputests rc=0" in (root / "machine1" / "status.txt").read_text()
+    assert (root / "machine1" / "smoke-refactor" / "rc.txt").read_text().split() == ["sweep_row", "rc=0",
+                                                                                   "sweep_marlin_row", "rc=0"]
+    recs = _jsonl(root / "machine2" / "diag" / "real_row_error.jsonl")
+    layers = [r for r in recs if r["what"] == "layer"]
+    assert [r["layer"] for r in layers] == list(range(30)) and all(r["rows"] == 16010 for r in layers)
+    beyond = [r["layer"] for r in layers if r["max_err"]["hfma2"] > r["max_err"]["bound"]]
+    assert beyond == [26] and [r["layer"] for r in layers if not r["within"]] == beyond
+    assert recs[-1]["line"] == "beyond: hfma2's largest error exceeds the bfloat16-weight bound on layers [26] of 30"
+    assert all(r["max_err"]["fp8"] <= r["max_err"]["bound"] for r in layers)
+    assert sum(r["rows_hfma2_beyond_row_bound"] for r in layers) == 17460
+    assert sum(r["rows_fp8_beyond_row_bound"] for r in layers) == 5
+    assert sum(r["rows_x_beyond_float16"] for r in layers) == 0 and max(r["max_abs_x"] for r in layers) == 3056.0
+    assert sum(r["max_err"]["hfma2"] == r["max_err"]["fp8"] for r in layers) == 17
+
+
+def test_eval_hfma2_runs_one_row_at_a_time_and_checks_its_log_for_the_mode(tmp_path):
+    """§4bi item 1's step: `all` twice, then `all` with the hfma2 decode, one sequence at a time (so every decode step
+    is one row: the row+lora path), void unless the candidate's log has the method, the path and the mode's warning in
+    the words the code logs (vllm_ext.nvfp4_decode's warning, formatted here as it logs it on cuda:0)."""
+    from vllm_ext import nvfp4_decode
+
+    calls = _run_eval_check("eval_hfma2", tmp_path)
+    assert [c[0] for c in calls[:3]] == ["all", "all", "all"]
+    for (_, _, *argv), m in zip(calls[:3], ("all", "all2", "hfma2")):
+        assert argv[argv.index("--max-num-seqs") + 1] == "1" and argv[argv.index("--quantization") + 1] == "nvfp4"
+        assert argv[argv.index("--out") + 1] == f"{tmp_path}/work/eval_hfma2/{m}.jsonl"
+    assert _eval_check_call("eval_hfma2")[4] == f"QERL_NVFP4_DECODE_GEMV=all {nvfp4_decode.DECODE_ENV}=hfma2"
+    paths = _eval_shared_paths("eval_hfma2")
+    assert [calls[3][i + 1] for i, w in enumerate(calls[3]) if w == "--path"] == paths
+    source = (ROOT / "vllm_ext" / "nvfp4_decode.py").read_text()
+    fmt = re.search(r'logger\.warning\("(qerl: %s=%s on %s: [^"]*)"', source).group(1)
+    assert paths[2] in fmt % (nvfp4_decode.DECODE_ENV, "hfma2", "cuda:0")
