@@ -109,7 +109,8 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
     if mode >= 3 and key not in _HFMA2_LOGGED:  # once per device: the evidence in a run's log that the mode was on
         _HFMA2_LOGGED.add(key)
         logger.warning("qerl: %s=%s on %s: the checkpoint layout's one-row kernels (row op, row+lora) sum their "
-                       "products in float16 pairs", DECODE_ENV, choice, key)
+                       "products in float16 pairs, less exactly than the default decode (fp8): on a real model 6 of "
+                       "200 greedy responses changed (docs/benchmarks.md §4bi)", DECODE_ENV, choice, key)
     return mode
 
 
