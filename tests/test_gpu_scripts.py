@@ -2862,6 +2862,17 @@ def test_real_row_error_summary_and_reading():
         rre.reading([{**d, "layer": 0}, {**d, "layer": 1}])
     assert rre.reading([{**d, "layer": 0}, {**d2, "layer": 1}]).startswith("beyond: ") and "[1] of 2" in \
         rre.reading([{**d, "layer": 0}, {**d2, "layer": 1}])
+    d4 = rre.layer_summary(fp8, h2, bound, exact, x, "hfma2-4")  # another candidate (§4bk): its own keys
+    assert d4["mode"] == "hfma2-4" and d4["max_err"]["hfma2-4"] == 3e-3 and d4["rows_hfma2-4_beyond_row_bound"] == 1
+    assert rre.reading([{**d4, "layer": 0}], "hfma2-4").startswith("within: hfma2-4's largest error")
+
+
+def test_real_row_error_refuses_an_unknown_mode(tmp_path, capsys):
+    """--modes names QERL_ROW_DECODE candidates; another value is refused (exit 2) before any GPU work."""
+    rre = _import_script("real_row_error")
+    (tmp_path / "t.parquet").write_bytes(b"")
+    assert rre.main(["--model", str(tmp_path), "--data", str(tmp_path / "t.parquet"), "--modes", "hfma3"]) == 2
+    assert "--modes 'hfma3': choose from hfma2, hfma2-4, f16" in capsys.readouterr().err
 
 
 def test_real_row_error_captures_each_down_proj_input(tiny_qwen2_dir, tmp_path):
@@ -2963,20 +2974,22 @@ def test_forty_fifth_session_hfma2_on_a_real_model():
     assert sum(r["max_err"]["hfma2"] == r["max_err"]["fp8"] for r in layers) == 17
 
 
-def test_eval_hfma2_runs_one_row_at_a_time_and_checks_its_log_for_the_mode(tmp_path):
-    """§4bi item 1's step: `all` twice, then `all` with the hfma2 decode, one sequence at a time (so every decode step
-    is one row: the row+lora path), void unless the candidate's log has the method, the path and the mode's warning in
-    the words the code logs (vllm_ext.nvfp4_decode's warning, formatted here as it logs it on cuda:0)."""
+@pytest.mark.parametrize("name,mode,cand", [("eval_hfma2", "hfma2", "hfma2"), ("eval_hfma2_4", "hfma2-4", "hfma2_4")])
+def test_eval_hfma2_runs_one_row_at_a_time_and_checks_its_log_for_the_mode(tmp_path, name, mode, cand):
+    """§4bi item 1's step (and §4bk's for hfma2-4): `all` twice, then `all` with the hfma2 decode, one sequence at a
+    time (so every decode step is one row: the row+lora path), void unless the candidate's log has the method, the
+    path and the mode's warning in the words the code logs (vllm_ext.nvfp4_decode's warning, formatted here as it logs
+    it on cuda:0)."""
     from vllm_ext import nvfp4_decode
 
-    calls = _run_eval_check("eval_hfma2", tmp_path)
+    calls = _run_eval_check(name, tmp_path)
     assert [c[0] for c in calls[:3]] == ["all", "all", "all"]
-    for (_, _, *argv), m in zip(calls[:3], ("all", "all2", "hfma2")):
+    for (_, _, *argv), m in zip(calls[:3], ("all", "all2", cand)):
         assert argv[argv.index("--max-num-seqs") + 1] == "1" and argv[argv.index("--quantization") + 1] == "nvfp4"
-        assert argv[argv.index("--out") + 1] == f"{tmp_path}/work/eval_hfma2/{m}.jsonl"
-    assert _eval_check_call("eval_hfma2")[4] == f"QERL_NVFP4_DECODE_GEMV=all {nvfp4_decode.DECODE_ENV}=hfma2"
-    paths = _eval_shared_paths("eval_hfma2")
+        assert argv[argv.index("--out") + 1] == f"{tmp_path}/work/{name}/{m}.jsonl"
+    assert _eval_check_call(name)[4] == f"QERL_NVFP4_DECODE_GEMV=all {nvfp4_decode.DECODE_ENV}={mode}"
+    paths = _eval_shared_paths(name)
     assert [calls[3][i + 1] for i, w in enumerate(calls[3]) if w == "--path"] == paths
     source = (ROOT / "vllm_ext" / "nvfp4_decode.py").read_text()
     fmt = re.search(r'logger\.warning\("(qerl: %s=%s on %s: [^"]*)"', source).group(1)
-    assert paths[2] in fmt % (nvfp4_decode.DECODE_ENV, "hfma2", "cuda:0")
+    assert paths[2] in fmt % (nvfp4_decode.DECODE_ENV, mode, "cuda:0")

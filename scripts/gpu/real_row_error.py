@@ -21,7 +21,9 @@ Reading fixed before the run (§4bi): per layer, **within** where hfma2's larges
 bfloat16-weight product's largest error over all rows (the sweeps' bound), else **beyond**. Also reported: the rows
 where hfma2's error exceeds that row's bound, RMS errors, rows with an input beyond float16 (the guard's fallback), and
 the examples named by ``--rows`` (the real-model check's differing responses). Writes $OUT/real_row_error.jsonl and
-prints a table; exit 0 when it ran (the reading is printed, not an exit code), 2 on bad input.
+prints a table; exit 0 when it ran (the reading is printed, not an exit code), 2 on bad input. ``--modes`` takes
+other candidates than hfma2 (§4bk: ``hfma2-4``), each on its own rows of the JSONL (``mode``) and its own reading line;
+§4bi's file, written before ``--modes``, has no ``mode`` key (its rows are hfma2's).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from check_gemv import decode_env, fp8_decode_device, jsonl_recorder  # noqa: E402
+
 FLOAT16_MAX = 65504.0
 
 
@@ -45,33 +49,34 @@ def row_errors(y, exact):  # noqa: ANN001, ANN201
     return (y.double() - exact).abs().amax(dim=-1)
 
 
-def layer_summary(err_fp8, err_hfma2, err_bound, exact, x) -> dict[str, Any]:  # noqa: ANN001
-    """One layer's reading from per-row errors ``[R]`` (FP8 decode, hfma2, the bfloat16-weight bound), the float64
-    product ``exact`` ``[R, N]`` and the inputs ``x`` ``[R, K]``: the largest errors, the rows beyond their own bound,
-    the RMS errors relative to the product's RMS (from per-row maxima, so a summary, not a norm of the outputs), and the
-    rows with an input beyond float16."""
-    worst = {k: float(v.max()) for k, v in (("fp8", err_fp8), ("hfma2", err_hfma2), ("bound", err_bound))}
+def layer_summary(err_fp8, err_cand, err_bound, exact, x, cand: str = "hfma2") -> dict[str, Any]:  # noqa: ANN001
+    """One layer's reading from per-row errors ``[R]`` (FP8 decode, the candidate mode ``cand``, the bfloat16-weight
+    bound), the float64 product ``exact`` ``[R, N]`` and the inputs ``x`` ``[R, K]``: the largest errors, the rows
+    beyond their own bound, the RMS over rows of each row's largest error, the largest output and input, and the rows
+    with an input beyond float16. Keys name the candidate (``max_err[cand]``, ``rows_<cand>_beyond_row_bound``)."""
+    errs = (("fp8", err_fp8), (cand, err_cand), ("bound", err_bound))
+    worst = {k: float(v.max()) for k, v in errs}
     return {
+        "mode": cand,
         "rows": int(exact.shape[0]),
         "max_err": worst,
-        "within": worst["hfma2"] <= worst["bound"],
+        "within": worst[cand] <= worst["bound"],
         "fp8_within": worst["fp8"] <= worst["bound"],
-        "rows_hfma2_beyond_row_bound": int((err_hfma2 > err_bound).sum()),
+        f"rows_{cand}_beyond_row_bound": int((err_cand > err_bound).sum()),
         "rows_fp8_beyond_row_bound": int((err_fp8 > err_bound).sum()),
-        "rms_row_err": {k: float(v.double().pow(2).mean().sqrt())
-                        for k, v in (("fp8", err_fp8), ("hfma2", err_hfma2), ("bound", err_bound))},
+        "rms_row_err": {k: float(v.double().pow(2).mean().sqrt()) for k, v in errs},
         "max_abs_out": float(exact.abs().max()),
         "max_abs_x": float(x.abs().max()),
         "rows_x_beyond_float16": int((x.abs().amax(dim=-1) > FLOAT16_MAX).sum()),
     }
 
 
-def reading(layers: list[dict[str, Any]]) -> str:
-    """The line fixed before the run: every layer within the bound, or which are beyond."""
+def reading(layers: list[dict[str, Any]], cand: str = "hfma2") -> str:
+    """The line fixed before the run: every layer within the bound, or which are beyond (for the mode ``cand``)."""
     beyond = [d["layer"] for d in layers if not d["within"]]
     if not beyond:
-        return f"within: hfma2's largest error is within the bfloat16-weight bound on all {len(layers)} layers"
-    return f"beyond: hfma2's largest error exceeds the bfloat16-weight bound on layers {beyond} of {len(layers)}"
+        return f"within: {cand}'s largest error is within the bfloat16-weight bound on all {len(layers)} layers"
+    return f"beyond: {cand}'s largest error exceeds the bfloat16-weight bound on layers {beyond} of {len(layers)}"
 
 
 def examples(data: str, responses: str | None, limit: int) -> list[tuple[int, list[dict[str, str]], str]]:
@@ -145,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--responses", default=None, help="qerl eval JSONL whose greedy responses are teacher-forced")
     p.add_argument("--limit", type=int, default=200, help="examples (default 200)")
     p.add_argument("--rows", default="", help="examples to report on their own, e.g. 84,140 (default none)")
+    p.add_argument("--modes", default="hfma2", help="candidate QERL_ROW_DECODE modes, each against fp8 and the bound "
+                   "(default hfma2; e.g. hfma2,hfma2-4)")
     p.add_argument("--out", default=None, help="folder for real_row_error.jsonl (default $OUT, else ./.out)")
     args = p.parse_args(argv)
     for name in ("model", "data", "responses", "adapter"):
@@ -152,9 +159,13 @@ def main(argv: list[str] | None = None) -> int:
         if value and not Path(value).exists():
             print(f"real_row_error.py: --{name} {value}: not found", file=sys.stderr)
             return 2
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("hfma2", "hfma2-4", "f16")]
+    if bad or not modes:
+        print(f"real_row_error.py: --modes {args.modes!r}: choose from hfma2, hfma2-4, f16", file=sys.stderr)
+        return 2
     import torch
 
-    from check_gemv import decode_env, fp8_decode_device, jsonl_recorder
     from qerl_plugin import nvfp4
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
     from vllm_ext.nvfp4_gemv_lora import row_tile
@@ -167,18 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     xs, owner, weights = capture(args.model, args.adapter, items, dev)
     named = [int(r) for r in args.rows.split(",") if r.strip()]
     owner_t = torch.tensor(owner, device=dev)
-    layers = []
+    layers: dict[str, list] = {m: [] for m in modes}
     print(f"{len(items)} examples, {len(owner)} rows per layer; errors: largest |y - exact| over a row's outputs")
-    print("layer  N x K        max err fp8    hfma2      bound   rows hfma2>row bound  max|x|   reading")
+    print("layer  mode       N x K       max err fp8  mode       bound   rows mode>row bound   max|x|   reading")
     for i, x in xs.items():
         q = weights[i]
         n, k = q.packed.shape[0], x.shape[-1]
         exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
         w16 = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.bfloat16).double()
         err = {"bound": row_errors((x.double() @ w16.t()).to(torch.bfloat16), exact)}
-        for mode in ("fp8", "hfma2"):
+        for mode in ("fp8", *modes):
             with decode_env(mode):
-                tile = row_tile(n, k, hfma2=mode == "hfma2")
+                tile = row_tile(n, k, hfma2=mode.startswith("hfma2"))
                 if tile is None:
                     print(f"real_row_error.py: layer {i}: K={k} has no row tile (not a multiple of 128)",
                           file=sys.stderr)
@@ -186,21 +197,23 @@ def main(argv: list[str] | None = None) -> int:
                 y = torch.cat([nvfp4_small_gemm(x[r:r + 1], q.packed, q.scale, q.global_scale, words=True, xvec=True,
                                                 **tile) for r in range(x.shape[0])])
             err[mode] = row_errors(y, exact)
-        d = {"what": "layer", "layer": i, "n": n, "k": k,
-             **layer_summary(err["fp8"], err["hfma2"], err["bound"], exact, x)}
-        for r in named:
-            sel = owner_t == r
-            if sel.any():
-                d.setdefault("named", {})[str(r)] = {m: float(err[m][sel].max()) for m in ("fp8", "hfma2", "bound")}
-        record(d, echo=False)
-        layers.append(d)
-        e = d["max_err"]
-        print(f"{i:>5}  {n} x {k:<6} {e['fp8']:>9.3g} {e['hfma2']:>9.3g} {e['bound']:>9.3g} "
-              f"{d['rows_hfma2_beyond_row_bound']:>8} of {d['rows']:<6} {d['max_abs_x']:>8.3g}   "
-              f"{'within' if d['within'] else 'BEYOND'}")
-    line = reading(layers)
-    record({"what": "reading", "line": line, "examples": len(items), "rows": len(owner)}, echo=False)
-    print(line)
+        for mode in modes:
+            d = {"what": "layer", "layer": i, "n": n, "k": k,
+                 **layer_summary(err["fp8"], err[mode], err["bound"], exact, x, mode)}
+            for r in named:
+                sel = owner_t == r
+                if sel.any():
+                    d.setdefault("named", {})[str(r)] = {m: float(err[m][sel].max()) for m in ("fp8", mode, "bound")}
+            record(d, echo=False)
+            layers[mode].append(d)
+            e = d["max_err"]
+            print(f"{i:>5}  {mode:<9} {n} x {k:<6} {e['fp8']:>9.3g} {e[mode]:>9.3g} {e['bound']:>9.3g} "
+                  f"{d[f'rows_{mode}_beyond_row_bound']:>8} of {d['rows']:<6} {d['max_abs_x']:>8.3g}   "
+                  f"{'within' if d['within'] else 'BEYOND'}")
+    for mode in modes:
+        line = reading(layers[mode], mode)
+        record({"what": "reading", "mode": mode, "line": line, "examples": len(items), "rows": len(owner)}, echo=False)
+        print(line)
     return 0
 
 
