@@ -90,12 +90,11 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
     products summed in float16 pairs (:mod:`vllm_ext.nvfp4_hfma2`) in the checkpoint layout's one-row kernels (the
     row kernel and row+lora); the other kernels (those on Marlin's tensors too) decode as with 2.
     ``hfma2-unguarded`` (4) leaves out its fallback for an ``x`` beyond float16: for measuring that fallback's cost
-    only (such an ``x`` then gives an infinite output). ``hfma2-4`` (5, §4bk): hfma2 with each float16 lane widened
-    after 4 products instead of 8. The first launch in either mode on a device logs a warning
+    only (such an ``x`` then gives an infinite output). The first launch in either mode on a device logs a warning
     that says so (the evidence, in a run's log, that the mode was on)."""
     choice = (os.environ.get(DECODE_ENV, "") or "fp8").strip().lower()
-    if choice not in ("fp8", "f16", "hfma2", "hfma2-unguarded", "hfma2-4"):
-        raise ValueError(f"{DECODE_ENV}={os.environ.get(DECODE_ENV)!r}: use fp8 (the default), f16, hfma2 or hfma2-4 "
+    if choice not in ("fp8", "f16", "hfma2", "hfma2-unguarded"):
+        raise ValueError(f"{DECODE_ENV}={os.environ.get(DECODE_ENV)!r}: use fp8 (the default), f16 or hfma2 "
                          "(hfma2-unguarded: for timing hfma2's guard only)")
     if (asm is not None and not asm) or (asm is None and (device.type != "cuda" or _interpreting())):
         return 0
@@ -106,7 +105,7 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
         _FP8_CVT[key] = torch.cuda.get_device_capability(device) >= (8, 9)
     if not _FP8_CVT[key]:
         return 1
-    mode = {"hfma2": 3, "hfma2-unguarded": 4, "hfma2-4": 5}.get(choice, 2)
+    mode = {"hfma2": 3, "hfma2-unguarded": 4}.get(choice, 2)
     if mode >= 3 and key not in _HFMA2_LOGGED:  # once per device: the evidence in a run's log that the mode was on
         _HFMA2_LOGGED.add(key)
         logger.warning("qerl: %s=%s on %s: the checkpoint layout's one-row kernels (row op, row+lora) sum their "

@@ -198,10 +198,10 @@ if triton is not None:
     def _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                   ASM: tl.constexpr, XVEC: tl.constexpr):
         """K tile ``t`` of :func:`_row_dot`: ``[BLOCK_N, WORDS]`` float32 sums of each word's 8 products, times its
-        group's scale (with ``ASM`` 3, 4 or 5, :mod:`vllm_ext.nvfp4_hfma2`'s tile instead: ``[BLOCK_N / 4, WORDS / 2,
+        group's scale (with ``ASM`` 3 or 4, :mod:`vllm_ext.nvfp4_hfma2`'s tile instead: ``[BLOCK_N / 4, WORDS / 2,
         4]``, one per group, row 4 i + r at ``[i, :, r]``)."""
         if ASM >= 3:
-            part = _row_tile_hfma2(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N, WORDS, ASM)
+            part = _row_tile_hfma2(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N, WORDS)
         else:
             part = _row_tile_f32(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N, WORDS, ASM, XVEC)
         return part
@@ -231,11 +231,11 @@ if triton is not None:
     @triton.jit
     def _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, STAGES: tl.constexpr):
-        """:func:`_row_loop`; with ``ASM`` 3 or 5 (the products in float16 pairs), a program whose sums are not all finite
+        """:func:`_row_loop`; with ``ASM`` 3 (the products in float16 pairs), a program whose sums are not all finite
         (an ``x`` of its K tiles beyond float16's range) sums its K tiles again with exact float32 products
         (:func:`_row_fallback`). ``ASM`` 4: the same without that check (a measurement of its cost only)."""
         tot = _row_loop(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, XVEC, STAGES)
-        if ASM == 3 or ASM == 5:
+        if ASM == 3:
             bad = tl.max(((tot != tot) | (tl.abs(tot) == float("inf"))).to(tl.int32), axis=0)
             if bad != 0:
                 tot = _row_fallback(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K)

@@ -41,32 +41,20 @@ def _x_pairs_ptx() -> str:
 ROWS = 4  # rows per group call: the x pairs converted once for all of them (the Triton side splits rows in fours)
 
 
-def _group_ptx(chain: int = 8) -> str:
+def _group_ptx() -> str:
     """One group (16 codes: two words) of each of :data:`ROWS` rows against the same ``x`` pairs: outs ``$0 .. $3``,
     row r's float32 sum of its 16 products (value times 2^-6 times x); ins ``$4 .. $11``, row r's two words at
     ``$(4 + 2r)`` and ``$(5 + 2r)``, then ``$12 .. $15`` the first word's ``x`` pairs and ``$16 .. $19`` the second's,
-    each in :func:`_x_pairs`' order: (x0, x2), (x4, x6), (x1, x3), (x5, x7) of the word's 8. ``chain``: the products
-    a float16 lane sums before it is widened, 8 (both words in one chain) or 4 (each word widened on its own:
-    ``QERL_ROW_DECODE=hfma2-4``, docs/benchmarks.md §4bk)."""
-    if chain not in (4, 8):
-        raise ValueError(f"chain={chain}: 4 or 8 products per float16 lane")
-    lines = ["{", ".reg .b32 a, b, lo, hi, h0, h1, h2, h3, s;", ".reg .b16 p0, p1, p2, p3, e, f;",
-             ".reg .f32 u, v, z;"]
+    each in :func:`_x_pairs`' order: (x0, x2), (x4, x6), (x1, x3), (x5, x7) of the word's 8."""
+    lines = ["{", ".reg .b32 a, b, lo, hi, h0, h1, h2, h3, s;", ".reg .b16 p0, p1, p2, p3, e, f;", ".reg .f32 u, v;"]
     assert ROWS == 4, "_row_tile_hfma2 splits the rows in fours (_rows_last, _split4)"
     xa, xb = 3 * ROWS, 3 * ROWS + 4  # after the ROWS outputs and the 2 ROWS words
-    widen = ["mov.b32 {e, f}, s;", "cvt.f32.f16 u, e;", "cvt.f32.f16 v, f;"]
     for r in range(ROWS):
         lines += fp8_pair_lines(f"${ROWS + 2 * r}")
         lines += [f"mul.rn.f16x2 s, h0, ${xa};"] + [f"fma.rn.f16x2 s, h{i}, ${xa + i}, s;" for i in (1, 2, 3)]
-        if chain == 4:  # the first word's lanes to float32, a new chain for the second
-            lines += widen + ["add.f32 z, u, v;"]
         lines += fp8_pair_lines(f"${ROWS + 2 * r + 1}")
-        if chain == 4:
-            lines += [f"mul.rn.f16x2 s, h0, ${xb};"] + [f"fma.rn.f16x2 s, h{i}, ${xb + i}, s;" for i in (1, 2, 3)]
-            lines += widen + ["add.f32 u, u, v;", f"add.f32 ${r}, z, u;"]
-        else:
-            lines += [f"fma.rn.f16x2 s, h{i}, ${xb + i}, s;" for i in range(4)]
-            lines += widen + [f"add.f32 ${r}, u, v;"]
+        lines += [f"fma.rn.f16x2 s, h{i}, ${xb + i}, s;" for i in range(4)]
+        lines += ["mov.b32 {e, f}, s;", "cvt.f32.f16 u, e;", "cvt.f32.f16 v, f;", f"add.f32 ${r}, u, v;"]
     return "\n".join(lines + ["}"])
 
 
@@ -79,10 +67,8 @@ _X_PAIRS_PTX_TEXT = _x_pairs_ptx()
 _X_PAIRS_F16_PTX_TEXT = _x_pairs_f16_ptx()
 _X_PAIRS_F16_PTX = tl.constexpr(_X_PAIRS_F16_PTX_TEXT) if tl is not None else None
 _GROUP_PTX_TEXT = _group_ptx()
-_GROUP4_PTX_TEXT = _group_ptx(4)
 _X_PAIRS_PTX = tl.constexpr(_X_PAIRS_PTX_TEXT) if tl is not None else None
 _GROUP_PTX = tl.constexpr(_GROUP_PTX_TEXT) if tl is not None else None
-_GROUP4_PTX = tl.constexpr(_GROUP4_PTX_TEXT) if tl is not None else None
 _GROUP_CONSTRAINTS = tl.constexpr(",".join(["=r"] * ROWS + ["r"] * (2 * ROWS + 8))) if tl is not None else None
 
 
@@ -119,11 +105,10 @@ if triton is not None:
         return v0, v1, v2, v3
 
     @triton.jit
-    def _row_tile_hfma2(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-                        ASM: tl.constexpr):
+    def _row_tile_hfma2(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
         """K tile ``t`` of the one-row kernel's loop (:func:`vllm_ext.nvfp4_gemv._row_dot`) with the products in
         float16 pairs: ``[BLOCK_N / 4, WORDS / 2, 4]`` float32 (row 4 i + r at ``[i, :, r]``), each group's 16
-        products (value times 2^-6 times x) times its scale; 8 products per float16 lane, or 4 with ``ASM`` 5."""
+        products (value times 2^-6 times x) times its scale."""
         G: tl.constexpr = WORDS // 2
         cw = t * WORDS + tl.arange(0, WORDS)
         wv = tl.load(w_ptr + rn[:, None] * kw + cw[None, :], mask=n_ok[:, None], other=0)
@@ -139,7 +124,7 @@ if triton is not None:
         wa0, wa1, wa2, wa3 = _split4(_rows_last(wa, BLOCK_N, G))
         wb0, wb1, wb2, wb3 = _split4(_rows_last(wb, BLOCK_N, G))
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            asm=_GROUP4_PTX if ASM == 5 else _GROUP_PTX, constraints=_GROUP_CONSTRAINTS,
+            asm=_GROUP_PTX, constraints=_GROUP_CONSTRAINTS,
             args=[wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3, a02, a46, a13, a57, b02, b46, b13, b57],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
         part = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N // 4, G, 4))

@@ -237,9 +237,6 @@ run_step() {
         # shows the row+lora path and the mode's warning (logged at the first hfma2 launch on a device)
         eval_check eval_hfma2 1 all hfma2 "QERL_NVFP4_DECODE_GEMV=all QERL_ROW_DECODE=hfma2" \
             "qerl's nvfp4 method on the NVFP4A16" "on the row+lora path" "QERL_ROW_DECODE=hfma2 on cuda:0" ;;
-    eval_hfma2_4)  # §4bk: eval_hfma2 for QERL_ROW_DECODE=hfma2-4 (4 products per float16 lane), the same criteria
-        eval_check eval_hfma2_4 1 all hfma2_4 "QERL_NVFP4_DECODE_GEMV=all QERL_ROW_DECODE=hfma2-4" \
-            "qerl's nvfp4 method on the NVFP4A16" "on the row+lora path" "QERL_ROW_DECODE=hfma2-4 on cuda:0" ;;
     steptime_bf16)  # the demo's settings on the BF16 base, alone on the GPU, 12 steps without validation
         step steptime_bf16 420 python3 scripts/gpu/learning.py launch --runs bf16:0 --work "$work/steptime" --override trainer.total_training_steps=12 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 && python3 scripts/gpu/learning.py wait --work "$work/steptime" --timeout 400 --every 20 ;;
     steptime_big)  # the demo's config (decoupled mode) alone, 20 steps, no validation, one micro-batch per phase (64k tokens

@@ -21,8 +21,6 @@ For each linear (Qwen2.5's slices: q/k/v with its bias, o, gate/up, down; LoRA s
 Per decode step the medians and spreads are summed over the four linears and times the layer count. The gate fixed
 before the run (§4bf item 2): ``best`` at least 5 % under ``fp8`` per 7B or 32B step, by more than both spreads.
 Writes $OUT/sweep_row_lora.jsonl (one JSON object per measurement; ``gate`` rows at the end) and prints the tables.
-``--mode hfma2-4`` (§4bk) sweeps and times that mode instead: the columns ``hfma2`` and ``best`` are then its (the
-setup row's ``decode`` says which), at hfma2's shipped tiles and the best of the grid.
 Exit 1 where a shipped tile's check failed.
 """
 
@@ -109,10 +107,10 @@ def exact_and_bound(x, q, bias, a, b, slices):  # noqa: ANN001, ANN201
     return exact, bound
 
 
-def _compile(tiles: list[dict[str, int]], rank: int, mode: str = "hfma2") -> int:
-    """Run each tile once with hfma2 (or ``mode``) on every swept linear's K (with its bias where it has one and its
-    slice count, N cut to 512 outputs per slice), in a worker process: Triton compiles into its on-disk cache, which the
-    sweep then finds. Returns how many calls failed (the sweep records why)."""
+def _compile(tiles: list[dict[str, int]], rank: int) -> int:
+    """Run each tile once with hfma2 on every swept linear's K (with its bias where it has one and its slice count, N
+    cut to 512 outputs per slice), in a worker process: Triton compiles into its on-disk cache, which the sweep then
+    finds. Returns how many calls failed (the sweep records why)."""
     import torch
 
     from vllm_ext import nvfp4_gemv_lora as rl
@@ -121,7 +119,7 @@ def _compile(tiles: list[dict[str, int]], rank: int, mode: str = "hfma2") -> int
     idx = torch.zeros(8, dtype=torch.int32, device=dev)
     kinds = {(LINEARS[s][lin][0], len(SLICES[s][lin]), lin == "qkv") for s in SLICES for lin in SLICES[s]}
     failed = 0
-    with decode_env(mode):
+    with decode_env("hfma2"):
         for k, count, has_bias in sorted(kinds):
             slices = (512,) * count
             n = sum(slices)
@@ -140,11 +138,11 @@ def _compile(tiles: list[dict[str, int]], rank: int, mode: str = "hfma2") -> int
     return failed
 
 
-def precompile(tiles: list[dict[str, int]], jobs: int, rank: int, mode: str = "hfma2") -> None:
+def precompile(tiles: list[dict[str, int]], jobs: int, rank: int) -> None:
     """:func:`_compile` over ``tiles`` in ``jobs`` processes at once."""
     import functools
 
-    failed = failures_in_pool(functools.partial(_compile, rank=rank, mode=mode), tiles, jobs)
+    failed = failures_in_pool(functools.partial(_compile, rank=rank), tiles, jobs)
     print(json.dumps({"what": "precompiled", "tiles": len(tiles), "jobs": jobs, "failed_calls": failed}), flush=True)
 
 
@@ -158,9 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default="0,3,4", help="pipeline depths; 0 = not pipelined (default 0,3,4)")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                    help="processes compiling the kernels before the sweep (default: up to 16; 1: none)")
-    p.add_argument("--mode", choices=("hfma2", "hfma2-4"), default="hfma2",
-                   help="the QERL_ROW_DECODE mode swept and timed in the columns hfma2 and best (default hfma2; "
-                        "hfma2-4: 4 products per float16 lane, §4bk)")
     args = p.parse_args(argv)
     bad_names = [s for s in args.shapes.split(",") if s not in SLICES] + [
         lin for lin in args.linears.split(",") if lin not in SLICES["7B"]]
@@ -178,12 +173,11 @@ def main(argv: list[str] | None = None) -> int:
 
     tiles = lora_tiles(ints(args.block_n), ints(args.split_k), ints(args.warps), ints(args.stages))
     if args.jobs > 1:
-        precompile(tiles, args.jobs, args.rank, args.mode)
+        precompile(tiles, args.jobs, args.rank)
     record = jsonl_recorder(args.out, "sweep_row_lora.jsonl")
     record({"what": "setup", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "tiles": len(tiles), "cold_mib": args.cold_mib,
-            "shapes": args.shapes, "linears": args.linears, "rank": args.rank, "reps": args.reps,
-            "decode": args.mode})
+            "shapes": args.shapes, "linears": args.linears, "rank": args.rank, "reps": args.reps})
     idx = torch.zeros(8, dtype=torch.int32, device=dev)
     finals: list[dict[str, Any]] = []
     refused, broken = 0, []
@@ -219,17 +213,16 @@ def main(argv: list[str] | None = None) -> int:
                 broken.append(f"{shape} {lname}")
                 continue
             # 2. the hfma2 tiles
-            swept, bad = try_tiles(tiles, lambda t: call(t, args.mode), exact,
-                                   lambda t: replay_us(graph_of(t, args.mode), iters), record,
-                                   {**base, "mode": args.mode}, bound)
+            swept, bad = try_tiles(tiles, lambda t: call(t, "hfma2"), exact,
+                                   lambda t: replay_us(graph_of(t, "hfma2"), iters), record,
+                                   {**base, "mode": "hfma2"}, bound)
             refused += bad
             if not swept:
                 record({"what": "final", **base, "error": "no hfma2 tile correct", "ref_err": bound})
                 continue
             record({"what": "top", **base, "tiles": [[tile_name(t), us] for us, t in swept[:8]]})
             best = swept[0][1]
-            variants = {"fp8": (shipped["fp8"], "fp8"), "hfma2": (shipped["hfma2"], args.mode),
-                        "best": (best, args.mode)}
+            variants = {"fp8": (shipped["fp8"], "fp8"), "hfma2": (shipped["hfma2"], "hfma2"), "best": (best, "hfma2")}
             graphs = {key: (graph_of(t, mode), iters) for key, (t, mode) in variants.items()}
             res = timed_interleaved(graphs, args.reps)
             del graphs

@@ -73,7 +73,7 @@ def test_decode_mode_picks_and_refuses(monkeypatch):
     monkeypatch.setenv(DECODE_ENV, "f16")
     assert decode_mode(cpu, asm=True) == 1
     monkeypatch.setenv(DECODE_ENV, "bf16")
-    with pytest.raises(ValueError, match=r"QERL_ROW_DECODE=.bf16.: use fp8 \(the default\), f16, hfma2 or hfma2-4"):
+    with pytest.raises(ValueError, match=r"QERL_ROW_DECODE=.bf16.: use fp8 \(the default\), f16 or hfma2"):
         decode_mode(cpu, asm=True)
     with pytest.raises(ValueError, match="QERL_ROW_DECODE='bf16'"):
         decode_mode(cpu, asm=False)  # a bad value is an error at every launch, not only where PTX is asked for

@@ -103,32 +103,25 @@ def test_x_pairs_ptx_gives_the_decodes_order_in_float16():
         assert [p & 0xFFFF, p >> 16, q & 0xFFFF, q >> 16] == [int(h[i]) for i in (0, 2, 1, 3)]
 
 
-def _group_model(words: tuple[int, int], x16: np.ndarray, chain: int = 8) -> float:
+def _group_model(words: tuple[int, int], x16: np.ndarray) -> float:
     """The sum the group PTX should form, from the codec's E2M1 table (not the PTX's bit moves): two float16 lanes,
     lane 0 summing codes 0, 4, 1, 5 of each word times their x, lane 1 codes 2, 6, 3, 7, in that order, both words,
-    each product and sum rounded to float16 once (the first is a product alone); then the lanes in float32. With
-    ``chain`` 4 each word's two lanes start afresh and are added in float32 (lane 0 + lane 1), then word 0's sum plus
-    word 1's, in float32."""
-    sums = []
-    for ws in ([0, 1],) if chain == 8 else ([0], [1]):
-        lanes = []
-        for order in ((0, 4, 1, 5), (2, 6, 3, 7)):
-            acc = None
-            for w in ws:
-                for j in order:
-                    prod = E2M1[(words[w] >> (4 * j)) & 15] * 2.0**-6 * x16[8 * w + j]
-                    acc = _h(_hbits(prod if acc is None else prod + acc))
-            lanes.append(np.float32(acc))
-        sums.append(np.float32(lanes[0] + lanes[1]))
-    return float(sums[0] if chain == 8 else np.float32(sums[0] + sums[1]))
+    each product and sum rounded to float16 once (the first is a product alone); then the lanes in float32."""
+    lanes = []
+    for order in ((0, 4, 1, 5), (2, 6, 3, 7)):
+        acc = None
+        for w, word in enumerate(words):
+            for j in order:
+                prod = E2M1[(word >> (4 * j)) & 15] * 2.0**-6 * x16[8 * w + j]
+                acc = _h(_hbits(prod if acc is None else prod + acc))
+        lanes.append(np.float32(acc))
+    return float(np.float32(lanes[0] + lanes[1]))
 
 
-@pytest.mark.parametrize("chain", [8, 4])
-def test_group_ptx_sums_four_rows_as_the_float16_model_says(chain):
+def test_group_ptx_sums_four_rows_as_the_float16_model_says():
     """4 rows' random groups against shared x: each output is the model's float32 bit for bit, and within 2^-10 of
-    the group's largest partial sum of the exact product (8 roundings per lane, 2^-11 each). ``chain`` 4: the PTX of
-    QERL_ROW_DECODE=hfma2-4, each word's lanes widened on their own (§4bk)."""
-    from vllm_ext.nvfp4_hfma2 import _GROUP4_PTX_TEXT, _GROUP_PTX_TEXT, ROWS
+    the group's largest partial sum of the exact product (8 roundings per lane, 2^-11 each)."""
+    from vllm_ext.nvfp4_hfma2 import _GROUP_PTX_TEXT, ROWS
 
     rng = np.random.default_rng(2)
     for trial in range(60):
@@ -142,10 +135,10 @@ def test_group_ptx_sums_four_rows_as_the_float16_model_says(chain):
             words[0] = (0x76543210, 0xFEDCBA98)  # every code once
         ins = {ROWS + i: w for i, w in enumerate(v for pair in words for v in pair)}
         ins.update({3 * ROWS + i: p for i, p in enumerate(pairs)})
-        outs = run_ptx(_GROUP_PTX_TEXT if chain == 8 else _GROUP4_PTX_TEXT, ins, ROWS)
+        outs = run_ptx(_GROUP_PTX_TEXT, ins, ROWS)
         for r, (word_pair, out) in enumerate(zip(words, outs)):
             got = float(np.array([out], dtype=np.uint32).view(np.float32)[0])
-            assert got == _group_model(word_pair, x16, chain), (trial, r)
+            assert got == _group_model(word_pair, x16), (trial, r)
             codes = [E2M1[(word_pair[w] >> (4 * j)) & 15] * 2.0**-6 for w in range(2) for j in range(8)]
             exact = float(np.dot(codes, x16))
             assert abs(got - exact) <= 2.0**-10 * float(np.sum(np.abs(np.array(codes) * x16))) + 2.0**-24, (trial, r)
@@ -166,10 +159,8 @@ def test_decode_mode_hfma2(monkeypatch, capability, mode):
     assert nvfp4_decode.decode_mode(dev, asm=False) == 0
     monkeypatch.setenv(nvfp4_decode.DECODE_ENV, "hfma2-unguarded")  # for measuring the fallback's cost
     assert nvfp4_decode.decode_mode(dev) == (4 if mode == 3 else 1)
-    monkeypatch.setenv(nvfp4_decode.DECODE_ENV, "hfma2-4")  # 4 products per float16 lane (§4bk)
-    assert nvfp4_decode.decode_mode(dev) == (5 if mode == 3 else 1)
     monkeypatch.setenv(nvfp4_decode.DECODE_ENV, "bf16")
-    with pytest.raises(ValueError, match=r"QERL_ROW_DECODE='bf16': use fp8 \(the default\), f16, hfma2 or hfma2-4"):
+    with pytest.raises(ValueError, match=r"QERL_ROW_DECODE='bf16': use fp8 \(the default\), f16 or hfma2"):
         nvfp4_decode.decode_mode(dev)
 
 
@@ -268,11 +259,11 @@ def test_compiled_for_hopper_the_loop_issues_fewer_instructions():
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _need_hfma2(monkeypatch, mode: str = "hfma2"):  # noqa: ANN001, ANN202
+def _need_hfma2(monkeypatch):  # noqa: ANN001, ANN202
     from vllm_ext.nvfp4_decode import DECODE_ENV, decode_mode
 
-    monkeypatch.setenv(DECODE_ENV, mode)
-    if decode_mode(torch.device("cuda", torch.cuda.current_device())) not in (3, 5):
+    monkeypatch.setenv(DECODE_ENV, "hfma2")
+    if decode_mode(torch.device("cuda", torch.cuda.current_device())) != 3:
         pytest.skip("float16 pairs need the FP8 conversions of compute capability 8.9 or later")
 
 
@@ -291,14 +282,12 @@ def _errors(y: torch.Tensor, x: torch.Tensor, q, extra=None) -> tuple[float, flo
 @GPU
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", [(4608, 3584), (37888, 3584), (3584, 18944), (7168, 5120), (5120, 27648)])
-@pytest.mark.parametrize("mode", ["hfma2", "hfma2-4"])
-def test_gpu_row_op_is_no_worse_than_the_bfloat16_weight(monkeypatch, n, k, dtype, mode):
-    """decode_gemv's row op with QERL_ROW_DECODE=hfma2 or hfma2-4 (its tiles: pipelined, split-K, 1-2 warps; 7B and
-    32B), with a bias: within the bf16-dequantized product's error, the same bits twice, and float16 pairs in the
-    PTX."""
+def test_gpu_row_op_is_no_worse_than_the_bfloat16_weight(monkeypatch, n, k, dtype):
+    """decode_gemv's row op with QERL_ROW_DECODE=hfma2 (its tiles: pipelined, split-K, 1-2 warps; 7B and 32B), with a
+    bias: within the bf16-dequantized product's error, the same bits twice, and float16 pairs in the PTX."""
     from vllm_ext import nvfp4_gemv
 
-    _need_hfma2(monkeypatch, mode)
+    _need_hfma2(monkeypatch)
     torch.manual_seed(n + k)
     q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
     x = torch.randn(1, k, device="cuda", dtype=dtype)
@@ -317,20 +306,18 @@ def test_gpu_row_op_is_no_worse_than_the_bfloat16_weight(monkeypatch, n, k, dtyp
                                   dict(block_n=8, split_k=8, num_warps=1, stages=0),
                                   dict(block_n=16, split_k=2, num_warps=4, stages=3),
                                   dict(block_n=8, split_k=3, num_warps=2, stages=3)])
-@pytest.mark.parametrize("mode", ["hfma2", "hfma2-4"])
-def test_gpu_an_x_beyond_float16_falls_back(monkeypatch, tile, mode):
+def test_gpu_an_x_beyond_float16_falls_back(monkeypatch, tile):
     """One x of 1e5 (float16 stops at 65 504): the programs whose K tiles hold it sum exact float32 products instead
     (the fallback), so the output is finite. Without split-K every program does: the output is then within the
     bf16 output's rounding of the exact product, as the FP8 kernel's; with split-K the other programs keep their
     float16 pairs, and the output is within the bf16 weight's error. An x within float16 does not fall back: the same
     bits as without the guard (QERL_ROW_DECODE=hfma2-unguarded). Split-K 3 over 8 K tiles gives programs 3, 3 and 2
     tiles; a second x of -7e4, in K tile 6 (program 0 of 3 tiles there; with split-K 2 the same program as the first,
-    so the other keeps its float16 pairs), makes a program of 3 tiles fall back too. The same with hfma2-4 (§4bk), whose
-    guard is hfma2's."""
+    so the other keeps its float16 pairs), makes a program of 3 tiles fall back too."""
     from vllm_ext.nvfp4_decode import DECODE_ENV
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
-    _need_hfma2(monkeypatch, mode)
+    _need_hfma2(monkeypatch)
     torch.manual_seed(3)
     n, k = 1024, 4096
     q = nvfp4.quantize((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16))
@@ -340,10 +327,9 @@ def test_gpu_an_x_beyond_float16_falls_back(monkeypatch, tile, mode):
         return nvfp4_small_gemm(x, q.packed, q.scale, q.global_scale, block_k=512, words=True, xvec=True, **tile)
 
     h2 = run()
-    if mode == "hfma2":
-        monkeypatch.setenv(DECODE_ENV, "hfma2-unguarded")
-        assert torch.equal(h2, run())
-        monkeypatch.setenv(DECODE_ENV, mode)
+    monkeypatch.setenv(DECODE_ENV, "hfma2-unguarded")
+    assert torch.equal(h2, run())
+    monkeypatch.setenv(DECODE_ENV, "hfma2")
     x[0, 1234] = 1e5
     x[0, 3300] = -7e4
     h2 = run()
@@ -384,18 +370,16 @@ def test_gpu_row_op_in_a_cuda_graph_from_an_odd_row(monkeypatch):
 @GPU
 @pytest.mark.parametrize("slices, k", [((3584, 512, 512), 3584), ((18944, 18944), 3584), ((3584,), 18944),
                                        ((5120, 1024, 1024), 5120), ((5120,), 27648)])
-@pytest.mark.parametrize("mode", ["hfma2", "hfma2-4"])
-def test_gpu_row_lora_kernel_with_float16_pairs(monkeypatch, slices, k, mode):
+def test_gpu_row_lora_kernel_with_float16_pairs(monkeypatch, slices, k):
     """The row+lora kernel (rank 32, checkpoint layout, its hfma2 tiles): with the adapter's B zero it gives the bits
     of the row kernel at the same tile; with a real adapter its error against the exact
     product (base plus adapter, float64) exceeds the FP8 row+lora kernel's by at most the two row ops' largest
-    difference plus a bfloat16 step (the kernel rounds the base before adding the adapter, in both modes). The same
-    with hfma2-4 (§4bk)."""
+    difference plus a bfloat16 step (the kernel rounds the base before adding the adapter, in both modes)."""
     from vllm_ext import nvfp4_gemv_lora as rl
     from vllm_ext.nvfp4_decode import DECODE_ENV
     from vllm_ext.nvfp4_gemv import nvfp4_gemv_row, nvfp4_small_gemm
 
-    _need_hfma2(monkeypatch, mode)
+    _need_hfma2(monkeypatch)
     torch.manual_seed(k + len(slices))
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     n = sum(slices)
