@@ -20,10 +20,7 @@ engine built with AQN never reuses a graph compiled without it)::
                                                                 (vllm_ext.nvfp4_gemv_lora; QERL_NO_PDL=1: no PDL,
                                                                 QERL_PDL_FIRST=0: no PDL for a linear's first launch;
                                                                 QERL_ROW_DECODE=f16: the float16 decode instead of
-                                                                the one through FP8, sm_89+'s default since §4ba;
-                                                                QERL_ROW_DECODE=hfma2: with "all" or "small", the
-                                                                row kernels' products summed in float16 pairs,
-                                                                experimental, §4bc)
+                                                                the one through FP8, sm_89+'s default since §4ba)
     {"qerl_lora": "overlap"}                                    the default: one adapter slot (max_loras=1), one
                                                                 Triton launch per LoRA linear (vllm_ext.lora_fused)
                                                                 on a second CUDA stream, beside the base GEMM, for

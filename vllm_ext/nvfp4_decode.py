@@ -7,7 +7,6 @@ later, §4ba). The two PTX decodes give the same output bits."""
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -51,8 +50,7 @@ _DECODE8_PTX = tl.constexpr(_DECODE8_PTX_TEXT) if tl is not None else None  # a 
 def fp8_pair_lines(word: str) -> list[str]:
     """The PTX lines that decode the int32 operand ``word`` through FP8 into four float16 pairs, h0 = codes (0, 2),
     h1 = (4, 6), h2 = (1, 3), h3 = (5, 7) (low half first), each the code's value times 2^-6; they use the b32
-    registers a, b, lo, hi, h0-h3 and the b16 registers p0-p3, which the caller declares. Shared with
-    :mod:`vllm_ext.nvfp4_hfma2`."""
+    registers a, b, lo, hi, h0-h3 and the b16 registers p0-p3, which the caller declares."""
     return [f"shl.b32 a, {word}, 2;", "and.b32 a, a, 0x1C1C1C1C;", f"shl.b32 b, {word}, 4;",
             "and.b32 b, b, 0x80808080;", "or.b32 lo, a, b;",  # the E4M3 bytes of codes 0, 2, 4, 6
             f"shr.b32 a, {word}, 2;", "and.b32 a, a, 0x1C1C1C1C;", f"and.b32 b, {word}, 0x80808080;",
@@ -74,28 +72,26 @@ _DECODE8_FP8_PTX_TEXT = _decode8_fp8_ptx()
 _DECODE8_FP8_PTX = tl.constexpr(_DECODE8_FP8_PTX_TEXT) if tl is not None else None
 DECODE_ENV = "QERL_ROW_DECODE"
 _FP8_CVT: dict[str, bool] = {}
-_HFMA2_LOGGED: set[str] = set()
-logger = logging.getLogger("qerl.vllm.nvfp4")
+# the float16-pair modes (decode_mode 3 and 4), taken out after they failed the real-model check
+_REMOVED = ("hfma2", "hfma2-unguarded")
 
 
 def decode_mode(device: torch.device, asm: bool | None = None) -> int:
     """The one-row kernels' E2M1 decode, their ``ASM`` constexpr: 0 Triton's integer operations (``asm=False``, or
     by default under the interpreter or off CUDA), 1 the float16 bit moves in PTX (:func:`_decode8_ptx`), 2 the decode
     through FP8 (:func:`_decode8_fp8_ptx`, compute capability 8.9 and later). PTX takes 2 where the GPU has it, unless
-    ``QERL_ROW_DECODE=f16`` (``fp8``, the default, ``f16``, ``hfma2`` or ``hfma2-unguarded``, below; another value
-    is an error at any launch). Both PTX decodes give the same output bits. ``asm``: None (by the device), false (0),
-    or true (PTX, 1 or 2 as above).
+    ``QERL_ROW_DECODE=f16`` (``fp8``, the default, or ``f16``; another value is an error at any launch). Both PTX
+    decodes give the same output bits. ``asm``: None (by the device), false (0), or true (PTX, 1 or 2 as above).
 
-    ``QERL_ROW_DECODE=hfma2`` (experimental, docs/benchmarks.md §4bc): 3 where 2 would be, the FP8 decode with the
-    products summed in float16 pairs (:mod:`vllm_ext.nvfp4_hfma2`) in the checkpoint layout's one-row kernels (the
-    row kernel and row+lora); the other kernels (those on Marlin's tensors too) decode as with 2.
-    ``hfma2-unguarded`` (4) leaves out its fallback for an ``x`` beyond float16: for measuring that fallback's cost
-    only (such an ``x`` then gives an infinite output). The first launch in either mode on a device logs a warning
-    that says so (the evidence, in a run's log, that the mode was on)."""
-    choice = (os.environ.get(DECODE_ENV, "") or "fp8").strip().lower()
-    if choice not in ("fp8", "f16", "hfma2", "hfma2-unguarded"):
-        raise ValueError(f"{DECODE_ENV}={os.environ.get(DECODE_ENV)!r}: use fp8 (the default), f16 or hfma2 "
-                         "(hfma2-unguarded: for timing hfma2's guard only)")
+    ``hfma2`` and ``hfma2-unguarded`` (3 and 4, the products summed in float16 pairs) were taken out after they
+    failed the real-model check (docs/benchmarks.md §4bi, §4bk); they are errors that say so."""
+    raw = os.environ.get(DECODE_ENV)
+    choice = (raw or "fp8").strip().lower()
+    if choice in _REMOVED:
+        raise ValueError(f"{DECODE_ENV}={raw!r}: the float16-pair decode was removed (docs/benchmarks.md §4bk: it "
+                         "failed its real-model check); use fp8 (the default) or f16")
+    if choice not in ("fp8", "f16"):
+        raise ValueError(f"{DECODE_ENV}={raw!r}: use fp8 (the default) or f16")
     if (asm is not None and not asm) or (asm is None and (device.type != "cuda" or _interpreting())):
         return 0
     if choice == "f16" or device.type != "cuda":
@@ -103,15 +99,7 @@ def decode_mode(device: torch.device, asm: bool | None = None) -> int:
     key = str(device)
     if key not in _FP8_CVT:
         _FP8_CVT[key] = torch.cuda.get_device_capability(device) >= (8, 9)
-    if not _FP8_CVT[key]:
-        return 1
-    mode = {"hfma2": 3, "hfma2-unguarded": 4}.get(choice, 2)
-    if mode >= 3 and key not in _HFMA2_LOGGED:  # once per device: the evidence in a run's log that the mode was on
-        _HFMA2_LOGGED.add(key)
-        logger.warning("qerl: %s=%s on %s: the checkpoint layout's one-row kernels (row op, row+lora) sum their "
-                       "products in float16 pairs, less exactly than the default decode (fp8): on a real model 6 of "
-                       "200 greedy responses changed (docs/benchmarks.md §4bi)", DECODE_ENV, choice, key)
-    return mode
+    return 2 if _FP8_CVT[key] else 1
 
 
 if triton is not None:
@@ -128,7 +116,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_up(ASM: tl.constexpr):
-        """What undoes :func:`_decode8`'s power of two: 2^6 after the FP8 decode (``ASM`` 2 or more), else 2^14."""
+        """What undoes :func:`_decode8`'s power of two: 2^6 after the FP8 decode (``ASM`` 2), else 2^14."""
         if ASM >= 2:
             up = 64.0
         else:
@@ -147,8 +135,7 @@ if triton is not None:
     @triton.jit
     def _decode8(wv, ASM: tl.constexpr):
         """The 8 E2M1 codes of each int32 word of ``wv`` (code j in bits 4j .. 4j + 3) as 8 float32 tensors shaped
-        like ``wv``: code j's value times 2^-14, or times 2^-6 with ``ASM`` 2 or more (:func:`_decode_up` undoes
-        either).
+        like ``wv``: code j's value times 2^-14, or times 2^-6 with ``ASM`` 2 (:func:`_decode_up` undoes either).
         ``ASM`` (:func:`decode_mode`): 1 and 2 in PTX (the interpreter cannot run it; the GPU tests check it), 2 through
         FP8 (sm_89 and later)."""
         if ASM >= 2:

@@ -180,7 +180,6 @@ if triton is not None:
 
 if triton is not None:
     from vllm_ext.nvfp4_decode import _decode8, _decode_up
-    from vllm_ext.nvfp4_hfma2 import _row_tile_hfma2
 
     @triton.jit
     def _xvec_sum(codes, x_ptr, cw, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
@@ -198,18 +197,7 @@ if triton is not None:
     def _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                   ASM: tl.constexpr, XVEC: tl.constexpr):
         """K tile ``t`` of :func:`_row_dot`: ``[BLOCK_N, WORDS]`` float32 sums of each word's 8 products, times its
-        group's scale (with ``ASM`` 3 or 4, :mod:`vllm_ext.nvfp4_hfma2`'s tile instead: ``[BLOCK_N / 4, WORDS / 2,
-        4]``, one per group, row 4 i + r at ``[i, :, r]``)."""
-        if ASM >= 3:
-            part = _row_tile_hfma2(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N, WORDS)
-        else:
-            part = _row_tile_f32(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N, WORDS, ASM, XVEC)
-        return part
-
-    @triton.jit
-    def _row_tile_f32(x_ptr, w_ptr, s_ptr, rn, n_ok, t, kw, kg, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-                      ASM: tl.constexpr, XVEC: tl.constexpr):
-        """:func:`_row_tile` with each code widened to float32 for its own FFMA: ``[BLOCK_N, WORDS]``."""
+        group's scale."""
         cw = t * WORDS + tl.arange(0, WORDS)  # this tile's words: codes 8*cw .. 8*cw + 7, code j in bits 4j .. 4j + 3
         wv = tl.load(w_ptr + rn[:, None] * kw + cw[None, :], mask=n_ok[:, None], other=0)
         if XVEC:  # one load per group, its two words take it from registers
@@ -231,34 +219,6 @@ if triton is not None:
     @triton.jit
     def _row_dot(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, STAGES: tl.constexpr):
-        """:func:`_row_loop`; with ``ASM`` 3 (the products in float16 pairs), a program whose sums are not all finite
-        (an ``x`` of its K tiles beyond float16's range) sums its K tiles again with exact float32 products
-        (:func:`_row_fallback`). ``ASM`` 4: the same without that check (a measurement of its cost only)."""
-        tot = _row_loop(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K, ASM, XVEC, STAGES)
-        if ASM == 3:
-            bad = tl.max(((tot != tot) | (tl.abs(tot) == float("inf"))).to(tl.int32), axis=0)
-            if bad != 0:
-                tot = _row_fallback(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N, BLOCK_K, SPLIT_K)
-        return tot
-
-    @triton.jit
-    def _row_fallback(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT_K: tl.constexpr):
-        """The same K tiles as :func:`_row_loop`, with the FP8 decode's exact float32 products (``ASM`` 2), in
-        quarter tiles and unpipelined: a small loop, so that it does not raise the kernel's registers (a copy of the
-        pipelined loop took the 4-row tile from 60 to 104). Rare: an ``x`` beyond float16. These nested loops make
-        ptxas compile the main loop 6-8 % longer (sm_90 SASS); one loop over the quarter tiles (``6a7d782``) did not,
-        but measured level with this one per 7B step (docs/benchmarks.md §4be), so this one stays."""
-        W4: tl.constexpr = BLOCK_K // 32
-        acc = tl.zeros((BLOCK_N, W4), dtype=tl.float32)
-        for t in range(pid_k, K // BLOCK_K, SPLIT_K):
-            for q in range(4):
-                acc += _row_tile_f32(x_ptr, w_ptr, s_ptr, rn, n_ok, 4 * t + q, K // 8, K // 16, BLOCK_N, W4, 2, True)
-        return tl.sum(acc, axis=1)
-
-    @triton.jit
-    def _row_loop(x_ptr, w_ptr, s_ptr, rn, n_ok, pid_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT_K: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, STAGES: tl.constexpr):
         """The one-row kernel's main loop: ``sum_k x[k] W[n, k]`` in float32 for the rows ``rn`` (``n_ok``: inside
         N) over K tiles ``pid_k, pid_k + SPLIT_K, ...``, before the global scale. Shared with
         :mod:`vllm_ext.nvfp4_gemv_lora`'s kernel.
@@ -271,10 +231,7 @@ if triton is not None:
         gate/up and every 32B linear faster, but not 7B q/k/v or down. The same products are summed in the same
         order along K either way; only how a tile's words are split between threads for the final sum may differ."""
         WORDS: tl.constexpr = BLOCK_K // 8
-        if ASM >= 3:  # one float32 per group, row 4 i + r at [i, :, r] (the products in float16 pairs, nvfp4_hfma2)
-            acc = tl.zeros((BLOCK_N // 4, WORDS // 2, 4), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
         if STAGES > 0:
             kw = tl.multiple_of(K // 8, 16)
             kg = tl.multiple_of(K // 16, 8)
@@ -283,11 +240,7 @@ if triton is not None:
         else:
             for t in range(pid_k, K // BLOCK_K, SPLIT_K):
                 acc += _row_tile(x_ptr, w_ptr, s_ptr, rn, n_ok, t, K // 8, K // 16, BLOCK_N, WORDS, ASM, XVEC)
-        if ASM >= 3:
-            tot = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N,))
-        else:
-            tot = tl.sum(acc, axis=1)
-        return tot
+        return tl.sum(acc, axis=1)
 
     @triton.jit
     def _nvfp4_row_kernel(
@@ -450,10 +403,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         problems.append(f"global_scale has {global_scale.numel()} values, expected 1")
     if bias is not None and (bias.shape != (n,) or bias.device != x.device):
         problems.append(f"bias {tuple(bias.shape)} on {bias.device}, expected ({n},) on {x.device}")
-    mode = decode_mode(x.device, asm) if words else 0  # the one-row kernel's decode (read once: checked, launched)
-    if block_k % 64 and mode >= 3:
-        problems.append(f"block_k={block_k} with QERL_ROW_DECODE=hfma2 (it takes a multiple of 64: the fallback's "
-                        "quarter tiles)")
+    mode = decode_mode(x.device, asm) if words else 0  # the one-row kernel's decode
     if problems:
         raise ValueError("nvfp4_small_gemm: " + "; ".join(problems))
     if x2.stride(-1) != 1:
@@ -473,8 +423,6 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     b = out if bias is None else bias.contiguous()  # unused without a bias
     global LAST_COMPILED
     if words:
-        if mode >= 3 and x2.data_ptr() % 4:  # float16 pairs read x as int32s
-            x2 = x2.clone()
         LAST_COMPILED = _nvfp4_row_kernel[(blocks, split_k)](
             x2, packed.view(torch.int32), scale, g, out, ws, cnt, b, n, k,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=mode,
@@ -499,7 +447,7 @@ def nvfp4_small_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     return out.reshape(*x.shape[:-1], n)
 
 
-def decode_tile(n: int, k: int, lora: bool = False, hfma2: bool = False) -> dict[str, int] | None:
+def decode_tile(n: int, k: int, lora: bool = False) -> dict[str, int] | None:
     """The one-row kernel's tile for an ``[n, k]`` weight, from the sweeps on the H100 with the weights streamed from
     HBM: §4j lease 7 and §4k lease 5 (tiles), §4n lease 1 (tiles and the pipelined loop's ``stages``; a linear took
     the sweep's best tile only where it beat the §4m kernel by more than both spreads). block_k 512 throughout.
@@ -514,33 +462,10 @@ def decode_tile(n: int, k: int, lora: bool = False, hfma2: bool = False) -> dict
     keeps §4m's tile (8 rows, split-K 8, unpipelined): with the adapter's expand in its split-K epilogue, the
     pipelined 32B down tile took 3.56 ms per step's 64 calls against 2.57 (§4n lease 2, H100).
 
-    ``hfma2``: the tile for the products in float16 pairs (``decode_mode`` 3, :mod:`vllm_ext.nvfp4_hfma2`), from its
-    sweep of the row kernel alone on an H200 (docs/benchmarks.md §4bc call 1; 4 rows or more, 1-2 warps): long K 8
-    rows, split-K 4, 3 stages (2 warps up to K = 20 480, else 1); large N 32 rows, 2 warps, 3 stages; else 4 rows, 1
-    warp, 4 stages, or 16 rows and 3 stages for q/k/v above K = 4 096. With ``lora`` (the row+lora kernel), from its
-    sweep with the adapter on an H200 (§4bg, scripts/gpu/sweep_row_lora.py; a tile taken where it beat the one before
-    by more than both spreads): long K 16 rows, split-K 4, 1 warp, 3 stages; large N 16 rows up to K = 4 096 (7B),
-    else 32, 2 warps, 3 stages; else 4 rows, 1 warp, 4 stages (q/k/v above K = 4 096 too). Only the 7B and 32B shapes
-    were swept; other models get these tiles by their N and K.
-
     None where K is not a multiple of 128."""
     block_k = next((b for b in (512, 256, 128) if k % b == 0), None)
     if block_k is None:
         return None
-    if hfma2 and lora:
-        if k > 8192:
-            return dict(block_n=16, block_k=block_k, split_k=4, num_warps=1, stages=3)
-        if n > 16384:
-            return dict(block_n=16 if k <= 4096 else 32, block_k=block_k, split_k=1, num_warps=2, stages=3)
-        return dict(block_n=4, block_k=block_k, split_k=1, num_warps=1, stages=4)
-    if hfma2:
-        if k > 8192:
-            return dict(block_n=8, block_k=block_k, split_k=4, num_warps=2 if k <= 20480 else 1, stages=3)
-        if n > 16384:
-            return dict(block_n=32, block_k=block_k, split_k=1, num_warps=2, stages=3)
-        if k > 4096 and n > k:
-            return dict(block_n=16, block_k=block_k, split_k=1, num_warps=1, stages=3)
-        return dict(block_n=4, block_k=block_k, split_k=1, num_warps=1, stages=4)
     if k > 20480:
         if lora:
             return dict(block_n=8, block_k=block_k, split_k=8, num_warps=2)
@@ -580,7 +505,7 @@ def nvfp4_gemv_row(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, g
     """``x @ W.T (+ bias)`` for one row of ``x`` with the one-row kernel (PTX decode on CUDA, ``x`` once per word,
     the bias added in its epilogue) and :func:`decode_tile`'s tile, as one opaque op for torch.compile and CUDA
     graphs; a programmatic dependent launch where :func:`pdl_supported` and :func:`pdl_first_allowed`."""
-    tile = decode_tile(packed.shape[0], x.shape[-1], hfma2=decode_mode(x.device) >= 3)
+    tile = decode_tile(packed.shape[0], x.shape[-1])
     if tile is None:
         raise ValueError(f"{ROW_OP}: K={x.shape[-1]} is not a multiple of 128")
     return nvfp4_small_gemm(x, packed, scale, global_scale, words=True, xvec=True, bias=bias,

@@ -218,7 +218,7 @@ def supports(x: torch.Tensor, packed: torch.Tensor, lora_a: tuple[torch.Tensor, 
     marlin, n = _layout(packed)
     if sum(output_slices) != n or tuple(packed.shape) != ((k // 16, 2 * n) if marlin else (n, k // 2)):
         return f"weight {tuple(packed.shape)} does not fit input {k} and slices {tuple(output_slices)}"
-    tile = row_tile(n, k, marlin, tuple(output_slices), hfma2=decode_mode(x.device) >= 3)
+    tile = row_tile(n, k, marlin, tuple(output_slices))
     if tile is None:
         return (f"Marlin's layout of this weight is padded (N={n}, K={k})" if marlin
                 else f"K={k} is not a multiple of 128")
@@ -243,21 +243,15 @@ def _block_outputs(tile: dict[str, int], marlin: bool) -> int:
     return max(CHUNK, tile["block_n"]) if marlin else tile["block_n"]
 
 
-def row_tile(n: int, k: int, marlin: bool = False, slices: tuple[int, ...] = (),
-             hfma2: bool = False) -> dict[str, int] | None:
+def row_tile(n: int, k: int, marlin: bool = False, slices: tuple[int, ...] = ()) -> dict[str, int] | None:
     """The row+lora kernel's tile (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``stages``) for an ``[n, k]``
     weight: :func:`~vllm_ext.nvfp4_gemv.decode_tile` for the checkpoint layout, or with ``marlin`` (Marlin's own
     tensors, ``decode_gemv: "shared"``) :func:`~vllm_ext.nvfp4_marlin_row.marlin_row_tile` in these terms
     (``block_n`` = 8 HB outputs, ``block_k`` = 16 T inputs per loop step), its programs narrowed to fewer chunks
     (down to one, 64 outputs) where a block of several would straddle two of the layer's ``slices`` (e.g. a K/V
-    slice of 192 outputs against §4ai's blocks of 128). ``hfma2``: the checkpoint layout's tile for the products in
-    float16 pairs (``decode_tile(..., hfma2=True)``), its rows halved (down to 4) where a block would straddle two
-    slices."""
+    slice of 192 outputs against §4ai's blocks of 128)."""
     if not marlin:
-        t = decode_tile(n, k, lora=True, hfma2=hfma2)
-        while hfma2 and t is not None and t["block_n"] > 4 and ragged_slices(slices, t["block_n"]):
-            t = dict(t, block_n=t["block_n"] // 2)
-        return t
+        return decode_tile(n, k, lora=True)
     t = marlin_row_tile(n, k, lora=True)
     if t is None:
         return None
@@ -335,7 +329,7 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"bias {tuple(bias.shape)}, expected ({n},)")
     mode = decode_mode(x.device)
     if tile is None:
-        tile = row_tile(n, k, marlin, slices, hfma2=mode >= 3)
+        tile = row_tile(n, k, marlin, slices)
     elif marlin and (tile["block_n"] not in (8, 16, 32, 64, 128, 256, 512) or k % tile["block_k"]
                      or tile["block_k"] % 16 or n % tile["block_n"]):
         raise ValueError(f"tile {tile}: on Marlin's layout block_n is 8 ... 512 (a power of two dividing N={n}) and "
@@ -345,8 +339,7 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                          "per block")
     block_n, split_k = tile["block_n"], min(tile["split_k"], k // tile["block_k"])
     blocks = triton.cdiv(n, block_n)
-    # forms 3 and 4 of Marlin's layout: x in 4 / 16 bytes; float16 pairs on the checkpoint layout: 4
-    align = x_alignment(tile.get("asum", 0)) if marlin else 4 if mode >= 3 else 1
+    align = x_alignment(tile.get("asum", 0)) if marlin else 1  # forms 3 and 4 of Marlin's layout: x in 4 / 16 bytes
     x2, out, ws, cnt = one_row_buffers(x, n, split_k, blocks, x_align=align)
     z = torch.empty_like(out) if zeros else out  # every element gets written
     s_count = len(slices)
@@ -363,8 +356,7 @@ def launch_supported(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         x2, w, scale.view(torch.int32) if marlin else scale.contiguous(), g, out, ws, cnt,
         out if bias is None else bias.contiguous(), n, k, hp, token_lora_indices, *b, n_first[0], n_first[1], ks,
         float(lora_scale), z,
-        BLOCK_N=block_n, BLOCK_K=tile["block_k"], SPLIT_K=split_k, ASM=min(mode, 2) if marlin else mode,
-        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=tile["block_k"], SPLIT_K=split_k, ASM=mode, HAS_BIAS=bias is not None,
         R=rank, KS_PAD=MAX_CHUNKS, PDL=pdl, STAGES=tile.get("stages", 0), MARLIN=marlin,
         ASUM=int(tile.get("asum", 0)), ZEROS=zeros, num_warps=tile["num_warps"], launch_pdl=pdl,
     )  # fmt: skip

@@ -140,7 +140,7 @@ def nvfp4_gemv_row_tma(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     b = out if bias is None else bias.contiguous()  # unused without a bias
     _tma_row_kernel[(blocks, split_k)](
         x1, w_desc, s_desc, global_scale.reshape(1).to(torch.float32), out, ws, cnt, b, n, k,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=min(decode_mode(x.device, asm), 2),
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, ASM=decode_mode(x.device, asm),
         HAS_BIAS=bias is not None, STAGES=stages, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

@@ -426,7 +426,7 @@ def marlin_row_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     b = out if bias is None else bias.contiguous()
     _marlin_row_kernel[(blocks, split_k)](
         x2, qweight, scale.view(torch.int32), divisor.reshape(1).to(torch.float32), out, ws, cnt, b, n, k,
-        HB=hb, T=t, SPLIT_K=split_k, ASM=min(decode_mode(x.device, asm), 2), HAS_BIAS=bias is not None,
+        HB=hb, T=t, SPLIT_K=split_k, ASM=decode_mode(x.device, asm), HAS_BIAS=bias is not None,
         STAGES=stages, PDL=pdl, ASUM=int(asum), num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

@@ -50,7 +50,6 @@ SHARED_TILES = [("qkv form 0", 16, 8, 16, 2, 0), ("gate_up form 0", 16, 8, 8, 2,
                 ("gate_up form 4", 16, 8, 8, 4, 4), ("down form 4", 8, 16, 16, 4, 4)]
 # (name, BLOCK_N, split-K, warps, stages): vllm_ext.nvfp4_gemv.decode_tile's 7B tiles (block_k 512, x vectorized)
 ROW_TILES = [("qkv", 4, 1, 4, 0), ("gate_up", 8, 1, 1, 3), ("down", 8, 4, 2, 0)]
-ROW_7B = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]  # (name, N, K)
 
 
 def disassemble(cubin: bytes) -> str:
@@ -66,10 +65,8 @@ def disassemble(cubin: bytes) -> str:
         os.unlink(f.name)
 
 
-def main_loop(text: str, must: str | None = None) -> list[str]:
-    """The opcodes of the longest loop in ``text`` (nvdisasm output): from a label to the last branch back to it;
-    with ``must``, the one with the most of that opcode (the hfma2 kernel's loop, not the float32 loop it falls back
-    to, which may use HFMA2 as a move)."""
+def main_loop(text: str) -> list[str]:
+    """The opcodes of the longest loop in ``text`` (nvdisasm output): from a label to the last branch back to it."""
     ops: list[tuple[str, str]] = []
     labels: dict[str, int] = {}
     for line in text.splitlines():
@@ -81,15 +78,11 @@ def main_loop(text: str, must: str | None = None) -> list[str]:
         if ins:
             ops.append((ins.group(1), line))
     best: list[str] = []
-
-    def key(body: list[str]) -> tuple[int, int]:
-        return (sum(o.split(".")[0] == must for o in body) if must else 0), len(body)
-
     for i, (op, line) in enumerate(ops):
         target = re.search(r"`\(\.(L_x_\d+)\)", line)
         if op.startswith("BRA") and target and labels.get(target.group(1), i + 1) <= i:
             body = [o for o, _ in ops[labels[target.group(1)]:i + 1]]
-            if key(body) > key(best):
+            if len(body) > len(best):
                 best = body
     return best
 
@@ -121,20 +114,12 @@ def run(asm: int = 1) -> list[dict]:
                                      ASUM=asum), warps, ALIGNED)
         rows.append(summary(f"shared {name} (h{hb}t{t}s{sk}w{warps})", main_loop(disassemble(kernel.asm["cubin"])),
                             t * hb * 16 / (32 * warps)))
-    tiles = ROW_TILES
-    if asm == 3:  # the hfma2 kernel at its own 7B tiles, and at the FP8 kernel's gate/up tile (§4bb's gate)
-        from vllm_ext.nvfp4_gemv import decode_tile
-
-        tiles = [(name, t["block_n"], t["split_k"], t["num_warps"], t.get("stages", 0))
-                 for name, t in ((name, decode_tile(n, k, hfma2=True)) for name, n, k in ROW_7B)]
-        tiles.append(("gate_up at FP8's tile", 8, 1, 1, 3))
-    for name, block_n, sk, warps, stages in tiles:
+    for name, block_n, sk, warps, stages in ROW_TILES:
         kernel = compile_sm90(nvfp4_gemv._nvfp4_row_kernel, ROW_PTRS,
                                 dict(BLOCK_N=block_n, BLOCK_K=512, SPLIT_K=sk, ASM=asm, XVEC=True, HAS_BIAS=False,
                                      STAGES=stages, PDL=False), warps, ALIGNED)
         rows.append(summary(f"row {name} (n{block_n}s{sk}w{warps}S{stages})",
-                            main_loop(disassemble(kernel.asm["cubin"]), "HFMA2" if asm >= 3 else None),
-                            block_n * 64 / (32 * warps)))
+                            main_loop(disassemble(kernel.asm["cubin"])), block_n * 64 / (32 * warps)))
     return rows
 
 
@@ -172,11 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of the table")
     p.add_argument("--wgmma", action="store_true", help="the few-row wgmma GEMM on both layouts instead (§4ay)")
     p.add_argument("--fp8", action="store_true", help="the one-row kernels with the decode through FP8 (§4ba)")
-    p.add_argument("--hfma2", action="store_true",
-                   help="the row kernel with its products in float16 pairs (vllm_ext.nvfp4_hfma2, §4bc); the shared "
-                        "forms as with --fp8")
     args = p.parse_args(argv)
-    rows = run_wgmma() if args.wgmma else run(3 if args.hfma2 else 2 if args.fp8 else 1)
+    rows = run_wgmma() if args.wgmma else run(2 if args.fp8 else 1)
     for r in rows:
         if args.json:
             print(json.dumps(r))

@@ -73,12 +73,35 @@ def test_decode_mode_picks_and_refuses(monkeypatch):
     monkeypatch.setenv(DECODE_ENV, "f16")
     assert decode_mode(cpu, asm=True) == 1
     monkeypatch.setenv(DECODE_ENV, "bf16")
-    with pytest.raises(ValueError, match=r"QERL_ROW_DECODE=.bf16.: use fp8 \(the default\), f16 or hfma2"):
+    with pytest.raises(ValueError, match=r"QERL_ROW_DECODE=.bf16.: use fp8 \(the default\) or f16$"):
         decode_mode(cpu, asm=True)
     with pytest.raises(ValueError, match="QERL_ROW_DECODE='bf16'"):
         decode_mode(cpu, asm=False)  # a bad value is an error at every launch, not only where PTX is asked for
     monkeypatch.delenv(DECODE_ENV)
     assert decode_mode(cpu, asm=0) == 0
+
+
+@pytest.mark.parametrize("value", ["hfma2", "hfma2-unguarded", " HFMA2 "])
+@pytest.mark.parametrize("asm", [None, False, True])
+def test_decode_mode_refuses_the_removed_float16_pair_decode(monkeypatch, value, asm):
+    """QERL_ROW_DECODE=hfma2 and hfma2-unguarded (decode_mode 3 and 4 until docs/benchmarks.md §4bl) were taken out
+    after they failed the real-model check: on a CUDA device with the FP8 conversion, where they used to apply, and at
+    every other launch too, an error names the value, says why it is gone and what to set instead. (The capability is
+    stubbed: no GPU here.)"""
+    from vllm_ext import nvfp4_decode
+
+    monkeypatch.setattr(nvfp4_decode, "_FP8_CVT", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(nvfp4_decode.DECODE_ENV, value)
+    for dev in (torch.device("cuda", 7), torch.device("cpu")):
+        with pytest.raises(ValueError) as err:
+            nvfp4_decode.decode_mode(dev, asm)
+        assert str(err.value) == (f"QERL_ROW_DECODE={value!r}: the float16-pair decode was removed "
+                                  "(docs/benchmarks.md §4bk: it failed its real-model check); use fp8 (the default) "
+                                  "or f16")
+    monkeypatch.setenv(nvfp4_decode.DECODE_ENV, "fp8")
+    assert nvfp4_decode.decode_mode(torch.device("cuda", 7)) == 2  # the default, as before
 
 
 @pytest.mark.parametrize("capability,mode", [((9, 0), 2), ((8, 9), 2), ((8, 6), 1), ((8, 0), 1)])

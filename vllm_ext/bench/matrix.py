@@ -97,9 +97,6 @@ VARIANTS: dict[str, Variant] = {
                              only="nvfp4"),
     "row-decode-f16": Variant("the one-row kernels' E2M1 decode as before §4ba (float16 bit moves in PTX) instead "
                               "of through FP8 (QERL_ROW_DECODE=f16)", env={"QERL_ROW_DECODE": "f16"}, only="nvfp4"),
-    "row-hfma2": Variant("the checkpoint-layout row kernels' products in float16 pairs (QERL_ROW_DECODE=hfma2, "
-                         "vllm_ext.nvfp4_hfma2; experimental, §4bc): with decode-gemv or -small",
-                         env={"QERL_ROW_DECODE": "hfma2"}, only="nvfp4"),
     "humming-backend": Variant("nvfp4 layers on vLLM's humming W4A16 kernels (backend humming; needs the humming-kernels "
                                "package; split-K partials added in bf16)", nvfp4={"backend": "humming"}, only="nvfp4"),
     "no-fp32-reduce": Variant("Marlin reduces split-K partials in BF16 instead of FP32",
