@@ -104,7 +104,6 @@ def tile_name(t: dict[str, Any]) -> str:
     name += "H" if t.get("wgmma") else ""  # vllm_ext.nvfp4_gluon's warpgroup-MMA (Hopper) version
     name += "Q" if t.get("marlin") else ""  # ... on Marlin's own tensors (nvfp4_gluon_marlin_gemm)
     name += "T" if t.get("tma") else ""  # vllm_ext.nvfp4_gemv_tma (the weight's tiles by TMA)
-    name += "2" if t.get("hfma2") else ""  # the row kernel's products in float16 pairs (vllm_ext.nvfp4_hfma2)
     return name + (f"S{t['stages']}" if t.get("stages") else "")  # a software-pipelined loop
 
 
@@ -142,8 +141,7 @@ def streamed_weight(n: int, k: int, cold_mib: float, device):  # noqa: ANN001, A
 def fp8_decode_device(prog: str):  # noqa: ANN201
     """The CUDA device for a timing of the one-row kernels' decode modes, with ``QERL_ROW_DECODE`` cleared (each graph
     sets it); None, after a message naming ``prog``, without a CUDA GPU or without the decode through FP8 (compute
-    capability 8.9 and later), which the hfma2 mode needs too. Shared by bench_decode.py, ab_row_fallback.py and
-    sweep_row_lora.py."""
+    capability 8.9 and later). Used by bench_decode.py."""
     import torch
 
     from vllm_ext.nvfp4_decode import DECODE_ENV, decode_mode
@@ -174,18 +172,6 @@ def decode_env(mode: str):  # noqa: ANN201
             os.environ.pop(DECODE_ENV, None)
         else:
             os.environ[DECODE_ENV] = had
-
-
-def bf16_weight_error(x, q, exact) -> float:  # noqa: ANN001
-    """The largest error against ``exact`` (the float64 product with the exact weight) of the product with ``q``'s
-    weight dequantized to bfloat16, rounded to bfloat16: vLLM's Marlin rounds each weight times its scale so. The bound
-    for kernels that do not sum exact products (QERL_ROW_DECODE=hfma2: sweep_row.py, bench_decode.py; §4bc)."""
-    import torch
-
-    from qerl_plugin import nvfp4
-
-    w16 = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.bfloat16).double()
-    return ((x.double() @ w16.t()).to(torch.bfloat16).double() - exact).abs().max().item()
 
 
 def bf16_copies(w, cold_mib: float) -> list:  # noqa: ANN001

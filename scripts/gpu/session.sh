@@ -230,13 +230,6 @@ run_step() {
         # finished runs, and a second call finished gluon in 52 s
         eval_check eval_gluon 8 shared gluon "QERL_NVFP4_DECODE_GEMV=all QERL_FEW_ROW_LORA=1" \
             "qerl's nvfp4 method on the NVFP4A16" "on the gluon+lora path" ;;
-    eval_hfma2)  # §4bi (§4bh item 2): the opt-in hfma2 row decode on a real model (eval_check), one sequence at a
-        # time (every decode step one row: the row+lora path): decode_gemv `all` with the FP8 decode twice, then the
-        # same with QERL_ROW_DECODE=hfma2. On SmolLM2 (hidden 576) decode_gemv's copy, which needs K a multiple of 128,
-        # exists only for down_proj (K 1536): the check covers one linear in seven. Void unless the hfma2 run's log
-        # shows the row+lora path and the mode's warning (logged at the first hfma2 launch on a device)
-        eval_check eval_hfma2 1 all hfma2 "QERL_NVFP4_DECODE_GEMV=all QERL_ROW_DECODE=hfma2" \
-            "qerl's nvfp4 method on the NVFP4A16" "on the row+lora path" "QERL_ROW_DECODE=hfma2 on cuda:0" ;;
     steptime_bf16)  # the demo's settings on the BF16 base, alone on the GPU, 12 steps without validation
         step steptime_bf16 420 python3 scripts/gpu/learning.py launch --runs bf16:0 --work "$work/steptime" --override trainer.total_training_steps=12 --override trainer.val_before_train=false --override trainer.test_freq=-1 --override trainer.save_freq=-1 && python3 scripts/gpu/learning.py wait --work "$work/steptime" --timeout 400 --every 20 ;;
     steptime_big)  # the demo's config (decoupled mode) alone, 20 steps, no validation, one micro-batch per phase (64k tokens

@@ -40,17 +40,14 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_linear_args, bf16_weight_error, decode_env, jsonl_recorder, shape_steps, streamed_weight,
-    tile_4m, tile_name, timed_interleaved, verdict)
+    LAYERS, LINEARS, add_linear_args, jsonl_recorder, shape_steps, streamed_weight, tile_4m, tile_name,
+    timed_interleaved, verdict)
 
 
-def sweep_tiles(block_ns: list[int], splits: list[int], warps: list[int], stages: list[int],
-                hfma2: bool = False) -> list[dict[str, Any]]:
-    """The one-row kernel's tiles tried (block_k 512, as every earlier sweep chose); ``hfma2``: with its products in
-    float16 pairs (vllm_ext.nvfp4_hfma2, which takes at least 4 rows per program)."""
-    extra = {"hfma2": True} if hfma2 else {}
-    return [dict(block_n=bn, block_k=512, split_k=sk, num_warps=w, stages=st, words=True, asm=True, xvec=True, **extra)
-            for st, bn, sk, w in itertools.product(stages, block_ns, splits, warps) if bn >= 4 or not hfma2]
+def sweep_tiles(block_ns: list[int], splits: list[int], warps: list[int], stages: list[int]) -> list[dict[str, Any]]:
+    """The one-row kernel's tiles tried (block_k 512, as every earlier sweep chose)."""
+    return [dict(block_n=bn, block_k=512, split_k=sk, num_warps=w, stages=st, words=True, asm=True, xvec=True)
+            for st, bn, sk, w in itertools.product(stages, block_ns, splits, warps)]
 
 
 def tma_tiles(block_ns: list[int], block_ks: list[int], splits: list[int], warps: list[int],
@@ -88,9 +85,6 @@ def run_tile(x, packed, scale, gscale, t: dict[str, Any]):  # noqa: ANN001, ANN2
                                 bits=t.get("bits", False), wgmma=t.get("wgmma", False))
     from vllm_ext.nvfp4_gemv import nvfp4_small_gemm
 
-    if t.get("hfma2"):
-        with decode_env("hfma2"):
-            return nvfp4_small_gemm(x, packed, scale, gscale, **{k: v for k, v in t.items() if k != "hfma2"})
     return nvfp4_small_gemm(x, packed, scale, gscale, **t)
 
 
@@ -120,8 +114,7 @@ def _compile(tiles: list[dict[str, Any]], rows: int = 1) -> int:
 
 def failures_in_pool(compile_chunk, tiles: list[dict[str, Any]], jobs: int) -> int:  # noqa: ANN001
     """``compile_chunk`` (a picklable function of a list of tiles, returning how many failed) over ``tiles`` dealt to
-    ``jobs`` spawned processes at once (one Triton compile takes ~1 s of one core): the failures summed. Shared by
-    sweep_row.py and sweep_row_lora.py."""
+    ``jobs`` spawned processes at once (one Triton compile takes ~1 s of one core): the failures summed."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -150,12 +143,9 @@ def add_sweep_args(p: argparse.ArgumentParser, shapes: str, block_n: str, warps:
                    help="processes compiling the kernels before the sweep (default: up to 16; 1: none)")
 
 
-def try_tiles(tiles: list[dict[str, Any]], call, exact, time_us, record, base: dict[str, Any],  # noqa: ANN001
-              ref_err: float | None = None):
+def try_tiles(tiles: list[dict[str, Any]], call, exact, time_us, record, base: dict[str, Any]):  # noqa: ANN001
     """Each tile once: ``call(tile)`` twice against the float64 product ``exact`` (within the bf16 output's rounding,
     2^-8 relative, plus 1e-4 of the largest value; the same bits twice), then ``time_us(tile)`` for a correct one.
-    With ``ref_err`` (a kernel that does not sum exact products: ``hfma2``), the largest error against ``exact``
-    must be at most ``ref_err`` instead: the error of the product with the weight dequantized to bfloat16.
     Records one row per tile (``base`` plus the findings); returns the correct tiles as ``[(us, tile)]``, fastest
     first, and how many were refused for their error or bits."""
     import torch
@@ -168,11 +158,7 @@ def try_tiles(tiles: list[dict[str, Any]], call, exact, time_us, record, base: d
             y1, y2 = call(t), call(t)
             excess = ((y1.double() - exact).abs() - 2.0**-8 * exact.abs()).max().item()
             row.update(excess=excess, repeat_identical=torch.equal(y1, y2))
-            if ref_err is None:
-                row["ok"] = excess <= floor and row["repeat_identical"]
-            else:
-                row.update(max_err=(y1.double() - exact).abs().max().item(), ref_err=ref_err)
-                row["ok"] = row["max_err"] <= ref_err and row["repeat_identical"]
+            row["ok"] = excess <= floor and row["repeat_identical"]
             if row["ok"]:
                 row["us"] = round(time_us(t), 2)
                 swept.append((row["us"], t))
@@ -202,9 +188,8 @@ def decode_step_lines(finals: list[dict[str, Any]], shapes: str, linears: str,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sweep_args(p, shapes="7B,32B", block_n="4,8,16", warps="1,2,4")
-    p.add_argument("--kernel", choices=("row", "tma", "hfma2"), default="row",
-                   help="row: nvfp4_small_gemm's one-row kernel; tma: vllm_ext.nvfp4_gemv_tma; hfma2: the row kernel "
-                        "with its products in float16 pairs (vllm_ext.nvfp4_hfma2) (default row)")
+    p.add_argument("--kernel", choices=("row", "tma"), default="row",
+                   help="row: nvfp4_small_gemm's one-row kernel; tma: vllm_ext.nvfp4_gemv_tma (default row)")
     p.add_argument("--block-k", default="512", help="with --kernel tma: inputs per loop step (default 512)")
     args = p.parse_args(argv)
 
@@ -217,14 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_ext.bench.kernels import capture_graph, replay_us
     from vllm_ext.nvfp4_gemv import decode_tile
 
-    record = jsonl_recorder(args.out, {"row": "sweep_row.jsonl"}.get(args.kernel, f"sweep_row_{args.kernel}.jsonl"))
+    record = jsonl_recorder(args.out, "sweep_row.jsonl" if args.kernel == "row" else "sweep_row_tma.jsonl")
 
     if args.kernel == "tma":
         tiles = tma_tiles(ints(args.block_n), ints(args.block_k), ints(args.split_k), ints(args.warps),
                           ints(args.stages))
     else:
-        tiles = sweep_tiles(ints(args.block_n), ints(args.split_k), ints(args.warps), ints(args.stages),
-                            hfma2=args.kernel == "hfma2")
+        tiles = sweep_tiles(ints(args.block_n), ints(args.split_k), ints(args.warps), ints(args.stages))
     if args.jobs > 1:
         precompile(tiles, args.jobs)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
@@ -239,9 +223,6 @@ def main(argv: list[str] | None = None) -> int:
             _, q, raw_bytes, raws = streamed_weight(n, k, args.cold_mib, dev)
             x = torch.randn(1, k, device=dev, dtype=bf16)
             exact = x.double() @ nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype=torch.float32).double().t()
-            ref_err = None
-            if args.kernel == "hfma2":  # the product with the weight rounded to bfloat16, rounded to bfloat16
-                ref_err = bf16_weight_error(x, q, exact)
             copies = len(raws)
             iters = max(args.iters, copies)
             record({"what": "linear", "shape": shape, "linear": lname, "n": n, "k": k, "nvfp4_bytes": raw_bytes,
@@ -253,11 +234,10 @@ def main(argv: list[str] | None = None) -> int:
 
             swept, refused = try_tiles(tiles, lambda t: run_tile(x, q.packed, q.scale, q.global_scale, t),
                                        exact, lambda t: replay_us(graph_of(t), iters), record,
-                                       {"shape": shape, "linear": lname}, ref_err)
+                                       {"shape": shape, "linear": lname})
             bad += refused
             if not swept:
-                record({"what": "final", "shape": shape, "linear": lname, "error": "no tile correct",
-                        "ref_err": ref_err})
+                record({"what": "final", "shape": shape, "linear": lname, "error": "no tile correct"})
                 continue
             record({"what": "top", "shape": shape, "linear": lname,
                     "tiles": [[tile_name(t), us] for us, t in swept[:8]]})
