@@ -264,14 +264,15 @@ def shape_steps(finals: list[dict[str, Any]], shapes: str, linears: str,
 
 
 def step_lines(finals: list[dict[str, Any]], shapes: str, linears: str, keys: tuple[str, ...],
-               record: Callable[..., None]) -> list[str]:
+               record: Callable[..., None], label: str = "step", unit: str = "") -> list[str]:
     """For each of ``shapes`` whose ``linears`` all finished in ``finals``: its decode step's medians and spreads over
-    ``keys`` (:func:`shape_steps`), recorded as a ``per_step_ms`` row, and a line describing it."""
+    ``keys`` (:func:`shape_steps`), recorded as a ``per_step_ms`` row, and a line describing it: "per <shape> <label>
+    (x<layers>): <key> <median><unit> (±<spread>), ..." (sweep_marlin_row: ``label`` "decode step", ``unit`` " ms")."""
     lines = []
     for shape, _, step, spread in shape_steps(finals, shapes, linears, keys):
         record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
-        lines.append(f"per {shape} step (x{LAYERS[shape]}): " + ", ".join(
-            f"{key} {step[key]:.3f} (±{spread[key]:.3f})" for key in keys))
+        lines.append(f"per {shape} {label} (x{LAYERS[shape]}): " + ", ".join(
+            f"{key} {step[key]:.3f}{unit} (±{spread[key]:.3f})" for key in keys))
     return lines
 
 

@@ -44,7 +44,7 @@ for path in (ROOT, ROOT / "scripts" / "gpu"):
         sys.path.insert(0, str(path))
 
 from check_gemv import (  # noqa: E402
-    LAYERS, LINEARS, add_linear_args, jsonl_recorder, shape_steps, streamed_weight, timed_interleaved, verdict)
+    LINEARS, add_linear_args, jsonl_recorder, step_lines, streamed_weight, timed_interleaved, verdict)
 
 
 def sweep_tiles(quick: bool = False, grid: str = "first") -> list[dict[str, int]]:
@@ -120,13 +120,8 @@ def gate(path: str | Path, shape: str = "7B") -> tuple[bool, str]:
 def decode_step_lines(finals: list[dict[str, Any]], shapes: str, linears: str, keys: tuple[str, ...],
                       record: Callable[..., None]) -> list[str]:
     """For each of ``shapes`` whose ``linears`` all finished in ``finals``: its decode step over ``keys``
-    (:func:`check_gemv.shape_steps`), recorded as a ``per_step_ms`` row, and a line describing it in ms."""
-    lines = []
-    for shape, _, step, spread in shape_steps(finals, shapes, linears, keys):
-        record({"what": "per_step_ms", "shape": shape, "median": step, "spread": spread})
-        lines.append(f"per {shape} decode step (x{LAYERS[shape]}): " + ", ".join(
-            f"{key} {step[key]:.3f} ms (±{spread[key]:.3f})" for key in step))
-    return lines
+    (:func:`check_gemv.step_lines`), recorded as a ``per_step_ms`` row, and a line describing it in ms."""
+    return step_lines(finals, shapes, linears, keys, record, label="decode step", unit=" ms")
 
 
 def main(argv: list[str] | None = None) -> int:
