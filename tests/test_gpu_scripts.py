@@ -2721,7 +2721,8 @@ def test_forty_fifth_session_hfma2_on_a_real_model():
     """§4bi, from the committed raw files. Item 1: the three SmolLM2 runs recomputed with compare_evals (not void: the
     hfma2 log names the method, the row+lora path and the mode; the FP8 logs lack the mode's warning): the same
     accuracy, a floor of 0, 6 responses differing where 4 are allowed, so fail. Item 2: 273 GPU tests passed, none
-    failed, the five skips those named in §4bi. The refactor's smoke run exited 0 twice. The diagnostic's reading
+    failed; the skip lines are the two-GPU test (planned) and the humming tests (not planned: item 2 did not pass by
+    its criterion, §4bi). The refactor's smoke run exited 0 twice. The diagnostic's reading
     recomputed from its per-layer maxima: beyond on layer 26 only, no input beyond float16."""
     ce = _import_script("compare_evals")
     root = ROOT / "docs" / "gpu-runs" / "2026-11-29" / "forty-fifth"
